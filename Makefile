@@ -1,0 +1,46 @@
+# fleetbus: `make demo` and `make test` set everything up on a fresh machine
+# with Python 3.11+ and nothing else.
+
+SHELL := /bin/bash
+VENV ?= .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.installed
+PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+	&& { command -v $$p; break; }; done)
+
+.PHONY: install demo test lint format bench schema clean
+
+$(STAMP): pyproject.toml
+	@test -n "$(PYTHON)" || { echo "fleetbus needs Python 3.11 or newer on PATH"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/fleetbus demo
+
+lint: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: install
+	@for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done
+
+schema: install
+	$(BIN)/fleetbus schema
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

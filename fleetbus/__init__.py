@@ -1,0 +1,25 @@
+"""fleetbus: fleets of cooperating LLM agents, tool workers and model workers
+over NATS.
+
+The names a user types are here; everything else is reached through its
+subpackage (``fleetbus.protocol``, ``fleetbus.bus``, ``fleetbus.tools_workers``).
+"""
+
+from fleetbus._version import __version__
+from fleetbus.bus import Bus, ConnectOptions, EmbeddedServer, RemoteTool, ToolClient
+from fleetbus.errors import FleetbusError
+from fleetbus.tools_workers import Tool, Toolkit, ToolWorker, tool
+
+__all__ = [
+    "Bus",
+    "ConnectOptions",
+    "EmbeddedServer",
+    "FleetbusError",
+    "RemoteTool",
+    "Tool",
+    "ToolClient",
+    "ToolWorker",
+    "Toolkit",
+    "__version__",
+    "tool",
+]

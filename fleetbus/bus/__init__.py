@@ -1,0 +1,50 @@
+"""The NATS transport of fleetbus: connection, embedded server, subjects,
+request/reply, observe, serving loops, micro-service discovery, tool calls,
+and JetStream KV / object stores.
+
+The only package that imports ``nats``.
+"""
+
+from fleetbus.bus.connection import Bus, Handler, Observation, Request
+from fleetbus.bus.micro import EndpointInfo, EndpointStats, MicroService, ServiceInfo, discover
+from fleetbus.bus.server import EmbeddedServer, find_server_binary
+from fleetbus.bus.settings import DEFAULT_URL, ConnectOptions
+from fleetbus.bus.store import (
+    Entry,
+    KeyValueStore,
+    ObjectStore,
+    ObjectSummary,
+    key_value,
+    object_store,
+)
+from fleetbus.bus.subjects import DEFAULT_PREFIX, Subjects, check_name, check_prefix
+from fleetbus.bus.tools import SERVICE_NAME, RemoteTool, ToolClient
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "DEFAULT_URL",
+    "SERVICE_NAME",
+    "Bus",
+    "ConnectOptions",
+    "EmbeddedServer",
+    "EndpointInfo",
+    "EndpointStats",
+    "Entry",
+    "Handler",
+    "KeyValueStore",
+    "MicroService",
+    "ObjectStore",
+    "ObjectSummary",
+    "Observation",
+    "RemoteTool",
+    "Request",
+    "ServiceInfo",
+    "Subjects",
+    "ToolClient",
+    "check_name",
+    "check_prefix",
+    "discover",
+    "find_server_binary",
+    "key_value",
+    "object_store",
+]

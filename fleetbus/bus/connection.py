@@ -1,0 +1,565 @@
+"""The NATS transport: connect, request/reply with retries, publish, observe,
+and serving loops.
+
+This is the only module (with its siblings in ``fleetbus.bus``) that imports
+``nats``; nats-py errors become fleetbus errors here, most specific first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+import msgspec
+import nats
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from fleetbus.bus.settings import ConnectOptions
+from fleetbus.bus.subjects import Subjects
+from fleetbus.errors import (
+    BusError,
+    CallTimeoutError,
+    ConnectError,
+    ConnectionClosedError,
+    NoRespondersError,
+    PayloadTooLargeError,
+    ProtocolError,
+)
+from fleetbus.protocol import AnyMessage, ErrorMessage, Message, ToolCall, decode, encode
+
+__all__ = ["Bus", "Handler", "Observation", "Request"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request taken by a serving loop, decoded.
+
+    Attributes:
+        message: the decoded message.
+        subject: the subject it arrived on.
+        size: its encoded size in bytes.
+    """
+
+    message: AnyMessage
+    subject: str
+    size: int
+
+
+Handler = Callable[[Request], Awaitable[Message | None]]
+"""Handles a request; the message it returns (if any) is the reply."""
+
+
+class Bus:
+    """A connection to a NATS server (or cluster) for one fleet.
+
+    Make one with :meth:`connect`; close it with :meth:`close` or ``async with``.
+
+    Args:
+        nc: a connected nats-py client.
+        subjects: the fleet's subject names.
+        client_name: the ``sender`` of messages this bus makes up itself
+            (error replies).
+        drain_timeout: seconds :meth:`close` waits for pending work.
+    """
+
+    def __init__(
+        self, nc: NATS, *, subjects: Subjects, client_name: str, drain_timeout: float = 5.0
+    ) -> None:
+        self._nc = nc
+        self.subjects = subjects
+        self.client_name = client_name
+        self._drain_timeout = drain_timeout
+
+    @classmethod
+    async def connect(
+        cls,
+        servers: str | Sequence[str] | None = None,
+        *,
+        prefix: str | None = None,
+        name: str | None = None,
+        options: ConnectOptions | None = None,
+        timeout: float = 10.0,
+    ) -> Bus:
+        """Connect to NATS.
+
+        Args:
+            servers: URL(s); else ``FLEETBUS_NATS_URL``; else the local default.
+            prefix: subject prefix; else ``FLEETBUS_PREFIX``; else ``fleet``.
+            name: this client's name, used as ``sender`` of messages the bus
+                makes; a host-pid name by default.
+            options: full settings; ``servers``/``prefix``/``name`` override them.
+            timeout: seconds to keep trying before giving up on the first
+                connection (later disconnects are retried for ever).
+
+        Raises:
+            ConnectError: no server reachable in time, or credentials refused.
+            ConfigError: invalid settings.
+        """
+        if options is None:
+            options = ConnectOptions.from_env(servers, prefix=prefix, name=name)
+        else:
+            updates: dict[str, object] = {}
+            if servers is not None:
+                updates["servers"] = [servers] if isinstance(servers, str) else list(servers)
+            if prefix is not None:
+                updates["prefix"] = prefix
+            if name is not None:
+                updates["name"] = name
+            if updates:
+                options = ConnectOptions.model_validate({**options.model_dump(), **updates})
+        client_name = options.name or f"{socket.gethostname()}-{os.getpid()}"
+        nc = NATS()
+        last_error: list[BaseException] = []
+
+        async def error_cb(exc: Exception) -> None:
+            last_error[:] = [exc]
+            logger.debug("nats: %s", exc or type(exc).__name__)
+
+        async def disconnected_cb() -> None:
+            if nc.is_connected or nc.is_closed or nc.is_draining:
+                return
+            logger.warning("disconnected from NATS; reconnecting")
+
+        async def reconnected_cb() -> None:
+            logger.warning("reconnected to NATS at %s", _url(nc))
+
+        kwargs = options.nats_kwargs()
+        kwargs.setdefault("name", client_name)
+        try:
+            await asyncio.wait_for(
+                nc.connect(
+                    error_cb=error_cb,
+                    disconnected_cb=disconnected_cb,
+                    reconnected_cb=reconnected_cb,
+                    **kwargs,
+                ),
+                timeout,
+            )
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            await _close_quietly(nc)
+            cause = last_error[0] if last_error else exc
+            where = ", ".join(options.servers)
+            if isinstance(cause, nats.errors.AuthorizationError) or "uthorization" in str(cause):
+                raise ConnectError(f"NATS at {where} refused the credentials") from cause
+            detail = str(cause) or type(cause).__name__
+            raise ConnectError(f"cannot connect to NATS at {where}: {detail}") from exc
+        logger.debug("connected to NATS at %s", _url(nc))
+        return cls(
+            nc,
+            subjects=Subjects(options.prefix),
+            client_name=client_name,
+            drain_timeout=options.drain_timeout,
+        )
+
+    @property
+    def nc(self) -> NATS:
+        """The underlying nats-py client, for what fleetbus does not wrap."""
+        return self._nc
+
+    @property
+    def prefix(self) -> str:
+        """The fleet's subject prefix."""
+        return self.subjects.prefix
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server accepts, in bytes."""
+        return int(self._nc.max_payload)
+
+    @property
+    def is_connected(self) -> bool:
+        """Whether the connection is up (not closed, not reconnecting)."""
+        return bool(self._nc.is_connected)
+
+    @property
+    def connected_url(self) -> str | None:
+        """The URL of the server currently connected to."""
+        return _url(self._nc)
+
+    def _check_open(self) -> None:
+        if self._nc.is_closed or self._nc.is_draining:
+            raise ConnectionClosedError("the bus connection is closed")
+
+    def _encode(self, message: Message) -> bytes:
+        payload = encode(message)
+        limit = self.max_payload
+        if len(payload) > limit:
+            raise PayloadTooLargeError(
+                f"{type(message).__name__} of {len(payload)} bytes exceeds the server's "
+                f"max_payload of {limit} bytes",
+                size=len(payload),
+                limit=limit,
+            )
+        return payload
+
+    async def publish(self, subject: str, message: Message) -> None:
+        """Publish a message (fire and forget; broadcast to every observer).
+
+        Raises:
+            PayloadTooLargeError: the message exceeds the server's limit.
+            ConnectionClosedError: the bus is closed.
+        """
+        self._check_open()
+        payload = self._encode(message)
+        try:
+            await self._nc.publish(subject, payload)
+        except nats.errors.ConnectionClosedError as exc:
+            raise ConnectionClosedError("the bus connection is closed") from exc
+        except nats.errors.Error as exc:
+            raise BusError(f"publish to {subject} failed: {exc}") from exc
+
+    async def request(
+        self,
+        subject: str,
+        message: Message,
+        *,
+        timeout: float,
+        attempts: int = 1,
+        retry_backoff: float = 0.05,
+    ) -> AnyMessage:
+        """Send a request and wait for its reply, retrying what went unanswered.
+
+        A retry resends the same message (same ``id`` and ``call_id``), so a
+        responder that already handled it can answer from its record; a
+        ``tool_call`` carries its ``attempt`` number. Timeouts and "no
+        responders" are retried; anything else is not.
+
+        Args:
+            subject: where to send it.
+            message: the request.
+            timeout: seconds to wait for each attempt's reply.
+            attempts: how many times to send it, at least 1.
+            retry_backoff: seconds before the first retry after "no responders",
+                doubling after each (a worker may be restarting).
+
+        Returns:
+            The decoded reply, which may be an ``error`` message.
+
+        Raises:
+            CallTimeoutError: no reply to any attempt.
+            NoRespondersError: nobody served the subject, on every attempt.
+            PayloadTooLargeError: the message exceeds the server's limit.
+            ProtocolError: the reply could not be decoded.
+            ConnectionClosedError: the bus is closed.
+        """
+        self._check_open()
+        attempts = max(1, attempts)
+        payload = self._encode(message)
+        delay = retry_backoff
+        no_responders = False
+        for attempt in range(1, attempts + 1):
+            if attempt > 1 and isinstance(message, ToolCall):
+                payload = encode(msgspec.structs.replace(message, attempt=attempt))
+            try:
+                reply = await self._nc.request(subject, payload, timeout=timeout)
+            except nats.errors.NoRespondersError:
+                no_responders = True
+                if attempt < attempts:
+                    await asyncio.sleep(delay)
+                    delay *= 2
+                continue
+            except nats.errors.TimeoutError:
+                no_responders = False
+                logger.debug(
+                    "no reply on %s within %.3gs (attempt %d/%d)",
+                    subject,
+                    timeout,
+                    attempt,
+                    attempts,
+                    extra={"call_id": message.call_id},
+                )
+                continue
+            except nats.errors.ConnectionClosedError as exc:
+                raise ConnectionClosedError("the bus connection is closed") from exc
+            except nats.errors.MaxPayloadError as exc:
+                raise PayloadTooLargeError(
+                    str(exc), size=len(payload), limit=self.max_payload
+                ) from exc
+            except nats.errors.Error as exc:
+                raise BusError(f"request to {subject} failed: {exc}") from exc
+            return decode(reply.data)
+        if no_responders:
+            raise NoRespondersError(
+                f"no responders on {subject} after {attempts} attempt(s)",
+                subject=subject,
+                call_id=message.call_id,
+            )
+        raise CallTimeoutError(
+            f"no reply on {subject} within {timeout:g}s after {attempts} attempt(s)",
+            subject=subject,
+            call_id=message.call_id,
+            attempts=attempts,
+        )
+
+    async def observe(self, subject: str, *, queue: str | None = None) -> Observation:
+        """Subscribe to a subject (by default without a queue group: every
+        observer gets every message).
+
+        Use as ``async with await bus.observe(s) as obs: async for m in obs``.
+        A payload that does not decode is logged and skipped.
+
+        Raises:
+            ConnectionClosedError: the bus is closed.
+        """
+        self._check_open()
+        try:
+            sub = await self._nc.subscribe(subject, queue=queue or "")
+        except nats.errors.Error as exc:
+            raise _translate(exc, f"subscribe to {subject}") from exc
+        return Observation(sub)
+
+    async def serve(
+        self,
+        subject: str,
+        handler: Handler,
+        *,
+        stop: asyncio.Event,
+        queue: str | None = None,
+        limiter: asyncio.Semaphore | None = None,
+        drain_timeout: float = 30.0,
+        ready: asyncio.Event | None = None,
+        component: str | None = None,
+    ) -> None:
+        """Serve requests on a subject until ``stop`` is set, then drain.
+
+        Each request is decoded and handed to ``handler`` in its own task;
+        at most as many run at once as ``limiter`` allows. A payload that does
+        not decode, or a handler that raises, is answered with an ``error``
+        message: the loop never dies of a bad request. When ``stop`` is set
+        the subscription is drained — no new requests, those already
+        received are handled — and in-flight handlers get ``drain_timeout``
+        seconds to finish before they are cancelled.
+
+        Args:
+            subject: the subject to serve.
+            handler: makes the reply of each request.
+            stop: set it to stop serving.
+            queue: queue group, so several processes share the subject.
+            limiter: bounds the concurrent handlers (shared between loops to
+                bound a whole worker).
+            drain_timeout: seconds to wait for in-flight handlers on stop.
+            ready: set once the subscription is live on the server.
+            component: ``sender`` and ``source_component`` of the error
+                replies made here; the bus's client name by default.
+
+        Raises:
+            ConnectionClosedError: the bus is closed.
+        """
+        self._check_open()
+        limiter = limiter or asyncio.Semaphore(64)
+        source = component or self.client_name
+        try:
+            sub = await self._nc.subscribe(subject, queue=queue or "")
+            await self._nc.flush(timeout=5)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _translate(exc, f"subscribe to {subject}") from exc
+        if ready is not None:
+            ready.set()
+        in_flight: set[asyncio.Task[None]] = set()
+        async with asyncio.TaskGroup() as tg:
+
+            async def pump() -> None:
+                async for msg in sub.messages:
+                    await limiter.acquire()
+                    task = tg.create_task(self._handle(msg, handler, limiter, source))
+                    in_flight.add(task)
+                    task.add_done_callback(in_flight.discard)
+
+            pump_task = tg.create_task(pump())
+            await stop.wait()
+            try:
+                async with asyncio.timeout(drain_timeout):
+                    if not self._nc.is_closed and not self._nc.is_draining:
+                        await sub.drain()  # type: ignore[no-untyped-call]
+                    await asyncio.gather(*in_flight, return_exceptions=True)
+            except TimeoutError:
+                logger.warning(
+                    "%d request(s) on %s still running after %.3gs; cancelling them",
+                    len(in_flight),
+                    subject,
+                    drain_timeout,
+                )
+            pump_task.cancel()
+            for task in list(in_flight):
+                task.cancel()
+
+    async def _handle(
+        self, msg: Msg, handler: Handler, limiter: asyncio.Semaphore, source: str
+    ) -> None:
+        try:
+            reply = await self._reply_for(msg, handler, source)
+            if reply is not None and msg.reply:
+                await self._respond(msg, reply)
+            elif reply is not None:
+                logger.warning(
+                    "request on %s has no reply subject; answer dropped: %s",
+                    msg.subject,
+                    type(reply).__name__,
+                    extra={"call_id": reply.call_id},
+                )
+        except ConnectionClosedError:
+            logger.warning("connection closed before a reply on %s could be sent", msg.subject)
+        finally:
+            limiter.release()
+
+    async def _reply_for(self, msg: Msg, handler: Handler, source: str) -> Message | None:
+        try:
+            message = decode(msg.data)
+        except ProtocolError as exc:
+            logger.warning(
+                "bad request on %s: %s", msg.subject, exc, extra={"call_id": exc.call_id}
+            )
+            return ErrorMessage(
+                sender=source,
+                call_id=exc.call_id,
+                code="unsupported_version" if exc.code == "unsupported_version" else "malformed",
+                message=str(exc),
+                source_component=source,
+            )
+        try:
+            return await handler(Request(message=message, subject=msg.subject, size=len(msg.data)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception(
+                "handler for %s failed", msg.subject, extra={"call_id": message.call_id}
+            )
+            return ErrorMessage(
+                sender=source,
+                session_id=message.session_id,
+                call_id=message.call_id,
+                code="internal",
+                message=f"internal error: {type(exc).__name__}: {exc}",
+                source_component=source,
+            )
+
+    async def _respond(self, msg: Msg, reply: Message) -> None:
+        try:
+            payload = self._encode(reply)
+        except (PayloadTooLargeError, ProtocolError) as exc:
+            logger.warning("reply on %s cannot be sent: %s", msg.subject, exc)
+            payload = encode(
+                ErrorMessage(
+                    sender=self.client_name,
+                    session_id=reply.session_id,
+                    call_id=reply.call_id,
+                    code="internal",
+                    message=f"the reply could not be sent: {exc}",
+                    source_component=self.client_name,
+                )
+            )
+        try:
+            await self._nc.publish(msg.reply, payload)
+        except nats.errors.ConnectionClosedError as exc:
+            raise ConnectionClosedError("the bus connection is closed") from exc
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        """Wait until the server has processed everything sent so far.
+
+        Raises:
+            CallTimeoutError: the server did not answer in time.
+            ConnectionClosedError: the bus is closed.
+        """
+        self._check_open()
+        try:
+            await self._nc.flush(timeout=timeout)  # type: ignore[arg-type]
+        except nats.errors.TimeoutError as exc:
+            raise CallTimeoutError("flush timed out", subject="") from exc
+        except nats.errors.Error as exc:
+            raise _translate(exc, "flush") from exc
+
+    async def close(self) -> None:
+        """Drain (deliver what is pending, within the drain timeout) and close.
+
+        Safe to call twice.
+        """
+        if self._nc.is_closed:
+            return
+        try:
+            if not self._nc.is_draining:
+                await asyncio.wait_for(self._nc.drain(), self._drain_timeout + 1.0)
+        except (TimeoutError, nats.errors.Error, OSError) as exc:
+            logger.debug("drain failed (%s); closing", exc)
+        await _close_quietly(self._nc)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class Observation:
+    """Messages arriving on an observed subject, decoded, as an async iterator."""
+
+    def __init__(self, sub: Subscription) -> None:
+        self._sub = sub
+        self.skipped = 0
+        """How many payloads could not be decoded and were skipped."""
+
+    def __aiter__(self) -> AsyncIterator[AnyMessage]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[AnyMessage]:
+        async for msg in self._sub.messages:
+            try:
+                yield decode(msg.data)
+            except ProtocolError as exc:
+                self.skipped += 1
+                logger.warning("skipped a bad message on %s: %s", msg.subject, exc)
+
+    async def close(self) -> None:
+        """Stop observing (pending messages are discarded)."""
+        try:
+            await self._sub.unsubscribe()
+        except nats.errors.Error:
+            pass  # already unsubscribed, or the connection is gone
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+def _url(nc: NATS) -> str | None:
+    url = nc.connected_url
+    if url is None:
+        return None
+    return f"{url.scheme}://{url.hostname}:{url.port}"
+
+
+def _translate(exc: BaseException, what: str) -> BusError:
+    if isinstance(exc, nats.errors.ConnectionClosedError | nats.errors.ConnectionDrainingError):
+        return ConnectionClosedError(f"{what}: the bus connection is closed")
+    if isinstance(exc, TimeoutError):
+        return CallTimeoutError(f"{what}: timed out", subject="")
+    return BusError(f"{what} failed: {exc}")
+
+
+async def _close_quietly(nc: NATS) -> None:
+    try:
+        await nc.close()
+    except (nats.errors.Error, OSError, RuntimeError) as exc:
+        logger.debug("close: %s", exc)

@@ -1,0 +1,285 @@
+"""JetStream key-value and object store helpers.
+
+Buckets are named per fleet (``<prefix>_<name>``), created on first use, and
+their errors are fleetbus errors. Agents keep session state in a KV bucket
+(compare-and-set on the revision they read) and offload large tool results to
+an object store.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore as _NatsObjectStore
+
+from fleetbus.bus.connection import Bus
+from fleetbus.errors import (
+    ConnectionClosedError,
+    KeyNotFoundError,
+    RevisionMismatchError,
+    StoreError,
+)
+
+__all__ = ["Entry", "KeyValueStore", "ObjectStore", "ObjectSummary", "key_value", "object_store"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A value read from a bucket, with the revision to compare-and-set on."""
+
+    key: str
+    value: bytes
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectSummary:
+    """What the object store knows of one object."""
+
+    name: str
+    size: int
+    digest: str | None
+
+
+def _store_error(exc: BaseException, what: str) -> StoreError | ConnectionClosedError:
+    if isinstance(exc, nats.errors.ConnectionClosedError):
+        return ConnectionClosedError(f"{what}: the bus connection is closed")
+    if isinstance(exc, nats.js.errors.ServiceUnavailableError):
+        return StoreError(f"{what}: JetStream is not available (is it enabled on the server?)")
+    return StoreError(f"{what} failed: {exc or type(exc).__name__}")
+
+
+async def key_value(
+    bus: Bus, name: str, *, ttl: float | None = None, history: int = 1, create: bool = True
+) -> KeyValueStore:
+    """The fleet's KV bucket ``name``, created if missing (and ``create``).
+
+    Args:
+        bus: the connection.
+        name: the bucket's short name (the fleet prefix is added).
+        ttl: seconds a value lives; for ever when ``None``.
+        history: revisions kept per key (1-64).
+        create: create the bucket if it does not exist.
+
+    Raises:
+        StoreError: JetStream is off, or the bucket cannot be opened or made.
+    """
+    bucket = bus.subjects.kv_bucket(name)
+    js = bus.nc.jetstream()
+    try:
+        try:
+            kv = await js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            if not create:
+                raise StoreError(f"KV bucket {bucket} does not exist") from None
+            kv = await js.create_key_value(bucket=bucket, ttl=ttl, history=history)
+    except StoreError:
+        raise
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise _store_error(exc, f"opening KV bucket {bucket}") from exc
+    return KeyValueStore(kv, bucket)
+
+
+class KeyValueStore:
+    """A JetStream KV bucket with fleetbus errors.
+
+    Keys are strings of letters, digits and ``-_/=.``; values are bytes.
+    """
+
+    def __init__(self, kv: KeyValue, bucket: str) -> None:
+        self._kv = kv
+        self.bucket = bucket
+
+    async def get(self, key: str) -> Entry:
+        """The current value of ``key``.
+
+        Raises:
+            KeyNotFoundError: no such key (or it was deleted).
+            StoreError: the read failed.
+        """
+        try:
+            entry = await self._kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            raise KeyNotFoundError(f"no key {key!r} in bucket {self.bucket}") from None
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, f"get {key!r}") from exc
+        return Entry(key=key, value=entry.value or b"", revision=entry.revision or 0)
+
+    async def get_or_none(self, key: str) -> Entry | None:
+        """The current value of ``key``, or ``None``.
+
+        Raises:
+            StoreError: the read failed.
+        """
+        try:
+            return await self.get(key)
+        except KeyNotFoundError:
+            return None
+
+    async def put(self, key: str, value: bytes) -> int:
+        """Write ``value`` whatever the current revision; returns the new revision.
+
+        Raises:
+            StoreError: the write failed.
+        """
+        try:
+            return int(await self._kv.put(key, value))
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, f"put {key!r}") from exc
+
+    async def create(self, key: str, value: bytes) -> int:
+        """Write ``value`` only if ``key`` does not exist; returns the revision.
+
+        Raises:
+            RevisionMismatchError: the key exists.
+            StoreError: the write failed.
+        """
+        try:
+            return int(await self._kv.create(key, value))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise RevisionMismatchError(
+                f"key {key!r} already exists in bucket {self.bucket}", key=key, expected=None
+            ) from None
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, f"create {key!r}") from exc
+
+    async def update(self, key: str, value: bytes, *, revision: int) -> int:
+        """Compare-and-set: write only if the key is still at ``revision``.
+
+        Raises:
+            RevisionMismatchError: someone else wrote the key since.
+            StoreError: the write failed.
+        """
+        try:
+            return int(await self._kv.update(key, value, last=revision))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            raise RevisionMismatchError(
+                f"key {key!r} in bucket {self.bucket} is no longer at revision {revision}",
+                key=key,
+                expected=revision,
+            ) from None
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, f"update {key!r}") from exc
+
+    async def delete(self, key: str) -> None:
+        """Delete ``key`` (a no-op if it does not exist).
+
+        Raises:
+            StoreError: the delete failed.
+        """
+        try:
+            await self._kv.delete(key)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, f"delete {key!r}") from exc
+
+    async def keys(self) -> list[str]:
+        """Every live key of the bucket, sorted.
+
+        Raises:
+            StoreError: the listing failed.
+        """
+        try:
+            return sorted(await self._kv.keys())
+        except nats.js.errors.NoKeysError:
+            return []
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, "list keys") from exc
+
+
+async def object_store(bus: Bus, name: str, *, create: bool = True) -> ObjectStore:
+    """The fleet's object store bucket ``name``, created if missing.
+
+    Raises:
+        StoreError: JetStream is off, or the bucket cannot be opened or made.
+    """
+    bucket = bus.subjects.kv_bucket(name)
+    js: JetStreamContext = bus.nc.jetstream()
+    try:
+        try:
+            store = await js.object_store(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            if not create:
+                raise StoreError(f"object store {bucket} does not exist") from None
+            store = await js.create_object_store(bucket)
+    except StoreError:
+        raise
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise _store_error(exc, f"opening object store {bucket}") from exc
+    return ObjectStore(store, bucket)
+
+
+class ObjectStore:
+    """A JetStream object store bucket: blobs of any size, chunked."""
+
+    def __init__(self, store: _NatsObjectStore, bucket: str) -> None:
+        self._store = store
+        self.bucket = bucket
+
+    def url(self, name: str) -> str:
+        """A reference to an object, for a ``data`` content block."""
+        return f"nats-object://{self.bucket}/{name}"
+
+    async def put(self, name: str, data: bytes) -> ObjectSummary:
+        """Store ``data`` under ``name`` (replacing any previous object).
+
+        Raises:
+            StoreError: the write failed.
+        """
+        try:
+            info = await self._store.put(name, data)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, f"put object {name!r}") from exc
+        return ObjectSummary(name=name, size=info.size or 0, digest=info.digest)
+
+    async def get(self, name: str) -> bytes:
+        """The object's bytes.
+
+        Raises:
+            KeyNotFoundError: no such object.
+            StoreError: the read failed.
+        """
+        try:
+            result = await self._store.get(name)
+        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
+            raise KeyNotFoundError(f"no object {name!r} in {self.bucket}") from None
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, f"get object {name!r}") from exc
+        return result.data or b""
+
+    async def delete(self, name: str) -> None:
+        """Delete an object.
+
+        Raises:
+            KeyNotFoundError: no such object.
+            StoreError: the delete failed.
+        """
+        try:
+            await self._store.delete(name)
+        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
+            raise KeyNotFoundError(f"no object {name!r} in {self.bucket}") from None
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, f"delete object {name!r}") from exc
+
+    async def list(self) -> list[ObjectSummary]:
+        """Every live object, sorted by name.
+
+        Raises:
+            StoreError: the listing failed.
+        """
+        try:
+            infos = await self._store.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return []
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, "list objects") from exc
+        return sorted(
+            (ObjectSummary(name=i.name, size=i.size or 0, digest=i.digest) for i in infos),
+            key=lambda s: s.name,
+        )

@@ -1,0 +1,109 @@
+"""Every NATS subject and queue group name of fleetbus, built in one place.
+
+All subjects start with a prefix (default ``fleet``), so several fleets —
+tenants, environments — share one NATS server without seeing each other::
+
+    subjects = Subjects("fleet")
+    subjects.tool("calculator")         # 'fleet.tool.calculator'
+    subjects.tool_queue("calculator")   # 'tool.calculator'
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from fleetbus.errors import InvalidSubjectError
+
+__all__ = ["DEFAULT_PREFIX", "Subjects", "check_name", "check_prefix"]
+
+DEFAULT_PREFIX = "fleet"
+"""The subject prefix when none is given."""
+
+# A name becomes one subject token: no dots, wildcards or whitespace. Kept to
+# the characters NATS micro service endpoint names accept too, so a tool name
+# is also a valid endpoint name.
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def check_name(name: str, *, what: str = "name") -> str:
+    """Return ``name`` if it can be one subject token.
+
+    Raises:
+        InvalidSubjectError: it is empty, too long, or has characters other
+            than letters, digits, ``_`` and ``-``.
+    """
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidSubjectError(
+            f"invalid {what} {name!r}: use 1-128 letters, digits, '_' or '-' "
+            "(no dots, spaces or wildcards)"
+        )
+    return name
+
+
+def check_prefix(prefix: str) -> str:
+    """Return ``prefix`` if it is one or more valid tokens joined by dots.
+
+    Raises:
+        InvalidSubjectError: a token is empty or invalid.
+    """
+    for token in prefix.split("."):
+        check_name(token, what="subject prefix token")
+    return prefix
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Subject names for one fleet (one prefix)."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        check_prefix(self.prefix)
+
+    def tool(self, tool_name: str) -> str:
+        """Request/reply subject of a tool: ``<prefix>.tool.<tool_name>``."""
+        return f"{self.prefix}.tool.{check_name(tool_name, what='tool name')}"
+
+    def tool_queue(self, tool_name: str) -> str:
+        """Queue group shared by the workers of a tool: ``tool.<tool_name>``."""
+        return f"tool.{check_name(tool_name, what='tool name')}"
+
+    def agent_inbox(self, agent_name: str) -> str:
+        """Direct messages to an agent: ``<prefix>.agent.<name>.inbox``."""
+        return f"{self.prefix}.agent.{check_name(agent_name, what='agent name')}.inbox"
+
+    def agent_queue(self, agent_name: str) -> str:
+        """Queue group shared by the replicas of an agent: ``agent.<name>``."""
+        return f"agent.{check_name(agent_name, what='agent name')}"
+
+    def topic(self, topic: str) -> str:
+        """A broadcast topic: ``<prefix>.topic.<topic>``."""
+        return f"{self.prefix}.topic.{check_name(topic, what='topic')}"
+
+    def model(self, model_name: str) -> str:
+        """Request/reply subject of a model worker: ``<prefix>.model.<name>``."""
+        return f"{self.prefix}.model.{check_name(model_name, what='model name')}"
+
+    def model_queue(self, model_name: str) -> str:
+        """Queue group shared by the workers of a model: ``model.<name>``."""
+        return f"model.{check_name(model_name, what='model name')}"
+
+    def events(self, agent_name: str, session_id: str) -> str:
+        """Event stream of one reply: ``<prefix>.events.<agent>.<session>``."""
+        agent = check_name(agent_name, what="agent name")
+        return f"{self.prefix}.events.{agent}.{check_name(session_id, what='session id')}"
+
+    def all_events(self, agent_name: str | None = None) -> str:
+        """Wildcard over the event streams of one agent, or of all agents."""
+        if agent_name is None:
+            return f"{self.prefix}.events.>"
+        return f"{self.prefix}.events.{check_name(agent_name, what='agent name')}.*"
+
+    def all_tools(self) -> str:
+        """Wildcard over every tool subject of the fleet."""
+        return f"{self.prefix}.tool.*"
+
+    def kv_bucket(self, name: str) -> str:
+        """A JetStream bucket name of this fleet (bucket names allow no dots)."""
+        return f"{self.prefix.replace('.', '_')}_{check_name(name, what='bucket name')}"

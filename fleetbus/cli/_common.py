@@ -1,0 +1,81 @@
+"""What every command shares: running async code, logging, errors for people."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from rich.console import Console
+from rich.logging import RichHandler
+
+from fleetbus.bus import Bus, ConnectOptions
+from fleetbus.errors import FleetbusError
+
+console = Console()
+err_console = Console(stderr=True)
+
+logger = logging.getLogger("fleetbus.cli")
+
+
+def setup_logging(verbose: int) -> None:
+    """Log warnings (``-v``: info, ``-vv``: debug) to stderr through rich."""
+    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    handler = RichHandler(console=err_console, show_path=False, rich_tracebacks=False)
+    logging.basicConfig(level=level, format="%(message)s", datefmt="[%X]", handlers=[handler])
+
+
+def run(main: Coroutine[Any, Any, int]) -> int:
+    """Run a command's coroutine, with uvloop when it is installed.
+
+    Set ``FLEETBUS_UVLOOP=0`` to use the standard event loop.
+    """
+    if os.environ.get("FLEETBUS_UVLOOP", "1") != "0":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
+
+
+def fail(message: str) -> int:
+    """Tell a person what went wrong, in one line; the exit code 1."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    return 1
+
+
+def guarded(command: Callable[[], int]) -> int:
+    """Run a command; a fleetbus error or Ctrl-C becomes one line and an exit code."""
+    try:
+        return command()
+    except FleetbusError as exc:
+        return fail(str(exc))
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        return 130
+
+
+async def connect(nats_url: str | None, prefix: str | None, name: str | None = None) -> Bus:
+    """Connect with the command-line options, then the environment."""
+    return await Bus.connect(options=ConnectOptions.from_env(nats_url, prefix=prefix, name=name))
+
+
+def on_stop_signals(stop: Callable[[], None]) -> None:
+    """Call ``stop`` on SIGTERM and SIGINT (graceful shutdown)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop)
+        except (NotImplementedError, RuntimeError):  # not the main thread, or Windows
+            signal.signal(sig, lambda *_: loop.call_soon_threadsafe(stop))
+
+
+def is_tty() -> bool:
+    """Whether stdout is a terminal."""
+    return sys.stdout.isatty()

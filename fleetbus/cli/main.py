@@ -1,0 +1,281 @@
+"""``fleetbus …`` commands: argument parsing and the small commands.
+
+Every command prints one clear line on error (never a traceback) and exits
+non-zero; ``-v`` shows logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.table import Table
+
+from fleetbus._version import __version__
+from fleetbus.bus import EmbeddedServer, ToolClient
+from fleetbus.cli._common import (
+    connect,
+    console,
+    fail,
+    guarded,
+    on_stop_signals,
+    run,
+    setup_logging,
+)
+from fleetbus.errors import ConfigError
+from fleetbus.protocol import render_schemas, to_builtins
+
+DEFAULT_SCHEMA_DIR = Path("docs/protocol")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every command."""
+    parser = argparse.ArgumentParser(
+        prog="fleetbus",
+        description="Fleets of LLM agents, tool workers and model workers over NATS.",
+    )
+    parser.add_argument("--version", action="version", version=f"fleetbus {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-vv: debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def bus_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--nats",
+            metavar="URL",
+            help="NATS server URL(s), comma-separated (default: $FLEETBUS_NATS_URL "
+            "or nats://127.0.0.1:4222)",
+        )
+        p.add_argument(
+            "--prefix", help="subject prefix of the fleet (default: $FLEETBUS_PREFIX or fleet)"
+        )
+
+    p = sub.add_parser(
+        "server", help="run an embedded nats-server with JetStream in the foreground"
+    )
+    p.add_argument(
+        "--port", type=int, default=4222, help="client port (0: pick a free one; default 4222)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument(
+        "--state-dir", type=Path, help="JetStream storage (default: a temporary directory)"
+    )
+
+    p = sub.add_parser("worker", help="serve the tools of a Python module on the bus")
+    p.add_argument("spec", metavar="MODULE[:ATTR]", help="e.g. fleetbus.tools_workers.builtin")
+    p.add_argument("--concurrency", type=int, default=64, help="calls run at once (default 64)")
+    p.add_argument("--worker-id", help="this worker's id (default: worker.<host>-<pid>)")
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="default seconds per call (default 30)"
+    )
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to finish calls on stop"
+    )
+    bus_options(p)
+
+    p = sub.add_parser("tools", help="list the tools served on the bus, with their workers")
+    p.add_argument(
+        "--wait", type=float, default=0.5, help="seconds to collect answers (default 0.5)"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    bus_options(p)
+
+    p = sub.add_parser("call", help="call a tool and print its tool_result")
+    p.add_argument("tool_name", metavar="TOOL_NAME")
+    p.add_argument("parameters", metavar="JSON", nargs="?", default="{}", help="parameters object")
+    p.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds the tool may run (default 30)"
+    )
+    p.add_argument("--session", help="session_id to send")
+    bus_options(p)
+
+    p = sub.add_parser("schema", help="write the JSON Schema of every message to docs/protocol/")
+    p.add_argument(
+        "--out", type=Path, default=DEFAULT_SCHEMA_DIR, help="directory (default docs/protocol)"
+    )
+    p.add_argument("--check", action="store_true", help="exit 1 if the files differ from the code")
+
+    p = sub.add_parser("demo", help="embedded server, two tool workers, 2,000 calculator calls")
+    p.add_argument("--calls", type=int, default=2000, help="how many calls (default 2000)")
+    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--in-flight", type=int, default=64, help="calls in flight (default 64)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``fleetbus`` command; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    command = {
+        "server": cmd_server,
+        "worker": cmd_worker,
+        "tools": cmd_tools,
+        "call": cmd_call,
+        "schema": cmd_schema,
+        "demo": cmd_demo,
+    }[args.command]
+    return guarded(lambda: command(args))
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    """Run an embedded server until Ctrl-C or SIGTERM."""
+    server = EmbeddedServer(port=args.port or None, host=args.host, state_dir=args.state_dir)
+
+    async def serve() -> int:
+        stop = asyncio.Event()
+        on_stop_signals(stop.set)
+        with server:
+            console.print(
+                f"nats-server listening on [bold]{server.url}[/] (JetStream in {server.state_dir})"
+            )
+            console.print(f"export FLEETBUS_NATS_URL={server.url}", highlight=False)
+            while not stop.is_set() and server.running:
+                try:
+                    await asyncio.wait_for(stop.wait(), 0.5)
+                except TimeoutError:
+                    pass
+            if not server.running:
+                return fail("nats-server exited unexpectedly")
+        console.print("nats-server stopped")
+        return 0
+
+    return run(serve())
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Serve a toolkit until SIGTERM/SIGINT, then drain and exit 0."""
+    from fleetbus.tools_workers import ToolWorker, load_toolkit
+
+    if args.concurrency < 1:
+        raise ConfigError("--concurrency must be at least 1")
+    toolkit = load_toolkit(args.spec)
+
+    async def serve() -> int:
+        bus = await connect(args.nats, args.prefix, args.worker_id)
+        try:
+            worker = ToolWorker(
+                bus,
+                toolkit,
+                worker_id=args.worker_id,
+                concurrency=args.concurrency,
+                default_timeout=args.timeout,
+                drain_timeout=args.drain_timeout,
+            )
+            on_stop_signals(worker.stop)
+            console.print(
+                f"worker [bold]{worker.worker_id}[/] serving {', '.join(toolkit.names)} "
+                f"on {bus.connected_url} (prefix {bus.prefix})",
+                highlight=False,
+            )
+            await worker.run()
+            console.print(f"worker {worker.worker_id} drained and stopped", highlight=False)
+        finally:
+            await bus.close()
+        return 0
+
+    return run(serve())
+
+
+def cmd_tools(args: argparse.Namespace) -> int:
+    """Print the tools discovered on the bus."""
+
+    async def list_tools() -> int:
+        bus = await connect(args.nats, args.prefix)
+        try:
+            tools = await ToolClient(bus).discover(timeout=args.wait)
+        finally:
+            await bus.close()
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        t.name: {
+                            "description": t.description,
+                            "parameters": t.parameters,
+                            "workers": t.workers,
+                            "worker_ids": list(t.worker_ids),
+                        }
+                        for t in tools.values()
+                    },
+                    indent=2,
+                )
+            )
+            return 0
+        if not tools:
+            console.print(f"no tool workers answered on prefix {bus.prefix!r}")
+            return 0
+        table = Table(title=f"tools on {bus.prefix}")
+        table.add_column("tool", style="bold")
+        table.add_column("workers", justify="right")
+        table.add_column("parameters")
+        table.add_column("description")
+        for t in tools.values():
+            params = ", ".join(t.parameters.get("properties", {}))
+            summary = t.description.splitlines()[0] if t.description else ""
+            table.add_row(t.name, str(t.workers), params, summary)
+        console.print(table)
+        return 0
+
+    return run(list_tools())
+
+
+def cmd_call(args: argparse.Namespace) -> int:
+    """Call one tool; exit 0 when it succeeded, 1 otherwise."""
+    try:
+        parameters = json.loads(args.parameters)
+    except ValueError as exc:
+        raise ConfigError(f"parameters are not JSON: {exc}") from exc
+    if not isinstance(parameters, dict):
+        raise ConfigError('parameters must be a JSON object, e.g. \'{"expr": "1 + 2"}\'')
+
+    async def call() -> int:
+        bus = await connect(args.nats, args.prefix)
+        try:
+            result = await ToolClient(bus, timeout=args.timeout).call(
+                args.tool_name, parameters, session_id=args.session
+            )
+        finally:
+            await bus.close()
+        text = json.dumps(to_builtins(result), indent=2, ensure_ascii=False)
+        if sys.stdout.isatty():
+            console.print_json(text)
+        else:
+            print(text)
+        return 0 if result.ok else 1
+
+    return run(call())
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    """Write (or check) the JSON Schema files."""
+    rendered = render_schemas()
+    out: Path = args.out
+    if args.check:
+        stale = [
+            name
+            for name, text in rendered.items()
+            if not (out / name).is_file() or (out / name).read_text() != text
+        ]
+        extra = sorted(p.name for p in out.glob("*.json") if p.name not in rendered)
+        if stale or extra:
+            return fail(
+                f"schemas in {out} differ from the code: {', '.join(stale + extra)}; "
+                "run 'fleetbus schema'"
+            )
+        console.print(f"{len(rendered)} schemas in {out} match the code")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in rendered.items():
+        (out / name).write_text(text)
+    console.print(f"wrote {len(rendered)} schemas to {out}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The tool fleet demo."""
+    from fleetbus.cli.demo import run_demo
+
+    return run(run_demo(calls=args.calls, workers=args.workers, in_flight=args.in_flight))

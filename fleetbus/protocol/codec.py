@@ -1,0 +1,186 @@
+"""Encoding and decoding of wire messages: the one codec of fleetbus.
+
+``encode`` turns a message into UTF-8 JSON bytes; ``decode`` turns bytes back
+into the right message class, or raises one :class:`~fleetbus.errors.ProtocolError`
+subclass that says precisely what was wrong, with the ``call_id`` when it
+could still be read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+from fleetbus.errors import (
+    InvalidFieldError,
+    MalformedMessageError,
+    UnexpectedMessageError,
+    UnknownMessageTypeError,
+    UnsupportedVersionError,
+)
+from fleetbus.protocol.messages import (
+    PROTOCOL_VERSION,
+    AgentMessage,
+    ConfirmResult,
+    ErrorMessage,
+    Event,
+    ExternalResult,
+    FinalAnswer,
+    LlmPrompt,
+    LlmResponse,
+    Message,
+    ToolCall,
+    ToolResult,
+    UserRequest,
+)
+
+__all__ = ["MESSAGE_TYPES", "AnyMessage", "decode", "decode_as", "encode", "to_builtins"]
+
+AnyMessage = (
+    UserRequest
+    | LlmPrompt
+    | LlmResponse
+    | ToolCall
+    | ToolResult
+    | FinalAnswer
+    | ErrorMessage
+    | AgentMessage
+    | Event
+    | ConfirmResult
+    | ExternalResult
+)
+"""Any message of protocol version 1."""
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.__struct_config__.tag: cls  # type: ignore[misc]
+    for cls in (
+        UserRequest,
+        LlmPrompt,
+        LlmResponse,
+        ToolCall,
+        ToolResult,
+        FinalAnswer,
+        ErrorMessage,
+        AgentMessage,
+        Event,
+        ConfirmResult,
+        ExternalResult,
+    )
+}
+"""Message classes by their ``type`` tag."""
+
+M = TypeVar("M", bound=Message)
+
+_encoder = msgspec.json.Encoder()
+_decoder: msgspec.json.Decoder[AnyMessage] = msgspec.json.Decoder(AnyMessage)
+
+
+class _Envelope(msgspec.Struct):
+    """The few fields read to explain why a payload did not decode."""
+
+    version: Any = None
+    type: Any = None
+    call_id: Any = None
+
+
+_envelope_decoder = msgspec.json.Decoder(_Envelope)
+
+
+def encode(message: Message) -> bytes:
+    """Encode a message as UTF-8 JSON.
+
+    Raises:
+        InvalidFieldError: a field holds a value JSON cannot carry (a tool
+            result that is not JSON-serializable, say).
+    """
+    try:
+        return _encoder.encode(message)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise InvalidFieldError(
+            f"cannot encode {type(message).__name__}: {exc}",
+            call_id=message.call_id,
+        ) from exc
+
+
+def to_builtins(message: Message) -> dict[str, Any]:
+    """The message as plain JSON-compatible Python objects (a dict)."""
+    result: dict[str, Any] = msgspec.to_builtins(message)
+    return result
+
+
+def decode(data: bytes | bytearray | memoryview | str) -> AnyMessage:
+    """Decode one message.
+
+    Raises:
+        MalformedMessageError: not JSON, or not a JSON object.
+        UnsupportedVersionError: ``version`` is higher than this code speaks.
+        UnknownMessageTypeError: ``type`` is missing or names no message.
+        InvalidFieldError: a field has the wrong type, or a required one is missing.
+    """
+    try:
+        message = _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise _explain(data, exc) from exc
+    if message.version > PROTOCOL_VERSION:
+        raise UnsupportedVersionError(
+            f"message speaks protocol version {message.version}; "
+            f"this receiver speaks {PROTOCOL_VERSION}",
+            version=message.version,
+            call_id=message.call_id,
+            message_type=type(message).__struct_config__.tag,  # type: ignore[arg-type]
+        )
+    return message
+
+
+def decode_as(data: bytes | bytearray | memoryview | str, cls: type[M]) -> M:
+    """Decode one message that must be of class ``cls``.
+
+    Raises:
+        UnexpectedMessageError: a valid message of another type.
+        ProtocolError: any error of :func:`decode`.
+    """
+    message = decode(data)
+    if not isinstance(message, cls):
+        got = type(message).__struct_config__.tag
+        want = cls.__struct_config__.tag
+        raise UnexpectedMessageError(
+            f"expected a {want!r} message, got {got!r}",
+            call_id=message.call_id,
+            message_type=got,  # type: ignore[arg-type]
+        )
+    return message
+
+
+def _explain(data: bytes | bytearray | memoryview | str, exc: Exception) -> Exception:
+    """Turn a msgspec failure into the most precise ProtocolError."""
+    try:
+        envelope = _envelope_decoder.decode(data)
+    except msgspec.ValidationError:  # a subclass of DecodeError: test it first
+        return MalformedMessageError("payload is JSON but not a JSON object")
+    except msgspec.DecodeError:
+        return MalformedMessageError(f"payload is not valid JSON: {exc}")
+    call_id = envelope.call_id if isinstance(envelope.call_id, str) else None
+    message_type = envelope.type if isinstance(envelope.type, str) else None
+    version = envelope.version
+    if isinstance(version, int) and not isinstance(version, bool) and version > PROTOCOL_VERSION:
+        return UnsupportedVersionError(
+            f"message speaks protocol version {version}; this receiver speaks {PROTOCOL_VERSION}",
+            version=version,
+            call_id=call_id,
+            message_type=message_type,
+        )
+    if message_type is None:
+        return UnknownMessageTypeError(
+            "message has no string 'type' field", call_id=call_id, message_type=None
+        )
+    if message_type not in MESSAGE_TYPES:
+        known = ", ".join(sorted(MESSAGE_TYPES))
+        return UnknownMessageTypeError(
+            f"unknown message type {message_type!r}; known types: {known}",
+            call_id=call_id,
+            message_type=message_type,
+        )
+    return InvalidFieldError(
+        f"invalid {message_type!r} message: {exc}", call_id=call_id, message_type=message_type
+    )

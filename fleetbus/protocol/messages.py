@@ -1,0 +1,266 @@
+"""The wire messages of protocol version 1.
+
+Every message is one JSON object tagged on ``type``. All carry the common
+fields of :class:`Message`; unknown fields are ignored on decode, so a newer
+minor revision that adds optional fields is still understood.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any, Literal, get_args
+
+import msgspec
+
+from fleetbus.protocol.content import ContentBlock
+
+__all__ = [
+    "ERROR_CODES",
+    "FINISHED_REASONS",
+    "PROTOCOL_VERSION",
+    "TOOL_STATUSES",
+    "AgentMessage",
+    "ChatMessage",
+    "Confirmation",
+    "ConfirmResult",
+    "ErrorCode",
+    "ErrorDetail",
+    "ErrorMessage",
+    "Event",
+    "ExternalOutput",
+    "ExternalResult",
+    "FinalAnswer",
+    "FinishedReason",
+    "LlmPrompt",
+    "LlmResponse",
+    "Message",
+    "ToolCall",
+    "ToolResult",
+    "ToolSpec",
+    "ToolStatus",
+    "Usage",
+    "UserRequest",
+    "new_id",
+    "utc_now",
+]
+
+PROTOCOL_VERSION = 1
+"""The protocol major version this code speaks."""
+
+ErrorCode = Literal[
+    "malformed",
+    "unsupported_version",
+    "unknown_tool",
+    "invalid_parameters",
+    "tool_error",
+    "timeout",
+    "denied",
+    "cancelled",
+    "overloaded",
+    "internal",
+]
+ERROR_CODES: tuple[str, ...] = get_args(ErrorCode)
+"""Every error code, in the order of the protocol document."""
+
+ToolStatus = Literal["success", "error", "timeout", "denied", "cancelled"]
+TOOL_STATUSES: tuple[str, ...] = get_args(ToolStatus)
+
+FinishedReason = Literal[
+    "completed", "exceed_max_iters", "repeated_action", "paused", "interrupted", "error"
+]
+FINISHED_REASONS: tuple[str, ...] = get_args(FinishedReason)
+
+
+def new_id() -> str:
+    """A fresh random message or call id (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
+def utc_now() -> datetime:
+    """The current time, timezone-aware UTC (encoded as RFC 3339 with ``Z``)."""
+    return datetime.now(UTC)
+
+
+class ErrorDetail(msgspec.Struct, frozen=True, kw_only=True):
+    """Why a call did not succeed."""
+
+    code: ErrorCode
+    """One of the protocol's error codes."""
+    message: str
+    """A sentence for a person (or a model) to read."""
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    """Token usage of one model call."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class ToolSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool as offered to a model."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+    """JSON Schema of the arguments object."""
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    """One entry of a conversation sent to a model."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: list[ContentBlock]
+    name: str | None = None
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    """Fields every message carries."""
+
+    version: int = PROTOCOL_VERSION
+    """Protocol major version. A receiver answers a higher one with
+    ``unsupported_version``."""
+    id: str = msgspec.field(default_factory=new_id)
+    """Unique id of this message."""
+    timestamp: datetime = msgspec.field(default_factory=utc_now)
+    """When the sender made it (RFC 3339, UTC)."""
+    sender: str = ""
+    """Id of the agent, worker or client that sent it."""
+    session_id: str | None = None
+    """The conversation it belongs to, if any."""
+    call_id: str | None = None
+    """Correlation: a request and its answer carry the same one."""
+
+
+class UserRequest(Message, frozen=True, kw_only=True, tag="user_request"):
+    """A person's (or program's) request to an agent."""
+
+    content: str | list[ContentBlock]
+    """The request: text, or content blocks."""
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Free-form data for the agent and its middleware."""
+
+
+class LlmPrompt(Message, frozen=True, kw_only=True, tag="llm_prompt"):
+    """A model call: the conversation, the tools on offer, and options."""
+
+    model: str
+    """Which model to use (the worker's name for it)."""
+    messages: list[ChatMessage]
+    tools: list[ToolSpec] = msgspec.field(default_factory=list)
+    tool_choice: str | None = None
+    """``auto``, ``none``, ``required``, or a tool name."""
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Model options (temperature, max tokens…)."""
+    stream: bool = False
+    """Send ``event`` messages with deltas while the response is produced."""
+
+
+class LlmResponse(Message, frozen=True, kw_only=True, tag="llm_response"):
+    """A model's answer to an ``llm_prompt``."""
+
+    model: str = ""
+    thought: str | None = None
+    """The reasoning text, when the model returned one."""
+    content: list[ContentBlock] = msgspec.field(default_factory=list)
+    usage: Usage | None = None
+    finish_reason: str | None = None
+    """As the model reported it (``stop``, ``tool_calls``, ``length``…)."""
+
+
+class ToolCall(Message, frozen=True, kw_only=True, tag="tool_call"):
+    """Run a tool. Answered by a ``tool_result`` with the same ``call_id``."""
+
+    tool_name: str
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+    """The arguments, a JSON object."""
+    timeout: float | None = None
+    """Seconds the tool may run; the worker's default when absent."""
+    attempt: int = 1
+    """1 for the first send, 2… for retries of the same ``call_id``."""
+
+
+class ToolResult(Message, frozen=True, kw_only=True, tag="tool_result"):
+    """The outcome of a ``tool_call``."""
+
+    tool_name: str
+    status: ToolStatus
+    content: Any = None
+    """What the tool returned (any JSON value); ``null`` unless ``success``."""
+    error_detail: ErrorDetail | None = None
+    """Set on every status but ``success``."""
+
+    @property
+    def ok(self) -> bool:
+        """Whether the tool succeeded."""
+        return self.status == "success"
+
+
+class FinalAnswer(Message, frozen=True, kw_only=True, tag="final_answer"):
+    """The end of an agent's reply."""
+
+    content: str | list[ContentBlock]
+    structured: dict[str, Any] | None = None
+    """The validated structured output, when one was asked for."""
+    finished_reason: FinishedReason = "completed"
+
+
+class ErrorMessage(Message, frozen=True, kw_only=True, tag="error"):
+    """A message that could not be handled at all."""
+
+    code: ErrorCode
+    message: str
+    source_component: str = ""
+    """Who could not handle it (``worker.calc-1``, ``agent.planner``…)."""
+
+
+class AgentMessage(Message, frozen=True, kw_only=True, tag="agent_message"):
+    """Agent-to-agent chat."""
+
+    content: list[ContentBlock]
+    name: str = ""
+    """Display name of the speaking agent."""
+    reply: bool = True
+    """Sent to an inbox: ``True`` asks for a reply, ``False`` only adds to memory."""
+
+
+class Event(Message, frozen=True, kw_only=True, tag="event"):
+    """Streaming progress of a reply (or of a model response)."""
+
+    event: str
+    """What happened: ``reply_start``, ``text_delta``, ``tool_call``…"""
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
+    seq: int = 0
+    """Position in the stream of this reply, from 0."""
+
+
+class Confirmation(msgspec.Struct, frozen=True, kw_only=True):
+    """A person's decision on one paused tool call."""
+
+    call_id: str
+    """The ``call_id`` of the pending tool call."""
+    confirmed: bool
+    always: bool = False
+    """Also add a rule so that calls like this one are not asked again."""
+
+
+class ConfirmResult(Message, frozen=True, kw_only=True, tag="confirm_result"):
+    """Resumes a reply paused for confirmation."""
+
+    confirmations: list[Confirmation]
+
+
+class ExternalOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """The result of one tool call executed outside the agent."""
+
+    call_id: str
+    status: ToolStatus = "success"
+    content: Any = None
+    error_detail: ErrorDetail | None = None
+
+
+class ExternalResult(Message, frozen=True, kw_only=True, tag="external_result"):
+    """Resumes a reply paused for external execution."""
+
+    results: list[ExternalOutput]

@@ -1,0 +1,26 @@
+"""Tools as Python functions, and the worker process that serves them.
+
+``@tool`` makes a typed function a tool; a :class:`Toolkit` holds tools by
+name and group; :class:`ToolWorker` serves a toolkit on the bus. The built-in
+tools are in :mod:`fleetbus.tools_workers.builtin`.
+"""
+
+from fleetbus.tools_workers.tool import (
+    DEFAULT_GROUP,
+    Tool,
+    Toolkit,
+    ToolOutcome,
+    load_toolkit,
+    tool,
+)
+from fleetbus.tools_workers.worker import ToolWorker
+
+__all__ = [
+    "DEFAULT_GROUP",
+    "Tool",
+    "ToolOutcome",
+    "ToolWorker",
+    "Toolkit",
+    "load_toolkit",
+    "tool",
+]

@@ -1,0 +1,405 @@
+"""Tools as typed Python functions, and the Toolkit that holds them.
+
+``@tool`` turns a function (sync or async) into a :class:`Tool`: its name,
+its description from the docstring, the JSON Schema of its parameters from
+the type hints (pydantic), and validation of the parameters it is called with::
+
+    @tool
+    def add(a: int, b: int = 1) -> int:
+        \"\"\"Add two integers.
+
+        Args:
+            a: the first addend.
+            b: the second addend.
+        \"\"\"
+        return a + b
+
+Running a tool never raises for what the tool does: :meth:`Tool.run` returns a
+:class:`ToolOutcome` whose ``status`` says how it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, overload
+
+import docstring_parser
+import pydantic
+import pydantic_core
+
+from fleetbus.bus.subjects import check_name
+from fleetbus.errors import InvalidSubjectError, ToolDefinitionError, UnknownToolError
+from fleetbus.protocol import ErrorCode, ErrorDetail, ToolSpec, ToolStatus
+
+__all__ = ["DEFAULT_GROUP", "Tool", "ToolOutcome", "Toolkit", "load_toolkit", "tool"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GROUP = "default"
+"""The group a tool joins when none is named."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolOutcome:
+    """How one run of a tool ended.
+
+    Attributes:
+        status: success, error, timeout, denied or cancelled.
+        content: the JSON value the tool returned (``None`` unless success).
+        error_detail: the error code and message, on every status but success.
+    """
+
+    status: ToolStatus
+    content: Any = None
+    error_detail: ErrorDetail | None = None
+
+    @classmethod
+    def failure(cls, status: ToolStatus, code: ErrorCode, message: str) -> ToolOutcome:
+        """An outcome that is not a success."""
+        return cls(status=status, error_detail=ErrorDetail(code=code, message=message))
+
+
+class Tool:
+    """A function that agents can call, with its schema.
+
+    Make one with :func:`tool`. Calling the ``Tool`` object calls the function
+    directly, so a decorated function is still an ordinary function.
+
+    Attributes:
+        name: the tool's name (a subject token: letters, digits, ``_``, ``-``).
+        description: what it does, for the model.
+        parameters: JSON Schema of its arguments object.
+        timeout: seconds it may run by default (``None``: the worker's default).
+        concurrency_safe: whether several calls may run at once in one agent.
+        group: the toolkit group it joins by default.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        timeout: float | None = None,
+        concurrency_safe: bool = True,
+        group: str = DEFAULT_GROUP,
+    ) -> None:
+        if not callable(fn):
+            raise ToolDefinitionError(f"a tool must wrap a function, not {fn!r}")
+        self.fn = fn
+        self.name: str = name or str(getattr(fn, "__name__", ""))
+        try:
+            check_name(self.name, what="tool name")
+        except InvalidSubjectError as exc:
+            raise ToolDefinitionError(str(exc)) from exc
+        doc = docstring_parser.parse(inspect.getdoc(fn) or "")
+        summary = "\n\n".join(p for p in (doc.short_description, doc.long_description) if p)
+        self.description = description if description is not None else summary
+        if timeout is not None and timeout <= 0:
+            raise ToolDefinitionError(f"tool {self.name}: timeout must be positive")
+        self.timeout = timeout
+        self.concurrency_safe = concurrency_safe
+        self.group = group
+        self.is_async = inspect.iscoroutinefunction(fn)
+        self._model = _parameters_model(
+            fn, self.name, {p.arg_name: p.description for p in doc.params}
+        )
+        schema = self._model.model_json_schema()
+        schema.pop("title", None)
+        self.parameters: dict[str, Any] = schema
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"Tool({self.name!r})"
+
+    def spec(self) -> ToolSpec:
+        """The tool as offered to a model."""
+        return ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
+
+    def validate(self, parameters: Any) -> dict[str, Any]:
+        """Validate and coerce ``parameters`` to the keyword arguments of the function.
+
+        Raises:
+            pydantic.ValidationError: they do not fit the schema.
+        """
+        model = self._model.model_validate(parameters)
+        return {field: getattr(model, field) for field in type(model).model_fields}
+
+    async def run(self, parameters: Any, *, timeout: float | None = None) -> ToolOutcome:
+        """Validate the parameters, run the function, and say how it ended.
+
+        A sync function runs in a worker thread; on timeout its result is
+        abandoned (a thread cannot be stopped), an async one is cancelled.
+        Never raises, except ``CancelledError`` when the caller is cancelled.
+        """
+        try:
+            kwargs = self.validate(parameters)
+        except pydantic.ValidationError as exc:
+            return ToolOutcome.failure(
+                "error", "invalid_parameters", f"invalid parameters for {self.name}: {_brief(exc)}"
+            )
+        limit = self.timeout if timeout is None else timeout
+        try:
+            async with asyncio.timeout(limit):
+                if self.is_async:
+                    result = await self.fn(**kwargs)
+                else:
+                    result = await asyncio.to_thread(self.fn, **kwargs)
+        except TimeoutError:
+            return ToolOutcome.failure(
+                "timeout", "timeout", f"{self.name} did not finish within {limit:g}s"
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.info("tool %s raised %s: %s", self.name, type(exc).__name__, exc)
+            return ToolOutcome.failure("error", "tool_error", f"{type(exc).__name__}: {exc}")
+        try:
+            content = pydantic_core.to_jsonable_python(result)
+        except pydantic_core.PydanticSerializationError as exc:
+            return ToolOutcome.failure(
+                "error",
+                "tool_error",
+                f"{self.name} returned a {type(result).__name__}, "
+                f"which is not JSON-serializable: {exc}",
+            )
+        return ToolOutcome(status="success", content=content)
+
+
+def _brief(exc: pydantic.ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err["loc"]) or "parameters"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def _parameters_model(
+    fn: Callable[..., Any], name: str, descriptions: dict[str, str | None]
+) -> type[pydantic.BaseModel]:
+    try:
+        signature = inspect.signature(fn)
+        hints = _type_hints(fn)
+    except (TypeError, ValueError, NameError) as exc:
+        raise ToolDefinitionError(f"tool {name}: cannot read the signature: {exc}") from exc
+    fields: dict[str, Any] = {}
+    for param in signature.parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ToolDefinitionError(
+                f"tool {name}: *args and **kwargs cannot be described to a model; "
+                "name every parameter"
+            )
+        if param.kind is param.POSITIONAL_ONLY:
+            raise ToolDefinitionError(f"tool {name}: parameter {param.name} is positional-only")
+        if param.name not in hints:
+            raise ToolDefinitionError(f"tool {name}: parameter {param.name!r} has no type hint")
+        default = ... if param.default is param.empty else param.default
+        fields[param.name] = (
+            hints[param.name],
+            pydantic.Field(default, description=descriptions.get(param.name) or None),
+        )
+    try:
+        return pydantic.create_model(
+            f"{name}_parameters",
+            __config__=pydantic.ConfigDict(extra="forbid", arbitrary_types_allowed=False),
+            **fields,
+        )
+    except (pydantic.PydanticSchemaGenerationError, TypeError) as exc:
+        raise ToolDefinitionError(f"tool {name}: unsupported parameter type: {exc}") from exc
+
+
+def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    import typing
+
+    return typing.get_type_hints(fn, include_extras=True)
+
+
+@overload
+def tool(fn: Callable[..., Any], /) -> Tool: ...
+
+
+@overload
+def tool(
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout: float | None = None,
+    concurrency_safe: bool = True,
+    group: str = DEFAULT_GROUP,
+) -> Callable[[Callable[..., Any]], Tool]: ...
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout: float | None = None,
+    concurrency_safe: bool = True,
+    group: str = DEFAULT_GROUP,
+) -> Tool | Callable[[Callable[..., Any]], Tool]:
+    """Make a function a :class:`Tool` (as ``@tool`` or ``@tool(name=…)``).
+
+    Args:
+        fn: the function; sync or async, every parameter type-hinted.
+        name: the tool's name; the function's name by default.
+        description: for the model; the docstring (without its ``Args:``) by default.
+        timeout: seconds the tool may run by default.
+        concurrency_safe: whether calls may run in parallel within one agent.
+        group: the toolkit group it joins by default.
+
+    Raises:
+        ToolDefinitionError: the function cannot be described as a tool.
+    """
+
+    def wrap(f: Callable[..., Any]) -> Tool:
+        return Tool(
+            f,
+            name=name,
+            description=description,
+            timeout=timeout,
+            concurrency_safe=concurrency_safe,
+            group=group,
+        )
+
+    return wrap(fn) if fn is not None else wrap
+
+
+class Toolkit:
+    """Tools by name, in groups.
+
+    Args:
+        tools: tools (or plain functions, made tools) to add.
+    """
+
+    def __init__(self, tools: Iterable[Tool | Callable[..., Any]] = ()) -> None:
+        self._tools: dict[str, Tool] = {}
+        self._groups: dict[str, str] = {}
+        for t in tools:
+            self.add(t)
+
+    def add(self, item: Tool | Callable[..., Any], *, group: str | None = None) -> Tool:
+        """Add a tool (a plain function is made one first).
+
+        Raises:
+            ToolDefinitionError: the function cannot be a tool, or the name is taken.
+        """
+        added = item if isinstance(item, Tool) else Tool(item)
+        if added.name in self._tools and self._tools[added.name] is not added:
+            raise ToolDefinitionError(f"a tool named {added.name!r} is already in the toolkit")
+        self._tools[added.name] = added
+        self._groups[added.name] = group or added.group
+        return added
+
+    def remove(self, name: str) -> None:
+        """Remove a tool.
+
+        Raises:
+            UnknownToolError: no such tool.
+        """
+        self.get(name)
+        del self._tools[name]
+        del self._groups[name]
+
+    def get(self, name: str) -> Tool:
+        """The tool called ``name``.
+
+        Raises:
+            UnknownToolError: no such tool; the error lists those that exist.
+        """
+        try:
+            return self._tools[name]
+        except KeyError:
+            raise UnknownToolError(name, list(self._tools)) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def __iter__(self) -> Iterator[Tool]:
+        return iter(self._tools.values())
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    @property
+    def names(self) -> list[str]:
+        """The tools' names, in the order they were added."""
+        return list(self._tools)
+
+    @property
+    def groups(self) -> dict[str, list[str]]:
+        """Tool names by group."""
+        result: dict[str, list[str]] = {}
+        for tool_name, group in self._groups.items():
+            result.setdefault(group, []).append(tool_name)
+        return result
+
+    def in_groups(self, *groups: str) -> list[Tool]:
+        """The tools of the given groups (all tools when none is given)."""
+        return [t for t in self._tools.values() if not groups or self._groups[t.name] in groups]
+
+    def specs(self, *groups: str) -> list[ToolSpec]:
+        """The specs of the tools of the given groups (all when none given)."""
+        return [t.spec() for t in self.in_groups(*groups)]
+
+    async def run(self, name: str, parameters: Any, *, timeout: float | None = None) -> ToolOutcome:
+        """Run a tool by name; an unknown name is an ``unknown_tool`` outcome."""
+        found = self._tools.get(name)
+        if found is None:
+            message = str(UnknownToolError(name, list(self._tools)))
+            return ToolOutcome.failure("error", "unknown_tool", message)
+        return await found.run(parameters, timeout=timeout)
+
+
+def load_toolkit(spec: str) -> Toolkit:
+    """The toolkit named by ``MODULE[:ATTR]``.
+
+    ``ATTR`` may be a :class:`Toolkit`, a :class:`Tool`, a list of tools, or a
+    function returning one of these. Without ``ATTR``: the module's
+    ``toolkit`` attribute if it has one, else every ``Tool`` defined at its
+    top level.
+
+    Raises:
+        ToolDefinitionError: the module or attribute cannot be loaded, or
+            holds no tools.
+    """
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ToolDefinitionError(f"cannot import {module_name!r}: {exc}") from exc
+    if attr:
+        try:
+            target: Any = module
+            for part in attr.split("."):
+                target = getattr(target, part)
+        except AttributeError:
+            raise ToolDefinitionError(f"module {module_name!r} has no attribute {attr!r}") from None
+    elif isinstance(getattr(module, "toolkit", None), Toolkit):
+        target = module.toolkit
+    else:
+        target = [v for v in vars(module).values() if isinstance(v, Tool)]
+    if callable(target) and not isinstance(target, Tool | Toolkit):
+        target = target()
+    if isinstance(target, Awaitable):
+        raise ToolDefinitionError(f"{spec} is an async factory; give a sync one")
+    if isinstance(target, Toolkit):
+        kit = target
+    elif isinstance(target, Tool):
+        kit = Toolkit([target])
+    elif isinstance(target, list | tuple) and all(isinstance(t, Tool) for t in target):
+        kit = Toolkit(target)
+    else:
+        raise ToolDefinitionError(f"{spec} is not a Toolkit, a Tool or a list of tools")
+    if not len(kit):
+        raise ToolDefinitionError(f"{spec} holds no tools")
+    return kit
