@@ -14,7 +14,7 @@ from typing import Any
 
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.micro import EndpointInfo, discover
-from fleetbus.errors import RemoteError, UnexpectedMessageError
+from fleetbus.errors import ConfigError, RemoteError, UnexpectedMessageError
 from fleetbus.protocol import ErrorMessage, ToolCall, ToolResult, ToolSpec, new_id
 
 __all__ = ["SERVICE_NAME", "RemoteTool", "ToolClient"]
@@ -107,9 +107,12 @@ class ToolClient:
                 (answered an ``error`` message).
             PayloadTooLargeError: the parameters exceed the server's limit.
             ProtocolError: the reply was not a valid ``tool_result`` for this call.
-            InvalidSubjectError: the tool name cannot be a subject token.
+            ConfigError: the timeout is not positive, or the tool name cannot
+                be a subject token.
         """
         tool_timeout = self.timeout if timeout is None else timeout
+        if not tool_timeout > 0:
+            raise ConfigError(f"timeout must be positive, got {tool_timeout}")
         call = ToolCall(
             sender=self.sender,
             session_id=session_id,

@@ -202,9 +202,11 @@ def _parameters_model(
         if param.name not in hints:
             raise ToolDefinitionError(f"tool {name}: parameter {param.name!r} has no type hint")
         default = ... if param.default is param.empty else param.default
+        description = descriptions.get(param.name)
+        # A description in Annotated[..., Field(description=…)] wins over the docstring.
         fields[param.name] = (
             hints[param.name],
-            pydantic.Field(default, description=descriptions.get(param.name) or None),
+            pydantic.Field(default, description=description) if description else default,
         )
     try:
         return pydantic.create_model(

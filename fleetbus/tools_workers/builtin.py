@@ -1,0 +1,255 @@
+"""The built-in tools: a calculator, the current time, and files in a sandbox.
+
+Serve them all with ``fleetbus worker fleetbus.tools_workers.builtin``, which
+loads this module's :data:`toolkit`. The file tools work inside the directory
+named by ``FLEETBUS_FILES_ROOT`` (``./workspace`` by default), created on first
+use, never at import.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Final
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from fleetbus.tools_workers._calculator import evaluate
+from fleetbus.tools_workers.tool import Tool, Toolkit, tool
+
+__all__ = [
+    "DEFAULT_FILES_ROOT",
+    "FILES_ROOT_ENV",
+    "MAX_FILE_BYTES",
+    "MAX_LIST_ENTRIES",
+    "FileSandbox",
+    "builtin_toolkit",
+    "calculator",
+    "current_time",
+    "file_tools",
+    "toolkit",
+]
+
+FILES_ROOT_ENV: Final = "FLEETBUS_FILES_ROOT"
+"""Environment variable naming the root directory of the file tools."""
+
+DEFAULT_FILES_ROOT: Final = "workspace"
+"""Root of the file tools when ``FLEETBUS_FILES_ROOT`` is unset, under the current directory."""
+
+MAX_FILE_BYTES: Final = 512 * 1024
+"""Largest file ``read_file`` reads and ``write_file`` writes, in bytes: half of
+NATS's default ``max_payload`` (1 MiB), so a read file always fits in its reply."""
+
+MAX_LIST_ENTRIES: Final = 1000
+"""Most entries ``list_dir`` returns; a bigger directory is an error."""
+
+
+@tool
+def calculator(expr: str) -> int | float:
+    """Evaluate an arithmetic expression exactly and safely.
+
+    Accepts numbers, + - * / // % ** and parentheses, the constants pi, e and
+    tau, and the functions abs, round, min, max, sqrt, exp, log, log10, log2,
+    sin, cos, tan, floor and ceil. Integer arithmetic is exact ("2026 - 1991"
+    gives 35); "/" gives a float. Integers are limited to 10**1000.
+
+    Args:
+        expr: the expression in Python syntax, e.g. "(2026 - 1991) * 12" or "sqrt(2) / 2".
+    """
+    return evaluate(expr)
+
+
+@tool
+def current_time(timezone: str = "UTC") -> dict[str, Any]:
+    """The current date and time in a time zone.
+
+    Returns the zone, the time as an RFC 3339 string, the Unix timestamp in
+    seconds, and the weekday.
+
+    Args:
+        timezone: an IANA time zone name, e.g. "UTC", "Europe/Paris" or "America/New_York".
+    """
+    try:
+        zone = ZoneInfo(timezone)
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        raise ValueError(
+            f"unknown time zone {timezone!r}; give an IANA name such as 'UTC' or 'Europe/Paris'"
+        ) from None
+    now = datetime.now(zone)
+    return {
+        "timezone": zone.key,
+        "iso": now.isoformat(),
+        "unix": now.timestamp(),
+        "weekday": now.strftime("%A"),
+    }
+
+
+class FileSandbox:
+    """A root directory that paths may not leave.
+
+    Relative paths are taken from the root. An absolute path is allowed when it
+    lies inside the root, and refused otherwise, like a ``..`` escape or a
+    symlink that points outside: every path is checked after symlinks are
+    resolved. The check happens before each operation; a process that swaps a
+    directory for a symlink between the check and the operation is out of
+    scope (the sandbox guards against a model's mistakes, not local attackers).
+
+    Args:
+        root: the root directory; made absolute now, created by :meth:`ensure_root`.
+        max_bytes: the largest file read or written, in bytes.
+    """
+
+    def __init__(self, root: str | Path, *, max_bytes: int = MAX_FILE_BYTES) -> None:
+        self.root = Path(os.path.abspath(Path(root).expanduser()))
+        self.max_bytes = max_bytes
+
+    def __repr__(self) -> str:
+        return f"FileSandbox({str(self.root)!r})"
+
+    def ensure_root(self) -> Path:
+        """Create the root directory if needed, and return its real path."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        return self.root.resolve()
+
+    def resolve(self, path: str | Path) -> Path:
+        """The real path of ``path`` inside the root (which need not exist yet).
+
+        Raises:
+            PermissionError: the path escapes the root.
+            ValueError: the path is malformed or cannot be resolved (a symlink loop).
+        """
+        text = str(path)
+        if "\x00" in text:
+            raise ValueError(f"path {text!r} contains a NUL byte")
+        root = self.root.resolve()
+        candidate = Path(text)
+        try:
+            target = (candidate if candidate.is_absolute() else root / candidate).resolve()
+        except (RuntimeError, OSError) as exc:
+            raise ValueError(f"cannot resolve path {text!r}: {exc}") from None
+        if not target.is_relative_to(root):
+            raise PermissionError(f"path {text!r} escapes the sandbox root {str(self.root)!r}")
+        return target
+
+    def relative(self, target: Path) -> str:
+        """``target`` (a result of :meth:`resolve`) relative to the root, ``"."`` for the root."""
+        return target.relative_to(self.root.resolve()).as_posix()
+
+
+def file_tools(root: str | Path | FileSandbox) -> list[Tool]:
+    """The ``read_file``, ``write_file`` and ``list_dir`` tools, confined to ``root``.
+
+    Args:
+        root: the sandbox, or its root directory (created on first use).
+    """
+    sandbox = root if isinstance(root, FileSandbox) else FileSandbox(root)
+
+    @tool(name="read_file")
+    def read_file(path: str) -> str:
+        """Read a text file from the workspace (UTF-8; undecodable bytes are replaced).
+
+        Args:
+            path: the file's path, relative to the workspace root.
+        """
+        sandbox.ensure_root()
+        target = sandbox.resolve(path)
+        try:
+            info = target.stat()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no such file: {path!r}") from None
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(f"{path!r} is a directory; use list_dir")
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path!r} is not a regular file")
+        if info.st_size > sandbox.max_bytes:
+            raise ValueError(_too_big(path, info.st_size, sandbox.max_bytes, "read"))
+        with target.open("rb") as f:
+            data = f.read(sandbox.max_bytes + 1)
+        if len(data) > sandbox.max_bytes:  # it grew since stat()
+            raise ValueError(_too_big(path, len(data), sandbox.max_bytes, "read"))
+        return data.decode("utf-8", errors="replace")
+
+    @tool(name="write_file", concurrency_safe=False)
+    def write_file(path: str, content: str) -> dict[str, Any]:
+        """Write a text file in the workspace (UTF-8), replacing it if it exists.
+
+        Missing parent directories are created.
+
+        Args:
+            path: the file's path, relative to the workspace root.
+            content: the whole new content of the file.
+        """
+        data = content.encode("utf-8")
+        if len(data) > sandbox.max_bytes:
+            raise ValueError(_too_big(path, len(data), sandbox.max_bytes, "write"))
+        sandbox.ensure_root()
+        target = sandbox.resolve(path)
+        if target.is_dir():
+            raise IsADirectoryError(f"{path!r} is a directory")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        return {"path": sandbox.relative(target), "bytes": len(data)}
+
+    @tool(name="list_dir")
+    def list_dir(path: str = ".") -> list[dict[str, Any]]:
+        """List a directory of the workspace, sorted by name.
+
+        Each entry has a name, a type ("file", "dir", "symlink" or "other") and
+        a size in bytes (0 for anything but files).
+
+        Args:
+            path: the directory's path, relative to the workspace root.
+        """
+        sandbox.ensure_root()
+        target = sandbox.resolve(path)
+        if not target.exists():
+            raise FileNotFoundError(f"no such directory: {path!r}")
+        if not target.is_dir():
+            raise NotADirectoryError(f"{path!r} is not a directory; use read_file")
+        entries: list[os.DirEntry[str]] = []
+        with os.scandir(target) as it:
+            for entry in it:
+                if len(entries) == MAX_LIST_ENTRIES:
+                    raise ValueError(
+                        f"{path!r} holds more than {MAX_LIST_ENTRIES} entries; "
+                        "list a subdirectory instead"
+                    )
+                entries.append(entry)
+        return [_describe_entry(e) for e in sorted(entries, key=lambda e: e.name)]
+
+    return [read_file, write_file, list_dir]
+
+
+def _too_big(path: str, size: int, limit: int, verb: str) -> str:
+    return f"{path!r} is {size} bytes; {verb}_file handles at most {limit} bytes"
+
+
+def _describe_entry(entry: os.DirEntry[str]) -> dict[str, Any]:
+    # Symlinks are not followed: their target may lie outside the sandbox.
+    info = entry.stat(follow_symlinks=False)
+    if stat.S_ISREG(info.st_mode):
+        kind, size = "file", info.st_size
+    elif stat.S_ISDIR(info.st_mode):
+        kind, size = "dir", 0
+    elif stat.S_ISLNK(info.st_mode):
+        kind, size = "symlink", 0
+    else:
+        kind, size = "other", 0
+    return {"name": entry.name, "type": kind, "size": size}
+
+
+def builtin_toolkit(files_root: str | Path | None = None) -> Toolkit:
+    """A toolkit of every built-in tool.
+
+    Args:
+        files_root: the root of the file tools; by default ``$FLEETBUS_FILES_ROOT``,
+            else ``./workspace``. It is created on first use, not here.
+    """
+    if files_root is None:
+        files_root = os.environ.get(FILES_ROOT_ENV) or DEFAULT_FILES_ROOT
+    return Toolkit([calculator, current_time, *file_tools(files_root)])
+
+
+toolkit = builtin_toolkit()
+"""The built-in tools, served by ``fleetbus worker fleetbus.tools_workers.builtin``."""

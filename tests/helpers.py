@@ -1,0 +1,87 @@
+"""Helpers for tests that run fleetbus commands as separate OS processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from fleetbus.bus import Bus, ToolClient
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spawn(args: Sequence[str], *, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``python -m fleetbus ARGS`` from the project root."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "fleetbus", *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def stop(proc: subprocess.Popen[bytes], *, timeout: float = 15.0) -> int:
+    """SIGTERM a process and wait for it (SIGKILL after ``timeout``)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        if proc.stdout is not None and not proc.stdout.closed:
+            proc.stdout.close()
+
+
+def output(proc: subprocess.Popen[bytes]) -> str:
+    """What a finished process printed (closes its pipe)."""
+    assert proc.stdout is not None
+    with proc.stdout:
+        return proc.stdout.read().decode(errors="replace")
+
+
+@contextmanager
+def workers(
+    url: str, prefix: str, count: int, *, spec: str, env: dict[str, str] | None = None
+) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """``count`` worker processes serving ``spec``, stopped (SIGTERM) on exit."""
+    procs = [
+        spawn(
+            ["worker", spec, "--nats", url, "--prefix", prefix, "--worker-id", f"w{i}"],
+            env=env,
+        )
+        for i in range(1, count + 1)
+    ]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            try:
+                stop(proc)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+async def wait_for_workers(bus: Bus, tool_name: str, count: int, timeout: float = 30.0) -> None:
+    """Wait until ``count`` workers serve ``tool_name`` (by micro discovery)."""
+    client = ToolClient(bus)
+    deadline = time.monotonic() + timeout
+    seen = 0
+    while time.monotonic() < deadline:
+        tools = await client.discover(timeout=0.3)
+        seen = tools[tool_name].workers if tool_name in tools else 0
+        if seen >= count:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"only {seen} of {count} workers serve {tool_name} after {timeout}s")

@@ -1,0 +1,295 @@
+"""The bus against a real nats-server: request/reply with retries, observe,
+serving loops that survive bad requests, and clear connection errors."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from fleetbus.bus import Bus, EmbeddedServer, Request
+from fleetbus.errors import (
+    CallTimeoutError,
+    ConnectError,
+    ConnectionClosedError,
+    NoRespondersError,
+    PayloadTooLargeError,
+)
+from fleetbus.protocol import (
+    ErrorMessage,
+    Event,
+    Message,
+    TextBlock,
+    ToolCall,
+    ToolResult,
+    UserRequest,
+    decode,
+)
+
+
+async def echo_handler(request: Request) -> Message:
+    message = request.message
+    assert isinstance(message, ToolCall)
+    return ToolResult(
+        call_id=message.call_id,
+        tool_name=message.tool_name,
+        status="success",
+        content={"attempt": message.attempt, "parameters": message.parameters},
+    )
+
+
+async def test_request_reply_round_trip(bus: Bus) -> None:
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(bus.serve("x.echo", echo_handler, stop=stop, ready=ready))
+        await ready.wait()
+        reply = await bus.request(
+            "x.echo", ToolCall(tool_name="echo", call_id="c-1", parameters={"a": 1}), timeout=2
+        )
+        stop.set()
+    assert isinstance(reply, ToolResult)
+    assert reply.call_id == "c-1"
+    assert reply.content == {"attempt": 1, "parameters": {"a": 1}}
+
+
+async def test_no_responders_is_retried_then_reported(bus: Bus) -> None:
+    with pytest.raises(NoRespondersError, match="after 3 attempt") as caught:
+        await bus.request(
+            "nobody.here",
+            ToolCall(tool_name="x", call_id="c-2"),
+            timeout=1,
+            attempts=3,
+            retry_backoff=0.01,
+        )
+    assert caught.value.call_id == "c-2"
+
+
+async def test_a_call_is_retried_until_a_responder_appears(bus: Bus) -> None:
+    """The first attempts find nobody; a server that starts late still answers."""
+    stop = asyncio.Event()
+
+    async def late_server() -> None:
+        await asyncio.sleep(0.15)
+        await bus.serve("late.echo", echo_handler, stop=stop)
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(late_server())
+        reply = await bus.request(
+            "late.echo",
+            ToolCall(tool_name="e", call_id="c-3"),
+            timeout=1,
+            attempts=6,
+            retry_backoff=0.05,
+        )
+        stop.set()
+    assert isinstance(reply, ToolResult)
+    assert reply.call_id == "c-3"
+    assert isinstance(reply.content, dict)
+    assert reply.content["attempt"] > 1
+
+
+async def test_unanswered_attempts_time_out_with_the_same_call_id(bus: Bus) -> None:
+    seen: list[tuple[str | None, int]] = []
+
+    async def silent(request: Request) -> None:
+        assert isinstance(request.message, ToolCall)
+        seen.append((request.message.call_id, request.message.attempt))
+        return None
+
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(bus.serve("silent", silent, stop=stop, ready=ready))
+        await ready.wait()
+        with pytest.raises(CallTimeoutError, match="after 3 attempt") as caught:
+            await bus.request(
+                "silent", ToolCall(tool_name="s", call_id="c-4"), timeout=0.1, attempts=3
+            )
+        stop.set()
+    assert caught.value.attempts == 3
+    assert isinstance(caught.value, TimeoutError)
+    assert seen == [("c-4", 1), ("c-4", 2), ("c-4", 3)]
+
+
+@pytest.mark.parametrize(
+    ("payload", "code", "call_id"),
+    [
+        (b"\x00garbage", "malformed", None),
+        (b'{"type": "tool_call", "tool_name": 5, "call_id": "c-5"}', "malformed", "c-5"),
+        (b'{"type": "mystery", "call_id": "c-6"}', "malformed", "c-6"),
+        (
+            b'{"type": "tool_call", "tool_name": "x", "version": 9, "call_id": "c-7"}',
+            "unsupported_version",
+            "c-7",
+        ),
+    ],
+)
+async def test_bad_requests_get_an_error_reply_and_serving_goes_on(
+    bus: Bus, payload: bytes, code: str, call_id: str | None
+) -> None:
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(bus.serve("svc", echo_handler, stop=stop, ready=ready, component="svc-1"))
+        await ready.wait()
+        raw = await bus.nc.request("svc", payload, timeout=2)
+        error = decode(raw.data)
+        good = await bus.request("svc", ToolCall(tool_name="e", call_id="ok"), timeout=2)
+        stop.set()
+    assert isinstance(error, ErrorMessage)
+    assert (error.code, error.call_id, error.source_component) == (code, call_id, "svc-1")
+    assert isinstance(good, ToolResult)
+
+
+async def test_a_handler_that_raises_gets_an_internal_error_reply(bus: Bus) -> None:
+    async def broken(request: Request) -> Message:
+        raise RuntimeError("handler bug")
+
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(bus.serve("broken", broken, stop=stop, ready=ready))
+        await ready.wait()
+        reply = await bus.request("broken", ToolCall(tool_name="b", call_id="c-8"), timeout=2)
+        again = await bus.request("broken", ToolCall(tool_name="b", call_id="c-9"), timeout=2)
+        stop.set()
+    assert isinstance(reply, ErrorMessage)
+    assert (reply.code, reply.call_id) == ("internal", "c-8")
+    assert "handler bug" in reply.message
+    assert isinstance(again, ErrorMessage)
+
+
+async def test_concurrency_is_bounded_by_the_limiter(bus: Bus) -> None:
+    running = 0
+    peak = 0
+
+    async def slow(request: Request) -> Message:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.05)
+        running -= 1
+        return await echo_handler(request)
+
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(
+            bus.serve("slow", slow, stop=stop, ready=ready, limiter=asyncio.Semaphore(3))
+        )
+        await ready.wait()
+        replies = await asyncio.gather(
+            *(
+                bus.request("slow", ToolCall(tool_name="s", call_id=f"c{i}"), timeout=5)
+                for i in range(12)
+            )
+        )
+        stop.set()
+    assert all(isinstance(r, ToolResult) for r in replies)
+    assert peak == 3
+
+
+async def test_stopping_drains_requests_in_flight(bus: Bus) -> None:
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    started = asyncio.Event()
+
+    async def slow(request: Request) -> Message:
+        started.set()
+        await asyncio.sleep(0.2)
+        return await echo_handler(request)
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(bus.serve("drain", slow, stop=stop, ready=ready))
+        await ready.wait()
+        pending = tg.create_task(
+            bus.request("drain", ToolCall(tool_name="d", call_id="c"), timeout=5)
+        )
+        await started.wait()
+        stop.set()
+        reply = await pending
+    assert isinstance(reply, ToolResult)
+    with pytest.raises(NoRespondersError):
+        await bus.request("drain", ToolCall(tool_name="d", call_id="late"), timeout=1)
+
+
+async def test_every_observer_gets_every_broadcast(bus: Bus) -> None:
+    subject = bus.subjects.topic("news")
+    first = await bus.observe(subject)
+    second = await bus.observe(subject)
+    await bus.flush()
+    await bus.nc.publish(subject, b"not a message")
+    for i in range(3):
+        await bus.publish(subject, Event(event="tick", seq=i))
+
+    async def take(observation: object, n: int) -> list[int]:
+        got: list[int] = []
+        async for message in observation:  # type: ignore[attr-defined]
+            assert isinstance(message, Event)
+            got.append(message.seq)
+            if len(got) == n:
+                break
+        return got
+
+    async with first, second:
+        a, b = await asyncio.wait_for(asyncio.gather(take(first, 3), take(second, 3)), 5)
+    assert a == b == [0, 1, 2]
+    assert first.skipped == second.skipped == 1
+
+
+async def test_oversized_messages_are_refused_before_sending(bus: Bus) -> None:
+    huge = UserRequest(content=[TextBlock(text="x" * (bus.max_payload + 1))])
+    with pytest.raises(PayloadTooLargeError, match="max_payload") as caught:
+        await bus.publish("anywhere", huge)
+    assert caught.value.size > caught.value.limit == bus.max_payload
+    assert isinstance(caught.value, ValueError)
+
+
+async def test_connecting_to_nothing_fails_fast_and_clearly() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ConnectError, match=f"cannot connect to NATS at nats://127.0.0.1:{port}"):
+        await Bus.connect(f"nats://127.0.0.1:{port}", timeout=1.0)
+
+
+async def test_a_closed_bus_says_so(nats_server: EmbeddedServer) -> None:
+    closed = await Bus.connect(nats_server.url)
+    await closed.close()
+    await closed.close()  # twice is fine
+    with pytest.raises(ConnectionClosedError):
+        await closed.publish("x", Event(event="e"))
+
+
+async def test_the_bus_survives_a_server_restart() -> None:
+    """Requests work again once a restarted server is back on the same port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = EmbeddedServer(port=port).start()
+    try:
+        client = await Bus.connect(server.url)
+        responder = await Bus.connect(server.url)
+        stop = asyncio.Event()
+        ready = asyncio.Event()
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(responder.serve("restart.echo", echo_handler, stop=stop, ready=ready))
+            await ready.wait()
+            server.kill()
+            server = EmbeddedServer(port=port).start()
+            reply = await client.request(
+                "restart.echo",
+                ToolCall(tool_name="e", call_id="after"),
+                timeout=1,
+                attempts=20,
+                retry_backoff=0.05,
+            )
+            stop.set()
+        assert isinstance(reply, ToolResult)
+        assert reply.call_id == "after"
+        await client.close()
+        await responder.close()
+    finally:
+        server.stop()

@@ -1,0 +1,75 @@
+"""JetStream KV and object store helpers against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fleetbus.bus import Bus, EmbeddedServer, key_value, object_store
+from fleetbus.errors import KeyNotFoundError, RevisionMismatchError, StoreError
+
+
+async def test_key_value_put_get_delete_and_keys(bus: Bus) -> None:
+    kv = await key_value(bus, "state")
+    assert kv.bucket == f"{bus.prefix}_state"
+    assert await kv.keys() == []
+    assert await kv.get_or_none("a") is None
+    rev = await kv.put("a", b"1")
+    entry = await kv.get("a")
+    assert (entry.key, entry.value, entry.revision) == ("a", b"1", rev)
+    await kv.put("b.c", b"2")
+    assert await kv.keys() == ["a", "b.c"]
+    await kv.delete("a")
+    with pytest.raises(KeyNotFoundError, match="no key 'a'"):
+        await kv.get("a")
+    assert await kv.keys() == ["b.c"]
+
+
+async def test_compare_and_set_lets_only_one_writer_win(bus: Bus) -> None:
+    kv = await key_value(bus, "cas")
+    rev = await kv.create("session", b"v1")
+    with pytest.raises(RevisionMismatchError, match="already exists"):
+        await kv.create("session", b"other")
+    results = await asyncio.gather(
+        kv.update("session", b"writer-1", revision=rev),
+        kv.update("session", b"writer-2", revision=rev),
+        return_exceptions=True,
+    )
+    assert sum(isinstance(r, int) for r in results) == 1
+    loser = next(r for r in results if isinstance(r, BaseException))
+    assert isinstance(loser, RevisionMismatchError)
+    assert loser.expected == rev
+    assert (await kv.get("session")).value in {b"writer-1", b"writer-2"}
+
+
+async def test_opening_a_missing_bucket_without_create_is_an_error(bus: Bus) -> None:
+    with pytest.raises(StoreError, match="does not exist"):
+        await key_value(bus, "never", create=False)
+    with pytest.raises(StoreError, match="does not exist"):
+        await object_store(bus, "never", create=False)
+
+
+async def test_object_store_holds_large_blobs(bus: Bus) -> None:
+    store = await object_store(bus, "blobs")
+    blob = bytes(range(256)) * 8192  # 2 MiB: larger than one NATS message
+    summary = await store.put("result-1", blob)
+    assert summary.size == len(blob)
+    assert await store.get("result-1") == blob
+    assert [s.name for s in await store.list()] == ["result-1"]
+    assert store.url("result-1") == f"nats-object://{bus.prefix}_blobs/result-1"
+    await store.delete("result-1")
+    with pytest.raises(KeyNotFoundError):
+        await store.get("result-1")
+    with pytest.raises(KeyNotFoundError):
+        await store.delete("result-1")
+
+
+async def test_without_jetstream_the_error_says_so() -> None:
+    with EmbeddedServer(jetstream=False) as plain:
+        bus = await Bus.connect(plain.url)
+        try:
+            with pytest.raises(StoreError, match="JetStream"):
+                await key_value(bus, "x")
+        finally:
+            await bus.close()

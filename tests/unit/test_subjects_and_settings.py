@@ -1,0 +1,94 @@
+"""Subject names, and connection settings from arguments and the environment."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+
+import pytest
+
+from fleetbus.bus import DEFAULT_URL, ConnectOptions, Subjects
+from fleetbus.errors import ConfigError, InvalidSubjectError
+
+
+def test_subjects_follow_the_design() -> None:
+    s = Subjects()
+    assert s.tool("calculator") == "fleet.tool.calculator"
+    assert s.tool_queue("calculator") == "tool.calculator"
+    assert s.agent_inbox("planner") == "fleet.agent.planner.inbox"
+    assert s.agent_queue("planner") == "agent.planner"
+    assert s.topic("news") == "fleet.topic.news"
+    assert s.model("gpt-4o") == "fleet.model.gpt-4o"
+    assert s.events("planner", "s-42") == "fleet.events.planner.s-42"
+    assert s.all_events() == "fleet.events.>"
+    assert s.all_events("planner") == "fleet.events.planner.*"
+
+
+def test_the_prefix_separates_fleets() -> None:
+    assert Subjects("acme.prod").tool("x") == "acme.prod.tool.x"
+    assert Subjects("acme.prod").kv_bucket("sessions") == "acme_prod_sessions"
+    assert Subjects("a").tool_queue("x") == Subjects("b").tool_queue("x")
+
+
+@pytest.mark.parametrize("bad", ["", "a.b", "a b", "*", ">", "a>", "x" * 129, "tab\t"])
+def test_names_that_cannot_be_one_token_are_refused(bad: str) -> None:
+    with pytest.raises(InvalidSubjectError, match="invalid tool name"):
+        Subjects().tool(bad)
+
+
+@pytest.mark.parametrize("bad", ["", "a..b", ".a", "a.*", "a b"])
+def test_bad_prefixes_are_refused(bad: str) -> None:
+    with pytest.raises(InvalidSubjectError):
+        Subjects(bad)
+
+
+def test_options_default_to_the_local_server() -> None:
+    options = ConnectOptions.from_env(environ={})
+    assert options.servers == [DEFAULT_URL]
+    assert options.prefix == "fleet"
+    assert options.max_reconnect_attempts == -1
+
+
+def test_options_read_the_environment() -> None:
+    env = {
+        "FLEETBUS_NATS_URL": "nats://a:4222, nats://b:4222",
+        "FLEETBUS_PREFIX": "tenant1",
+        "FLEETBUS_NATS_USER": "alice",
+        "FLEETBUS_NATS_PASSWORD": "s3cret",
+        "FLEETBUS_NATS_TOKEN": "tok",
+        "FLEETBUS_NATS_CREDS": "/x.creds",
+    }
+    options = ConnectOptions.from_env(environ=env)
+    assert options.servers == ["nats://a:4222", "nats://b:4222"]
+    assert options.prefix == "tenant1"
+    kwargs = options.nats_kwargs()
+    assert kwargs["user"] == "alice"
+    assert kwargs["password"] == "s3cret"
+    assert kwargs["token"] == "tok"
+    assert kwargs["user_credentials"] == "/x.creds"
+    assert "s3cret" not in repr(options)
+
+
+def test_arguments_win_over_the_environment() -> None:
+    env = {"FLEETBUS_NATS_URL": "nats://env:4222", "FLEETBUS_PREFIX": "env"}
+    options = ConnectOptions.from_env("nats://arg:4222", environ=env, prefix="arg")
+    assert (options.servers, options.prefix) == (["nats://arg:4222"], "arg")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"servers": []}, {"servers": ["localhost:4222"]}, {"prefix": "a b"}],
+)
+def test_invalid_settings_are_a_config_error(overrides: dict[str, object]) -> None:
+    servers = overrides.pop("servers", None)
+    with pytest.raises(ConfigError, match="invalid NATS connection settings"):
+        ConnectOptions.from_env(servers, environ={}, **overrides)  # type: ignore[arg-type]
+
+
+def test_tls_urls_get_a_context_and_missing_files_are_clear(tmp_path: Path) -> None:
+    options = ConnectOptions.from_env("tls://example:4222", environ={})
+    assert isinstance(options.nats_kwargs()["tls"], ssl.SSLContext)
+    assert "tls" not in ConnectOptions.from_env(environ={}).nats_kwargs()
+    missing = ConnectOptions.from_env(environ={}, tls_ca_file=str(tmp_path / "nope.pem"))
+    with pytest.raises(ConfigError, match="cannot load TLS files"):
+        missing.nats_kwargs()
