@@ -86,16 +86,23 @@ class ProtocolError(FleetbusError):
         code: the protocol error code to answer with (``malformed`` or
             ``unsupported_version``).
         call_id: the ``call_id`` of the offending message, when it could be read.
+        session_id: its ``session_id``, when it could be read.
         message_type: its ``type``, when it could be read.
     """
 
     code: str = "malformed"
 
     def __init__(
-        self, message: str, *, call_id: str | None = None, message_type: str | None = None
+        self,
+        message: str,
+        *,
+        call_id: str | None = None,
+        session_id: str | None = None,
+        message_type: str | None = None,
     ) -> None:
         super().__init__(message)
         self.call_id = call_id
+        self.session_id = session_id
         self.message_type = message_type
 
 
@@ -130,9 +137,10 @@ class UnsupportedVersionError(ProtocolError):
         *,
         version: int,
         call_id: str | None = None,
+        session_id: str | None = None,
         message_type: str | None = None,
     ) -> None:
-        super().__init__(message, call_id=call_id, message_type=message_type)
+        super().__init__(message, call_id=call_id, session_id=session_id, message_type=message_type)
         self.version = version
 
 

@@ -89,7 +89,7 @@ class Bus:
         prefix: str | None = None,
         name: str | None = None,
         options: ConnectOptions | None = None,
-        timeout: float = 10.0,
+        timeout: float | None = None,
     ) -> Bus:
         """Connect to NATS.
 
@@ -100,7 +100,9 @@ class Bus:
                 makes; a host-pid name by default.
             options: full settings; ``servers``/``prefix``/``name`` override them.
             timeout: seconds to keep trying before giving up on the first
-                connection (later disconnects are retried for ever).
+                connection; ``options.initial_connect_timeout`` (10 s, or
+                ``FLEETBUS_CONNECT_TIMEOUT``) by default. Later disconnects
+                are retried for ever.
 
         Raises:
             ConnectError: no server reachable in time, or credentials refused.
@@ -144,7 +146,7 @@ class Bus:
                     reconnected_cb=reconnected_cb,
                     **kwargs,
                 ),
-                timeout,
+                options.initial_connect_timeout if timeout is None else timeout,
             )
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await _close_quietly(nc)
@@ -378,21 +380,27 @@ class Bus:
 
             pump_task = tg.create_task(pump())
             await stop.wait()
+            deadline = asyncio.get_running_loop().time() + drain_timeout
+            # Stop taking requests; those already received still get handled.
             try:
                 async with asyncio.timeout(drain_timeout):
                     if not self._nc.is_closed and not self._nc.is_draining:
                         await sub.drain()  # type: ignore[no-untyped-call]
-                    await asyncio.gather(*in_flight, return_exceptions=True)
-            except TimeoutError:
-                logger.warning(
-                    "%d request(s) on %s still running after %.3gs; cancelling them",
-                    len(in_flight),
-                    subject,
-                    drain_timeout,
-                )
+            except (TimeoutError, nats.errors.Error) as exc:
+                logger.warning("draining %s: %s", subject, exc or type(exc).__name__)
             pump_task.cancel()
-            for task in list(in_flight):
-                task.cancel()
+            if in_flight:
+                remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+                _, late = await asyncio.wait(set(in_flight), timeout=remaining)
+                if late:
+                    logger.warning(
+                        "%d request(s) on %s still running after %.3gs; cancelling them",
+                        len(late),
+                        subject,
+                        drain_timeout,
+                    )
+                    for task in late:
+                        task.cancel()
 
     async def _handle(
         self, msg: Msg, handler: Handler, limiter: asyncio.Semaphore, source: str
@@ -400,7 +408,7 @@ class Bus:
         try:
             reply = await self._reply_for(msg, handler, source)
             if reply is not None and msg.reply:
-                await self._respond(msg, reply)
+                await self._respond(msg, reply, source)
             elif reply is not None:
                 logger.warning(
                     "request on %s has no reply subject; answer dropped: %s",
@@ -422,8 +430,9 @@ class Bus:
             )
             return ErrorMessage(
                 sender=source,
+                session_id=exc.session_id,
                 call_id=exc.call_id,
-                code="unsupported_version" if exc.code == "unsupported_version" else "malformed",
+                code=exc.code,
                 message=str(exc),
                 source_component=source,
             )
@@ -444,19 +453,19 @@ class Bus:
                 source_component=source,
             )
 
-    async def _respond(self, msg: Msg, reply: Message) -> None:
+    async def _respond(self, msg: Msg, reply: Message, source: str) -> None:
         try:
             payload = self._encode(reply)
         except (PayloadTooLargeError, ProtocolError) as exc:
             logger.warning("reply on %s cannot be sent: %s", msg.subject, exc)
             payload = encode(
                 ErrorMessage(
-                    sender=self.client_name,
+                    sender=source,
                     session_id=reply.session_id,
                     call_id=reply.call_id,
                     code="internal",
                     message=f"the reply could not be sent: {exc}",
-                    source_component=self.client_name,
+                    source_component=source,
                 )
             )
         try:

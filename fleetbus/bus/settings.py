@@ -13,6 +13,7 @@ environment variable           meaning
 ``FLEETBUS_NATS_TLS_CA``       CA bundle to verify the server
 ``FLEETBUS_NATS_TLS_CERT``     client certificate (mutual TLS)
 ``FLEETBUS_NATS_TLS_KEY``      client key (mutual TLS)
+``FLEETBUS_CONNECT_TIMEOUT``   seconds to keep trying the first connection
 =============================  ==========================================
 """
 
@@ -59,6 +60,9 @@ class ConnectOptions(BaseModel):
     tls_hostname: str | None = None
     connect_timeout: float = 2.0
     """Seconds to wait for each connection attempt."""
+    initial_connect_timeout: float = Field(default=10.0, gt=0)
+    """Seconds to keep trying before the first connection is given up; later
+    disconnects are retried as ``max_reconnect_attempts`` says."""
     allow_reconnect: bool = True
     max_reconnect_attempts: int = -1
     """-1: try for ever."""
@@ -170,4 +174,5 @@ _ENV = {
     "tls_ca_file": "FLEETBUS_NATS_TLS_CA",
     "tls_cert_file": "FLEETBUS_NATS_TLS_CERT",
     "tls_key_file": "FLEETBUS_NATS_TLS_KEY",
+    "initial_connect_timeout": "FLEETBUS_CONNECT_TIMEOUT",
 }

@@ -64,7 +64,9 @@ class ToolClient:
     Args:
         bus: the connection.
         sender: the ``sender`` of the calls (the bus's client name by default).
-        timeout: default seconds a tool may run.
+        timeout: seconds to wait for a reply to a call that sets no
+            ``timeout`` of its own (the worker then applies the tool's own
+            timeout, or its default).
         attempts: how many times a call is sent at most.
         reply_grace: seconds added to the tool's timeout to wait for the reply
             (the worker needs a moment to answer a timeout itself).
@@ -97,6 +99,10 @@ class ToolClient:
     ) -> ToolResult:
         """Call a tool and return its ``tool_result``.
 
+        ``timeout`` is how long the tool may run (sent with the call); when
+        ``None`` the worker applies the tool's own timeout, or its default,
+        and the reply is awaited for the client's ``timeout``.
+
         A tool that fails, times out or rejects its parameters is a result
         with that ``status``, not an exception.
 
@@ -110,21 +116,20 @@ class ToolClient:
             ConfigError: the timeout is not positive, or the tool name cannot
                 be a subject token.
         """
-        tool_timeout = self.timeout if timeout is None else timeout
-        if not tool_timeout > 0:
-            raise ConfigError(f"timeout must be positive, got {tool_timeout}")
+        if timeout is not None and not timeout > 0:
+            raise ConfigError(f"timeout must be positive, got {timeout}")
         call = ToolCall(
             sender=self.sender,
             session_id=session_id,
             call_id=call_id or new_id(),
             tool_name=tool_name,
             parameters=parameters or {},
-            timeout=tool_timeout,
+            timeout=timeout,
         )
         reply = await self._bus.request(
             self._bus.subjects.tool(tool_name),
             call,
-            timeout=tool_timeout + self.reply_grace,
+            timeout=(self.timeout if timeout is None else timeout) + self.reply_grace,
             attempts=self.attempts if attempts is None else attempts,
         )
         if isinstance(reply, ErrorMessage):

@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish calls on stop"
     )
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        help="refuse larger calls with invalid_parameters (default: the server's max_payload)",
+    )
     bus_options(p)
 
     p = sub.add_parser("tools", help="list the tools served on the bus, with their workers")
@@ -87,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("tool_name", metavar="TOOL_NAME")
     p.add_argument("parameters", metavar="JSON", nargs="?", default="{}", help="parameters object")
     p.add_argument(
-        "--timeout", type=float, default=30.0, help="seconds the tool may run (default 30)"
+        "--timeout",
+        type=float,
+        help="seconds the tool may run (default: the tool's own, else the worker's)",
     )
     p.add_argument("--session", help="session_id to send")
     bus_options(p)
@@ -163,6 +170,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 concurrency=args.concurrency,
                 default_timeout=args.timeout,
                 drain_timeout=args.drain_timeout,
+                max_request_bytes=args.max_request_bytes,
             )
             on_stop_signals(worker.stop)
             console.print(
@@ -234,8 +242,8 @@ def cmd_call(args: argparse.Namespace) -> int:
     async def call() -> int:
         bus = await connect(args.nats, args.prefix)
         try:
-            result = await ToolClient(bus, timeout=args.timeout).call(
-                args.tool_name, parameters, session_id=args.session
+            result = await ToolClient(bus).call(
+                args.tool_name, parameters, session_id=args.session, timeout=args.timeout
             )
         finally:
             await bus.close()

@@ -82,6 +82,7 @@ class _Envelope(msgspec.Struct):
     version: Any = None
     type: Any = None
     call_id: Any = None
+    session_id: Any = None
 
 
 _envelope_decoder = msgspec.json.Decoder(_Envelope)
@@ -128,6 +129,7 @@ def decode(data: bytes | bytearray | memoryview | str) -> AnyMessage:
             f"this receiver speaks {PROTOCOL_VERSION}",
             version=message.version,
             call_id=message.call_id,
+            session_id=message.session_id,
             message_type=type(message).__struct_config__.tag,  # type: ignore[arg-type]
         )
     return message
@@ -147,6 +149,7 @@ def decode_as(data: bytes | bytearray | memoryview | str, cls: type[M]) -> M:
         raise UnexpectedMessageError(
             f"expected a {want!r} message, got {got!r}",
             call_id=message.call_id,
+            session_id=message.session_id,
             message_type=got,  # type: ignore[arg-type]
         )
     return message
@@ -161,6 +164,7 @@ def _explain(data: bytes | bytearray | memoryview | str, exc: Exception) -> Exce
     except msgspec.DecodeError:
         return MalformedMessageError(f"payload is not valid JSON: {exc}")
     call_id = envelope.call_id if isinstance(envelope.call_id, str) else None
+    session_id = envelope.session_id if isinstance(envelope.session_id, str) else None
     message_type = envelope.type if isinstance(envelope.type, str) else None
     version = envelope.version
     if isinstance(version, int) and not isinstance(version, bool) and version > PROTOCOL_VERSION:
@@ -168,19 +172,24 @@ def _explain(data: bytes | bytearray | memoryview | str, exc: Exception) -> Exce
             f"message speaks protocol version {version}; this receiver speaks {PROTOCOL_VERSION}",
             version=version,
             call_id=call_id,
+            session_id=session_id,
             message_type=message_type,
         )
     if message_type is None:
         return UnknownMessageTypeError(
-            "message has no string 'type' field", call_id=call_id, message_type=None
+            "message has no string 'type' field", call_id=call_id, session_id=session_id
         )
     if message_type not in MESSAGE_TYPES:
         known = ", ".join(sorted(MESSAGE_TYPES))
         return UnknownMessageTypeError(
             f"unknown message type {message_type!r}; known types: {known}",
             call_id=call_id,
+            session_id=session_id,
             message_type=message_type,
         )
     return InvalidFieldError(
-        f"invalid {message_type!r} message: {exc}", call_id=call_id, message_type=message_type
+        f"invalid {message_type!r} message: {exc}",
+        call_id=call_id,
+        session_id=session_id,
+        message_type=message_type,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import msgspec
 
@@ -85,8 +85,9 @@ def utc_now() -> datetime:
 class ErrorDetail(msgspec.Struct, frozen=True, kw_only=True):
     """Why a call did not succeed."""
 
-    code: ErrorCode
-    """One of the protocol's error codes."""
+    code: str
+    """One of :data:`ERROR_CODES`. Open-ended: a receiver treats a code it does
+    not know like ``internal``, so new codes are not a breaking change."""
     message: str
     """A sentence for a person (or a model) to read."""
 
@@ -118,13 +119,13 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Fields every message carries."""
 
-    version: int = PROTOCOL_VERSION
+    version: Annotated[int, msgspec.Meta(ge=1)] = PROTOCOL_VERSION
     """Protocol major version. A receiver answers a higher one with
     ``unsupported_version``."""
     id: str = msgspec.field(default_factory=new_id)
     """Unique id of this message."""
-    timestamp: datetime = msgspec.field(default_factory=utc_now)
-    """When the sender made it (RFC 3339, UTC)."""
+    timestamp: Annotated[datetime, msgspec.Meta(tz=True)] = msgspec.field(default_factory=utc_now)
+    """When the sender made it (RFC 3339 with a UTC offset; fleetbus sends ``Z``)."""
     sender: str = ""
     """Id of the agent, worker or client that sent it."""
     session_id: str | None = None
@@ -177,7 +178,7 @@ class ToolCall(Message, frozen=True, kw_only=True, tag="tool_call"):
     """The arguments, a JSON object."""
     timeout: float | None = None
     """Seconds the tool may run; the worker's default when absent."""
-    attempt: int = 1
+    attempt: Annotated[int, msgspec.Meta(ge=1)] = 1
     """1 for the first send, 2… for retries of the same ``call_id``."""
 
 
@@ -209,7 +210,8 @@ class FinalAnswer(Message, frozen=True, kw_only=True, tag="final_answer"):
 class ErrorMessage(Message, frozen=True, kw_only=True, tag="error"):
     """A message that could not be handled at all."""
 
-    code: ErrorCode
+    code: str
+    """One of :data:`ERROR_CODES` (open-ended, as in :class:`ErrorDetail`)."""
     message: str
     source_component: str = ""
     """Who could not handle it (``worker.calc-1``, ``agent.planner``…)."""

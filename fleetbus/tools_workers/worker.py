@@ -83,8 +83,8 @@ class ToolWorker:
         self.drain_timeout = drain_timeout
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
-        self._answered: OrderedDict[str, tuple[float, ToolResult]] = OrderedDict()
-        self._running: dict[str, asyncio.Future[ToolResult]] = {}
+        self._answered: OrderedDict[tuple[str, str], tuple[float, ToolResult]] = OrderedDict()
+        self._running: dict[tuple[str, str], asyncio.Future[ToolResult]] = {}
         self.service = MicroService(
             bus,
             name=SERVICE_NAME,
@@ -204,33 +204,6 @@ class ToolWorker:
                     f"the call is {request.size} bytes; this worker accepts at most {limit}",
                 ),
             )
-        recorded = self._recorded(call.call_id)
-        if recorded is not None:
-            logger.info(
-                "call %s answered before; replaying its result",
-                call.call_id,
-                extra={"call_id": call.call_id},
-            )
-            return recorded
-        running = self._running.get(call.call_id)
-        if running is not None:
-            return await asyncio.shield(running)
-        future: asyncio.Future[ToolResult] = asyncio.get_running_loop().create_future()
-        self._running[call.call_id] = future
-        try:
-            result = await self._execute(served, call)
-            future.set_result(result)
-            self._remember(result)
-            return result
-        except BaseException as exc:
-            future.cancel() if isinstance(exc, asyncio.CancelledError) else future.set_exception(
-                exc
-            )
-            raise
-        finally:
-            del self._running[call.call_id]
-
-    async def _execute(self, served: Tool, call: ToolCall) -> ToolResult:
         timeout = call.timeout if call.timeout is not None else served.timeout
         timeout = self.default_timeout if timeout is None else timeout
         if not timeout > 0:
@@ -238,7 +211,36 @@ class ToolWorker:
                 call,
                 ToolOutcome.failure("error", "invalid_parameters", "timeout must be positive"),
             )
-        timeout = min(timeout, self.max_timeout)
+        key = (served.name, call.call_id)
+        recorded = self._recorded(key)
+        if recorded is not None:
+            logger.info(
+                "call %s answered before; replaying its result",
+                call.call_id,
+                extra={"call_id": call.call_id},
+            )
+            return recorded
+        running = self._running.get(key)
+        if running is not None:
+            return await asyncio.shield(running)
+        future: asyncio.Future[ToolResult] = asyncio.get_running_loop().create_future()
+        self._running[key] = future
+        try:
+            result = await self._execute(served, call, min(timeout, self.max_timeout))
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                future.cancel()
+            else:
+                future.set_exception(exc)
+            raise
+        else:
+            future.set_result(result)
+            self._remember(key, result)
+            return result
+        finally:
+            del self._running[key]
+
+    async def _execute(self, served: Tool, call: ToolCall, timeout: float) -> ToolResult:
         self.executed += 1
         try:
             outcome = await served.run(call.parameters, timeout=timeout)
@@ -273,20 +275,20 @@ class ToolWorker:
             source_component=self.worker_id,
         )
 
-    def _recorded(self, call_id: str) -> ToolResult | None:
-        entry = self._answered.get(call_id)
+    def _recorded(self, key: tuple[str, str]) -> ToolResult | None:
+        entry = self._answered.get(key)
         if entry is None:
             return None
         expires, result = entry
         if expires < time.monotonic():
-            del self._answered[call_id]
+            del self._answered[key]
             return None
         return result
 
-    def _remember(self, result: ToolResult) -> None:
-        if result.call_id is None or result.status == "cancelled":
-            return
-        self._answered[result.call_id] = (time.monotonic() + self.dedup_ttl, result)
-        self._answered.move_to_end(result.call_id)
+    def _remember(self, key: tuple[str, str], result: ToolResult) -> None:
+        if result.status == "cancelled":
+            return  # not an answer: a retry should run the call again
+        self._answered[key] = (time.monotonic() + self.dedup_ttl, result)
+        self._answered.move_to_end(key)
         while len(self._answered) > self.dedup_size:
             self._answered.popitem(last=False)

@@ -18,7 +18,7 @@ COMMANDS = ["server", "worker", "tools", "call", "schema", "demo"]
 
 
 def run_cli(*args: str, timeout: float = 60) -> tuple[int, str]:
-    proc = spawn(list(args))
+    proc = spawn(list(args), env={"FLEETBUS_CONNECT_TIMEOUT": "1"})
     try:
         code = proc.wait(timeout)
     except subprocess.TimeoutExpired:

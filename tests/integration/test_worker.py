@@ -117,6 +117,32 @@ async def test_a_repeated_call_id_runs_the_tool_once(
     assert first.id == second.id  # the recorded result itself
 
 
+async def test_the_same_call_id_on_another_tool_is_another_call(
+    worker: ToolWorker, client: ToolClient
+) -> None:
+    counted_result = await client.call("counted", {"key": "shared-id"}, call_id="shared")
+    explode_result = await client.call("explode", {"message": "own run"}, call_id="shared")
+    assert counted_result.tool_name == "counted"
+    assert counted_result.ok
+    assert explode_result.tool_name == "explode"
+    assert explode_result.status == "error"
+
+
+async def test_a_refused_call_is_not_recorded_so_a_fixed_retry_runs(
+    worker: ToolWorker, bus: Bus
+) -> None:
+    subject = bus.subjects.tool("counted")
+    bad = ToolCall(tool_name="counted", call_id="fix-me", parameters={"key": "fixed"}, timeout=-1)
+    refused = await bus.request(subject, bad, timeout=2)
+    assert isinstance(refused, ToolResult)
+    assert refused.status == "error"
+    good = ToolCall(tool_name="counted", call_id="fix-me", parameters={"key": "fixed"}, timeout=5)
+    ran = await bus.request(subject, good, timeout=2)
+    assert isinstance(ran, ToolResult)
+    assert ran.ok
+    assert runs["fixed"] == 1
+
+
 async def test_a_retry_while_the_call_runs_joins_it(worker: ToolWorker, client: ToolClient) -> None:
     results = await asyncio.gather(
         *(client.call("counted", {"key": "joined", "delay": 0.2}, call_id="one") for _ in range(3))
@@ -130,6 +156,11 @@ async def test_malformed_and_unknown_messages_get_error_replies(
 ) -> None:
     subject = bus.subjects.tool("counted")
     cases = [
+        (
+            b'{"type": "tool_call", "call_id": "n", "session_id": "s-9", "tool_name": 1}',
+            "malformed",
+            "n",
+        ),
         (b"{not json", "malformed", None),
         (
             b'{"type": "tool_call", "tool_name": "counted", "call_id": "v", "version": 2}',
@@ -152,6 +183,8 @@ async def test_malformed_and_unknown_messages_get_error_replies(
         assert isinstance(reply, ErrorMessage), payload
         assert (reply.code, reply.call_id, reply.source_component) == (code, call_id, "w-test")
         assert reply.message
+        if call_id == "n":
+            assert reply.session_id == "s-9"
 
 
 async def test_unknown_fields_are_ignored_by_the_worker(worker: ToolWorker, bus: Bus) -> None:

@@ -206,6 +206,13 @@ def test_unknown_fields_are_ignored() -> None:
             InvalidFieldError,
             "malformed",
         ),
+        (b'{"type": "tool_call", "tool_name": "x", "version": 0}', InvalidFieldError, "malformed"),
+        (b'{"type": "tool_call", "tool_name": "x", "attempt": 0}', InvalidFieldError, "malformed"),
+        (
+            b'{"type": "tool_call", "tool_name": "x", "timestamp": "2026-11-29T19:00:00"}',
+            InvalidFieldError,
+            "malformed",
+        ),
         (
             b'{"type": "tool_call", "tool_name": "x", "version": 2}',
             UnsupportedVersionError,
@@ -229,8 +236,8 @@ def test_each_bad_payload_raises_its_own_error(
 
 def test_errors_carry_the_call_id_when_it_can_be_read() -> None:
     with pytest.raises(InvalidFieldError) as caught:
-        decode(b'{"type": "tool_call", "tool_name": 3, "call_id": "c-9"}')
-    assert caught.value.call_id == "c-9"
+        decode(b'{"type": "tool_call", "tool_name": 3, "call_id": "c-9", "session_id": "s-1"}')
+    assert (caught.value.call_id, caught.value.session_id) == ("c-9", "s-1")
     assert caught.value.message_type == "tool_call"
     with pytest.raises(UnsupportedVersionError) as version:
         decode(b'{"type": "tool_call", "tool_name": "x", "call_id": "c-8", "version": 2}')
@@ -247,6 +254,18 @@ def test_error_messages_name_the_problem() -> None:
 def test_decode_as_refuses_another_type() -> None:
     with pytest.raises(UnexpectedMessageError, match="expected a 'tool_call'"):
         decode_as(encode(UserRequest(content="hi", call_id="c")), ToolCall)
+
+
+def test_error_codes_are_open_for_later_versions() -> None:
+    payload = b'{"type": "error", "code": "rate_limited", "message": "slow down"}'
+    error = decode_as(payload, ErrorMessage)
+    assert error.code == "rate_limited"
+
+
+def test_offsets_other_than_utc_are_accepted() -> None:
+    payload = b'{"type": "event", "event": "e", "timestamp": "2026-11-29T20:00:00+01:00"}'
+    event = decode_as(payload, Event)
+    assert event.timestamp == datetime(2026, 11, 29, 19, 0, tzinfo=UTC)
 
 
 def test_encoding_a_value_json_cannot_carry_is_a_clear_error() -> None:

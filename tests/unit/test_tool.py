@@ -123,7 +123,7 @@ async def test_timeouts_end_async_and_sync_tools() -> None:
         return "woke"
 
     for t in (sleeper, blocking):
-        outcome = await t.run({"seconds": 2}, timeout=0.05)
+        outcome = await t.run({"seconds": 0.4}, timeout=0.05)
         assert outcome.status == "timeout"
         assert outcome.error_detail is not None
         assert outcome.error_detail.code == "timeout"
