@@ -361,24 +361,30 @@ class Bus:
         self._check_open()
         limiter = limiter or asyncio.Semaphore(64)
         source = component or self.client_name
-        try:
-            sub = await self._nc.subscribe(subject, queue=queue or "")
-            await self._nc.flush(timeout=5)
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise _translate(exc, f"subscribe to {subject}") from exc
-        if ready is not None:
-            ready.set()
         in_flight: set[asyncio.Task[None]] = set()
         async with asyncio.TaskGroup() as tg:
 
-            async def pump() -> None:
-                async for msg in sub.messages:
+            async def dispatch(msg: Msg) -> None:
+                # nats-py calls this from the subscription's own task, one
+                # message at a time; it only starts the handler in our task
+                # group, and an exception here would vanish into nats-py's
+                # error callback, so none may escape.
+                try:
                     await limiter.acquire()
                     task = tg.create_task(self._handle(msg, handler, limiter, source))
-                    in_flight.add(task)
-                    task.add_done_callback(in_flight.discard)
+                except Exception:
+                    logger.exception("cannot dispatch a request on %s", subject)
+                    return
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
 
-            pump_task = tg.create_task(pump())
+            try:
+                sub = await self._nc.subscribe(subject, queue=queue or "", cb=dispatch)
+                await self._nc.flush(timeout=5)
+            except (nats.errors.Error, TimeoutError) as exc:
+                raise _translate(exc, f"subscribe to {subject}") from exc
+            if ready is not None:
+                ready.set()
             await stop.wait()
             deadline = asyncio.get_running_loop().time() + drain_timeout
             # Stop taking requests; those already received still get handled.
@@ -388,7 +394,7 @@ class Bus:
                         await sub.drain()  # type: ignore[no-untyped-call]
             except (TimeoutError, nats.errors.Error) as exc:
                 logger.warning("draining %s: %s", subject, exc or type(exc).__name__)
-            pump_task.cancel()
+                await _unsubscribe_quietly(sub)
             if in_flight:
                 remaining = max(0.0, deadline - asyncio.get_running_loop().time())
                 _, late = await asyncio.wait(set(in_flight), timeout=remaining)
@@ -565,6 +571,13 @@ def _translate(exc: BaseException, what: str) -> BusError:
     if isinstance(exc, TimeoutError):
         return CallTimeoutError(f"{what}: timed out", subject="")
     return BusError(f"{what} failed: {exc}")
+
+
+async def _unsubscribe_quietly(sub: Subscription) -> None:
+    try:
+        await sub.unsubscribe()
+    except nats.errors.Error:
+        pass  # already gone with the connection
 
 
 async def _close_quietly(nc: NATS) -> None:

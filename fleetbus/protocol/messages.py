@@ -7,7 +7,7 @@ minor revision that adds optional fields is still understood.
 
 from __future__ import annotations
 
-import uuid
+import os
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal, get_args
 
@@ -73,8 +73,8 @@ FINISHED_REASONS: tuple[str, ...] = get_args(FinishedReason)
 
 
 def new_id() -> str:
-    """A fresh random message or call id (32 hex digits)."""
-    return uuid.uuid4().hex
+    """A fresh random message or call id (32 hex digits, 128 random bits)."""
+    return os.urandom(16).hex()
 
 
 def utc_now() -> datetime:

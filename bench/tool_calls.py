@@ -1,0 +1,206 @@
+"""Tool-call speed: fleetbus against raw nats-py request/reply, in one run.
+
+Both sides answer from another process over the same embedded nats-server:
+raw nats-py with a trivial responder, fleetbus with a worker process serving
+a no-op tool. Measured: sequential latency (p50/p99) and throughput with 64
+calls in flight, for 1 and 2 responders, each with the standard event loop
+and with uvloop (client and responders alike).
+
+Prints one JSON line. Targets: fleetbus throughput >= 0.7x raw,
+p50 <= 1.3x raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import nats
+
+from fleetbus.bus import Bus, EmbeddedServer, ToolClient
+from fleetbus.protocol import ToolCall, encode
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RAW_SUBJECT = "bench.raw"
+
+
+@contextmanager
+def processes(commands: list[list[str]], env: dict[str, str]) -> Iterator[None]:
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**os.environ, **env, "PYTHONPATH": str(ROOT)},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for cmd in commands
+    ]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+async def wait_until(check: Callable[[], Awaitable[bool]], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError("responders did not come up in time")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def sequential(call: Callable[[], Awaitable[object]], n: int) -> dict[str, float]:
+    for _ in range(min(200, n)):  # warm up
+        await call()
+    latencies = []
+    for _ in range(n):
+        started = time.perf_counter()
+        await call()
+        latencies.append(time.perf_counter() - started)
+    return {
+        "p50_us": round(statistics.median(latencies) * 1e6, 1),
+        "p99_us": round(percentile(latencies, 0.99) * 1e6, 1),
+    }
+
+
+async def throughput(call: Callable[[], Awaitable[object]], n: int, in_flight: int) -> float:
+    async def worker(count: int) -> None:
+        for _ in range(count):
+            await call()
+
+    per = n // in_flight
+    await asyncio.gather(*(worker(max(1, per // 10)) for _ in range(in_flight)))  # warm up
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(per) for _ in range(in_flight)))
+    return round(per * in_flight / (time.perf_counter() - started), 1)
+
+
+async def measure(url: str, loop_kind: str, n_seq: int, n_tp: int, in_flight: int) -> dict[str, Any]:
+    env = {"FLEETBUS_UVLOOP": "1" if loop_kind == "uvloop" else "0"}
+    raw_cmd = [sys.executable, str(HERE / "_raw_responder.py"), url, RAW_SUBJECT]
+    if loop_kind == "uvloop":
+        raw_cmd.append("uvloop")
+    prefix = f"bench{loop_kind}"
+    worker_cmd = [
+        sys.executable, "-m", "fleetbus", "worker", "bench._noop_tools",
+        "--nats", url, "--prefix", prefix, "--concurrency", str(in_flight),
+    ]
+    nc = await nats.connect(url)
+    bus = await Bus.connect(url, prefix=prefix)
+    client = ToolClient(bus, attempts=1)
+    # The raw side sends a payload of the same size as a fleetbus tool_call.
+    payload = encode(ToolCall(tool_name="noop", call_id="x" * 32, sender=bus.client_name))
+
+    async def raw_call() -> object:
+        return await nc.request(RAW_SUBJECT, payload, timeout=10)
+
+    async def fleet_call() -> object:
+        result = await client.call("noop", {})
+        if not result.ok:
+            raise RuntimeError(f"tool call failed: {result.error_detail}")
+        return result
+
+    async def raw_up(count: int) -> bool:
+        # Every responder must answer a queue-group burst before we measure.
+        try:
+            await nc.request(RAW_SUBJECT, payload, timeout=1)
+        except nats.errors.Error:
+            return False
+        return True
+
+    results: dict[str, Any] = {}
+    try:
+        for responders in (1, 2):
+            with processes([raw_cmd] * responders, env):
+                await wait_until(lambda: raw_up(responders))
+                await asyncio.sleep(0.5)  # let every responder subscribe
+                raw_seq = await sequential(raw_call, n_seq) if responders == 1 else None
+                raw_tp = await throughput(raw_call, n_tp, in_flight)
+            with processes([worker_cmd] * responders, env):
+
+                async def fleet_up() -> bool:
+                    tools = await client.discover(timeout=0.3)
+                    return "noop" in tools and tools["noop"].workers >= responders
+
+                await wait_until(fleet_up)
+                fleet_seq = await sequential(fleet_call, n_seq) if responders == 1 else None
+                fleet_tp = await throughput(fleet_call, n_tp, in_flight)
+            entry: dict[str, Any] = {
+                "raw_calls_per_s": raw_tp,
+                "fleetbus_calls_per_s": fleet_tp,
+                "throughput_ratio": round(fleet_tp / raw_tp, 3),
+            }
+            if raw_seq is not None and fleet_seq is not None:
+                results["sequential"] = {
+                    "raw": raw_seq,
+                    "fleetbus": fleet_seq,
+                    "p50_ratio": round(fleet_seq["p50_us"] / raw_seq["p50_us"], 3),
+                    "p99_ratio": round(fleet_seq["p99_us"] / raw_seq["p99_us"], 3),
+                }
+            results[f"in_flight_{in_flight}_workers_{responders}"] = entry
+    finally:
+        await bus.close()
+        await nc.close()
+    return results
+
+
+def run_loop(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
+    coro = measure(url, kind, args.sequential, args.calls, args.in_flight)
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sequential", type=int, default=2000, help="sequential calls")
+    parser.add_argument("--calls", type=int, default=20000, help="calls per throughput run")
+    parser.add_argument("--in-flight", type=int, default=64)
+    parser.add_argument("--loops", default="asyncio,uvloop", help="event loops to measure")
+    args = parser.parse_args()
+    report: dict[str, Any] = {"bench": "tool_calls", "cpus": os.cpu_count()}
+    with EmbeddedServer() as server:
+        for kind in args.loops.split(","):
+            report[kind] = run_loop(kind, server.url, args)
+    targets = report.get("uvloop") or report["asyncio"]
+    report["targets_met"] = {
+        "throughput_ge_0.7x_raw": all(
+            v["throughput_ratio"] >= 0.7 for k, v in targets.items() if k.startswith("in_flight")
+        ),
+        "p50_le_1.3x_raw": targets["sequential"]["p50_ratio"] <= 1.3,
+    }
+    print(json.dumps(report, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()
