@@ -91,27 +91,46 @@ async def sequential(call: Callable[[], Awaitable[object]], n: int) -> dict[str,
     }
 
 
-async def throughput(call: Callable[[], Awaitable[object]], n: int, in_flight: int) -> float:
+async def throughput(
+    call: Callable[[], Awaitable[object]], n: int, in_flight: int, repeats: int
+) -> float:
+    """Calls per second with ``in_flight`` concurrent callers: the median of
+    ``repeats`` runs (this machine is shared; one run is noisy)."""
+
     async def worker(count: int) -> None:
         for _ in range(count):
             await call()
 
     per = n // in_flight
     await asyncio.gather(*(worker(max(1, per // 10)) for _ in range(in_flight)))  # warm up
-    started = time.perf_counter()
-    await asyncio.gather(*(worker(per) for _ in range(in_flight)))
-    return round(per * in_flight / (time.perf_counter() - started), 1)
+    rates = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(per) for _ in range(in_flight)))
+        rates.append(per * in_flight / (time.perf_counter() - started))
+    return round(statistics.median(rates), 1)
 
 
-async def measure(url: str, loop_kind: str, n_seq: int, n_tp: int, in_flight: int) -> dict[str, Any]:
+async def measure(
+    url: str, loop_kind: str, n_seq: int, n_tp: int, in_flight: int, repeats: int
+) -> dict[str, Any]:
     env = {"FLEETBUS_UVLOOP": "1" if loop_kind == "uvloop" else "0"}
     raw_cmd = [sys.executable, str(HERE / "_raw_responder.py"), url, RAW_SUBJECT]
     if loop_kind == "uvloop":
         raw_cmd.append("uvloop")
     prefix = f"bench{loop_kind}"
     worker_cmd = [
-        sys.executable, "-m", "fleetbus", "worker", "bench._noop_tools",
-        "--nats", url, "--prefix", prefix, "--concurrency", str(in_flight),
+        sys.executable,
+        "-m",
+        "fleetbus",
+        "worker",
+        "bench._noop_tools",
+        "--nats",
+        url,
+        "--prefix",
+        prefix,
+        "--concurrency",
+        str(in_flight),
     ]
     nc = await nats.connect(url)
     bus = await Bus.connect(url, prefix=prefix)
@@ -128,8 +147,7 @@ async def measure(url: str, loop_kind: str, n_seq: int, n_tp: int, in_flight: in
             raise RuntimeError(f"tool call failed: {result.error_detail}")
         return result
 
-    async def raw_up(count: int) -> bool:
-        # Every responder must answer a queue-group burst before we measure.
+    async def raw_up() -> bool:
         try:
             await nc.request(RAW_SUBJECT, payload, timeout=1)
         except nats.errors.Error:
@@ -140,19 +158,19 @@ async def measure(url: str, loop_kind: str, n_seq: int, n_tp: int, in_flight: in
     try:
         for responders in (1, 2):
             with processes([raw_cmd] * responders, env):
-                await wait_until(lambda: raw_up(responders))
+                await wait_until(raw_up)
                 await asyncio.sleep(0.5)  # let every responder subscribe
                 raw_seq = await sequential(raw_call, n_seq) if responders == 1 else None
-                raw_tp = await throughput(raw_call, n_tp, in_flight)
+                raw_tp = await throughput(raw_call, n_tp, in_flight, repeats)
             with processes([worker_cmd] * responders, env):
 
-                async def fleet_up() -> bool:
+                async def fleet_up(count: int = responders) -> bool:
                     tools = await client.discover(timeout=0.3)
-                    return "noop" in tools and tools["noop"].workers >= responders
+                    return "noop" in tools and tools["noop"].workers >= count
 
                 await wait_until(fleet_up)
                 fleet_seq = await sequential(fleet_call, n_seq) if responders == 1 else None
-                fleet_tp = await throughput(fleet_call, n_tp, in_flight)
+                fleet_tp = await throughput(fleet_call, n_tp, in_flight, repeats)
             entry: dict[str, Any] = {
                 "raw_calls_per_s": raw_tp,
                 "fleetbus_calls_per_s": fleet_tp,
@@ -173,7 +191,7 @@ async def measure(url: str, loop_kind: str, n_seq: int, n_tp: int, in_flight: in
 
 
 def run_loop(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
-    coro = measure(url, kind, args.sequential, args.calls, args.in_flight)
+    coro = measure(url, kind, args.sequential, args.calls, args.in_flight, args.repeats)
     if kind == "uvloop":
         import uvloop
 
@@ -184,8 +202,9 @@ def run_loop(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sequential", type=int, default=2000, help="sequential calls")
-    parser.add_argument("--calls", type=int, default=20000, help="calls per throughput run")
+    parser.add_argument("--calls", type=int, default=10000, help="calls per throughput run")
     parser.add_argument("--in-flight", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="throughput runs (median)")
     parser.add_argument("--loops", default="asyncio,uvloop", help="event loops to measure")
     args = parser.parse_args()
     report: dict[str, Any] = {"bench": "tool_calls", "cpus": os.cpu_count()}

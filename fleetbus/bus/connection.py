@@ -11,8 +11,7 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Self
 
@@ -20,9 +19,9 @@ import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from fleetbus.bus._serve import Handler, Request, ServeLoop
 from fleetbus.bus.settings import ConnectOptions
 from fleetbus.bus.subjects import Subjects
 from fleetbus.errors import (
@@ -34,30 +33,11 @@ from fleetbus.errors import (
     PayloadTooLargeError,
     ProtocolError,
 )
-from fleetbus.protocol import AnyMessage, ErrorMessage, Message, ToolCall, decode, encode
+from fleetbus.protocol import AnyMessage, Message, ToolCall, decode, encode
 
 __all__ = ["Bus", "Handler", "Observation", "Request"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One request taken by a serving loop, decoded.
-
-    Attributes:
-        message: the decoded message.
-        subject: the subject it arrived on.
-        size: its encoded size in bytes.
-    """
-
-    message: AnyMessage
-    subject: str
-    size: int
-
-
-Handler = Callable[[Request], Awaitable[Message | None]]
-"""Handles a request; the message it returns (if any) is the reply."""
 
 
 class Bus:
@@ -192,18 +172,6 @@ class Bus:
     def _check_open(self) -> None:
         if self._nc.is_closed or self._nc.is_draining:
             raise ConnectionClosedError("the bus connection is closed")
-
-    def _encode(self, message: Message) -> bytes:
-        payload = encode(message)
-        limit = self.max_payload
-        if len(payload) > limit:
-            raise PayloadTooLargeError(
-                f"{type(message).__name__} of {len(payload)} bytes exceeds the server's "
-                f"max_payload of {limit} bytes",
-                size=len(payload),
-                limit=limit,
-            )
-        return payload
 
     async def publish(self, subject: str, message: Message) -> None:
         """Publish a message (fire and forget; broadcast to every observer).
@@ -359,125 +327,27 @@ class Bus:
             ConnectionClosedError: the bus is closed.
         """
         self._check_open()
-        limiter = limiter or asyncio.Semaphore(64)
-        source = component or self.client_name
-        in_flight: set[asyncio.Task[None]] = set()
-        async with asyncio.TaskGroup() as tg:
+        loop = ServeLoop(
+            self._nc,
+            subject,
+            handler,
+            limiter=limiter or asyncio.Semaphore(64),
+            source=component or self.client_name,
+            encode=self._encode,
+        )
+        await loop.run(stop=stop, queue=queue, drain_timeout=drain_timeout, ready=ready)
 
-            async def dispatch(msg: Msg) -> None:
-                # nats-py calls this from the subscription's own task, one
-                # message at a time; it only starts the handler in our task
-                # group, and an exception here would vanish into nats-py's
-                # error callback, so none may escape.
-                try:
-                    await limiter.acquire()
-                    task = tg.create_task(self._handle(msg, handler, limiter, source))
-                except Exception:
-                    logger.exception("cannot dispatch a request on %s", subject)
-                    return
-                in_flight.add(task)
-                task.add_done_callback(in_flight.discard)
-
-            try:
-                sub = await self._nc.subscribe(subject, queue=queue or "", cb=dispatch)
-                await self._nc.flush(timeout=5)
-            except (nats.errors.Error, TimeoutError) as exc:
-                raise _translate(exc, f"subscribe to {subject}") from exc
-            if ready is not None:
-                ready.set()
-            await stop.wait()
-            deadline = asyncio.get_running_loop().time() + drain_timeout
-            # Stop taking requests; those already received still get handled.
-            try:
-                async with asyncio.timeout(drain_timeout):
-                    if not self._nc.is_closed and not self._nc.is_draining:
-                        await sub.drain()  # type: ignore[no-untyped-call]
-            except (TimeoutError, nats.errors.Error) as exc:
-                logger.warning("draining %s: %s", subject, exc or type(exc).__name__)
-                await _unsubscribe_quietly(sub)
-            if in_flight:
-                remaining = max(0.0, deadline - asyncio.get_running_loop().time())
-                _, late = await asyncio.wait(set(in_flight), timeout=remaining)
-                if late:
-                    logger.warning(
-                        "%d request(s) on %s still running after %.3gs; cancelling them",
-                        len(late),
-                        subject,
-                        drain_timeout,
-                    )
-                    for task in late:
-                        task.cancel()
-
-    async def _handle(
-        self, msg: Msg, handler: Handler, limiter: asyncio.Semaphore, source: str
-    ) -> None:
-        try:
-            reply = await self._reply_for(msg, handler, source)
-            if reply is not None and msg.reply:
-                await self._respond(msg, reply, source)
-            elif reply is not None:
-                logger.warning(
-                    "request on %s has no reply subject; answer dropped: %s",
-                    msg.subject,
-                    type(reply).__name__,
-                    extra={"call_id": reply.call_id},
-                )
-        except ConnectionClosedError:
-            logger.warning("connection closed before a reply on %s could be sent", msg.subject)
-        finally:
-            limiter.release()
-
-    async def _reply_for(self, msg: Msg, handler: Handler, source: str) -> Message | None:
-        try:
-            message = decode(msg.data)
-        except ProtocolError as exc:
-            logger.warning(
-                "bad request on %s: %s", msg.subject, exc, extra={"call_id": exc.call_id}
+    def _encode(self, message: Message) -> bytes:
+        payload = encode(message)
+        limit = self.max_payload
+        if len(payload) > limit:
+            raise PayloadTooLargeError(
+                f"{type(message).__name__} of {len(payload)} bytes exceeds the server's "
+                f"max_payload of {limit} bytes",
+                size=len(payload),
+                limit=limit,
             )
-            return ErrorMessage(
-                sender=source,
-                session_id=exc.session_id,
-                call_id=exc.call_id,
-                code=exc.code,
-                message=str(exc),
-                source_component=source,
-            )
-        try:
-            return await handler(Request(message=message, subject=msg.subject, size=len(msg.data)))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            logger.exception(
-                "handler for %s failed", msg.subject, extra={"call_id": message.call_id}
-            )
-            return ErrorMessage(
-                sender=source,
-                session_id=message.session_id,
-                call_id=message.call_id,
-                code="internal",
-                message=f"internal error: {type(exc).__name__}: {exc}",
-                source_component=source,
-            )
-
-    async def _respond(self, msg: Msg, reply: Message, source: str) -> None:
-        try:
-            payload = self._encode(reply)
-        except (PayloadTooLargeError, ProtocolError) as exc:
-            logger.warning("reply on %s cannot be sent: %s", msg.subject, exc)
-            payload = encode(
-                ErrorMessage(
-                    sender=source,
-                    session_id=reply.session_id,
-                    call_id=reply.call_id,
-                    code="internal",
-                    message=f"the reply could not be sent: {exc}",
-                    source_component=source,
-                )
-            )
-        try:
-            await self._nc.publish(msg.reply, payload)
-        except nats.errors.ConnectionClosedError as exc:
-            raise ConnectionClosedError("the bus connection is closed") from exc
+        return payload
 
     async def flush(self, timeout: float = 5.0) -> None:
         """Wait until the server has processed everything sent so far.
@@ -571,13 +441,6 @@ def _translate(exc: BaseException, what: str) -> BusError:
     if isinstance(exc, TimeoutError):
         return CallTimeoutError(f"{what}: timed out", subject="")
     return BusError(f"{what} failed: {exc}")
-
-
-async def _unsubscribe_quietly(sub: Subscription) -> None:
-    try:
-        await sub.unsubscribe()
-    except nats.errors.Error:
-        pass  # already gone with the connection
 
 
 async def _close_quietly(nc: NATS) -> None:

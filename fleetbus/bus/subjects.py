@@ -10,6 +10,7 @@ tenants, environments — share one NATS server without seeing each other::
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -26,6 +27,11 @@ DEFAULT_PREFIX = "fleet"
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
+@functools.lru_cache(maxsize=4096)
+def _valid(name: str) -> bool:
+    return isinstance(name, str) and _NAME.match(name) is not None
+
+
 def check_name(name: str, *, what: str = "name") -> str:
     """Return ``name`` if it can be one subject token.
 
@@ -33,7 +39,7 @@ def check_name(name: str, *, what: str = "name") -> str:
         InvalidSubjectError: it is empty, too long, or has characters other
             than letters, digits, ``_`` and ``-``.
     """
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _valid(name):
         raise InvalidSubjectError(
             f"invalid {what} {name!r}: use 1-128 letters, digits, '_' or '-' "
             "(no dots, spaces or wildcards)"

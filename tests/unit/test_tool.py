@@ -130,6 +130,37 @@ async def test_timeouts_end_async_and_sync_tools() -> None:
         assert "0.05s" in outcome.error_detail.message
 
 
+async def test_cancelling_the_caller_is_not_mistaken_for_a_timeout() -> None:
+    @tool
+    async def sleeper() -> None:
+        """Sleeps."""
+        await asyncio.sleep(5)
+
+    task = asyncio.create_task(sleeper.run({}, timeout=10))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_tool_that_swallows_the_timeout_leaves_the_task_clean() -> None:
+    @tool
+    async def stubborn() -> str:
+        """Ignores cancellation once."""
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            return "ignored"
+        return "slept"
+
+    outcome = await stubborn.run({}, timeout=0.02)
+    assert outcome.content == "ignored"
+    current = asyncio.current_task()
+    assert current is not None
+    assert current.cancelling() == 0
+    await asyncio.sleep(0.01)  # no pending cancellation hits us later
+
+
 async def test_the_tools_own_timeout_applies_by_default() -> None:
     @tool(timeout=0.05)
     async def sleeper() -> None:

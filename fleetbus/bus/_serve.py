@@ -1,0 +1,207 @@
+"""The serving loop behind :meth:`fleetbus.Bus.serve`.
+
+Each request is handled in a task of its own, owned by the loop: started from
+the subscription's callback (cheaper than nats-py's message iterator, which
+starts a task and an ``asyncio.wait`` per message), bounded by a semaphore,
+and awaited — or cancelled — when the loop drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from fleetbus.errors import BusError, ConnectionClosedError, PayloadTooLargeError, ProtocolError
+from fleetbus.protocol import AnyMessage, ErrorMessage, Message, decode, encode
+
+__all__ = ["Handler", "Request", "ServeLoop"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request taken by a serving loop, decoded.
+
+    Attributes:
+        message: the decoded message.
+        subject: the subject it arrived on.
+        size: its encoded size in bytes.
+    """
+
+    message: AnyMessage
+    subject: str
+    size: int
+
+
+Handler = Callable[[Request], Awaitable[Message | None]]
+"""Handles a request; the message it returns (if any) is the reply."""
+
+
+class ServeLoop:
+    """Serves one subject until stopped; owns and awaits its handler tasks.
+
+    Args:
+        nc: the connection.
+        subject: the subject to serve.
+        handler: makes each reply.
+        limiter: bounds the handlers running at once.
+        source: ``sender``/``source_component`` of the error replies made here.
+        encode: encodes a reply, checking the server's size limit.
+    """
+
+    def __init__(
+        self,
+        nc: NATS,
+        subject: str,
+        handler: Handler,
+        *,
+        limiter: asyncio.Semaphore,
+        source: str,
+        encode: Callable[[Message], bytes],
+    ) -> None:
+        self._nc = nc
+        self._subject = subject
+        self._handler = handler
+        self._limiter = limiter
+        self._source = source
+        self._encode = encode
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(
+        self,
+        *,
+        stop: asyncio.Event,
+        queue: str | None,
+        drain_timeout: float,
+        ready: asyncio.Event | None,
+    ) -> None:
+        """Serve until ``stop`` is set, then drain (see :meth:`Bus.serve`)."""
+        try:
+            sub = await self._nc.subscribe(self._subject, queue=queue or "", cb=self._dispatch)
+            await self._nc.flush(timeout=5)
+        except nats.errors.ConnectionClosedError as exc:
+            raise ConnectionClosedError(f"cannot serve {self._subject}: connection closed") from exc
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise BusError(f"cannot subscribe to {self._subject}: {exc}") from exc
+        if ready is not None:
+            ready.set()
+        try:
+            await stop.wait()
+            await self._drain(sub, drain_timeout)
+        finally:
+            # Cancelled, or the drain ran out of time: nothing outlives the loop.
+            for task in self._tasks:
+                task.cancel()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _drain(self, sub: Subscription, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            # No new requests; those already received are still dispatched.
+            async with asyncio.timeout(timeout):
+                if not self._nc.is_closed and not self._nc.is_draining:
+                    await sub.drain()  # type: ignore[no-untyped-call]
+        except (TimeoutError, nats.errors.Error) as exc:
+            logger.warning("draining %s: %s", self._subject, exc or type(exc).__name__)
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass  # already gone with the connection
+        if self._tasks:
+            remaining = max(0.0, deadline - loop.time())
+            _, late = await asyncio.wait(set(self._tasks), timeout=remaining)
+            if late:
+                logger.warning(
+                    "%d request(s) on %s still running after %.3gs; cancelling them",
+                    len(late),
+                    self._subject,
+                    timeout,
+                )
+
+    async def _dispatch(self, msg: Msg) -> None:
+        # nats-py awaits this from the subscription's own task, one message at
+        # a time. An exception here would vanish into nats-py's error
+        # callback, so none may escape.
+        try:
+            await self._limiter.acquire()
+            task = asyncio.get_running_loop().create_task(self._handle(msg))
+        except Exception:
+            logger.exception("cannot dispatch a request on %s", self._subject)
+            return
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._limiter.release()
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("request handling on %s failed", self._subject, exc_info=task.exception())
+
+    async def _handle(self, msg: Msg) -> None:
+        reply = await self._reply_for(msg)
+        if reply is None:
+            return
+        if not msg.reply:
+            logger.warning(
+                "request on %s has no reply subject; answer dropped: %s",
+                msg.subject,
+                type(reply).__name__,
+                extra={"call_id": reply.call_id},
+            )
+            return
+        try:
+            payload = self._encode(reply)
+        except (PayloadTooLargeError, ProtocolError) as exc:
+            logger.warning("reply on %s cannot be sent: %s", msg.subject, exc)
+            payload = encode(self._error(reply, "internal", f"the reply could not be sent: {exc}"))
+        try:
+            await self._nc.publish(msg.reply, payload)
+        except nats.errors.Error as exc:
+            logger.warning("reply on %s not sent: %s", msg.subject, exc or type(exc).__name__)
+
+    async def _reply_for(self, msg: Msg) -> Message | None:
+        try:
+            message = decode(msg.data)
+        except ProtocolError as exc:
+            logger.warning(
+                "bad request on %s: %s", msg.subject, exc, extra={"call_id": exc.call_id}
+            )
+            return ErrorMessage(
+                sender=self._source,
+                session_id=exc.session_id,
+                call_id=exc.call_id,
+                code=exc.code,
+                message=str(exc),
+                source_component=self._source,
+            )
+        try:
+            return await self._handler(
+                Request(message=message, subject=msg.subject, size=len(msg.data))
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.exception(
+                "handler for %s failed", msg.subject, extra={"call_id": message.call_id}
+            )
+            return self._error(message, "internal", f"internal error: {type(exc).__name__}: {exc}")
+
+    def _error(self, about: Message, code: str, text: str) -> ErrorMessage:
+        return ErrorMessage(
+            sender=self._source,
+            session_id=about.session_id,
+            call_id=about.call_id,
+            code=code,
+            message=text,
+            source_component=self._source,
+        )
