@@ -168,7 +168,6 @@ class Tool:
             )
         return ToolOutcome(status="success", content=content)
 
-
     async def _call(self, kwargs: dict[str, Any], limit: float | None) -> Any:
         """Call the function; ``TimeoutError`` after ``limit`` seconds.
 
