@@ -2,20 +2,37 @@
 over NATS.
 
 The names a user types are here; everything else is reached through its
-subpackage (``fleetbus.protocol``, ``fleetbus.bus``, ``fleetbus.tools_workers``).
+subpackage (``fleetbus.protocol``, ``fleetbus.bus``, ``fleetbus.tools_workers``,
+``fleetbus.agents``, ``fleetbus.testing``).
 """
 
 from fleetbus._version import __version__
+from fleetbus.agents import (
+    Agent,
+    AgentState,
+    BudgetLimit,
+    ContextConfig,
+    ModelConfig,
+    Permissions,
+    StepLogger,
+)
 from fleetbus.bus import Bus, ConnectOptions, EmbeddedServer, RemoteTool, ToolClient
 from fleetbus.errors import FleetbusError
 from fleetbus.tools_workers import Tool, Toolkit, ToolWorker, tool
 
 __all__ = [
+    "Agent",
+    "AgentState",
+    "BudgetLimit",
     "Bus",
     "ConnectOptions",
+    "ContextConfig",
     "EmbeddedServer",
     "FleetbusError",
+    "ModelConfig",
+    "Permissions",
     "RemoteTool",
+    "StepLogger",
     "Tool",
     "ToolClient",
     "ToolWorker",

@@ -47,6 +47,9 @@ class ToolUseBlock(_Block, frozen=True, kw_only=True, tag="tool_use"):
     """The tool's name."""
     input: dict[str, Any]
     """The arguments, as a JSON object."""
+    raw_arguments: str | None = None
+    """The arguments exactly as the model wrote them, when they were not a JSON
+    object (``input`` is then empty): the agent shows the model the parse error."""
 
 
 class ToolResultBlock(_Block, frozen=True, kw_only=True, tag="tool_result"):

@@ -16,7 +16,8 @@ from typing import Any, Final
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from fleetbus.tools_workers._calculator import evaluate
-from fleetbus.tools_workers.tool import Tool, Toolkit, tool
+from fleetbus.tools_workers.tool import Tool, tool
+from fleetbus.tools_workers.toolkit import Toolkit
 
 __all__ = [
     "DEFAULT_FILES_ROOT",

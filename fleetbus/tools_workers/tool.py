@@ -1,4 +1,4 @@
-"""Tools as typed Python functions, and the Toolkit that holds them.
+"""Tools as typed Python functions.
 
 ``@tool`` turns a function (sync or async) into a :class:`Tool`: its name,
 its description from the docstring, the JSON Schema of its parameters from
@@ -15,16 +15,16 @@ the type hints (pydantic), and validation of the parameters it is called with::
         return a + b
 
 Running a tool never raises for what the tool does: :meth:`Tool.run` returns a
-:class:`ToolOutcome` whose ``status`` says how it ended.
+:class:`ToolOutcome` whose ``status`` says how it ended. Toolkits are in
+:mod:`fleetbus.tools_workers.toolkit`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -33,10 +33,10 @@ import pydantic
 import pydantic_core
 
 from fleetbus.bus.subjects import check_name
-from fleetbus.errors import InvalidSubjectError, ToolDefinitionError, UnknownToolError
+from fleetbus.errors import InvalidSubjectError, ToolDefinitionError
 from fleetbus.protocol import ErrorCode, ErrorDetail, ToolSpec, ToolStatus
 
-__all__ = ["DEFAULT_GROUP", "Tool", "ToolOutcome", "Toolkit", "load_toolkit", "tool"]
+__all__ = ["DEFAULT_GROUP", "Tool", "ToolOutcome", "tool"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,9 @@ class Tool:
         parameters: JSON Schema of its arguments object.
         timeout: seconds it may run by default (``None``: the worker's default).
         concurrency_safe: whether several calls may run at once in one agent.
+        external: the agent offers the tool to the model but does not run it:
+            the reply pauses until the result comes from outside
+            (``external_result``).
         group: the toolkit group it joins by default.
     """
 
@@ -87,6 +90,7 @@ class Tool:
         description: str | None = None,
         timeout: float | None = None,
         concurrency_safe: bool = True,
+        external: bool = False,
         group: str = DEFAULT_GROUP,
     ) -> None:
         if not callable(fn):
@@ -104,6 +108,7 @@ class Tool:
             raise ToolDefinitionError(f"tool {self.name}: timeout must be positive")
         self.timeout = timeout
         self.concurrency_safe = concurrency_safe
+        self.external = external
         self.group = group
         self.is_async = inspect.iscoroutinefunction(fn)
         self._model = _parameters_model(
@@ -132,8 +137,18 @@ class Tool:
         """
         return dict(vars(self._model.model_validate(parameters)))
 
-    async def run(self, parameters: Any, *, timeout: float | None = None) -> ToolOutcome:
+    async def run(
+        self,
+        parameters: Any,
+        *,
+        timeout: float | None = None,
+        call_id: str | None = None,
+        session_id: str | None = None,
+    ) -> ToolOutcome:
         """Validate the parameters, run the function, and say how it ended.
+
+        ``call_id`` and ``session_id`` identify the call (a remote tool sends
+        them along); a local function does not need them.
 
         A sync function runs in a worker thread; on timeout its result is
         abandoned (a thread cannot be stopped), an async one is cancelled.
@@ -268,6 +283,7 @@ def tool(
     description: str | None = None,
     timeout: float | None = None,
     concurrency_safe: bool = True,
+    external: bool = False,
     group: str = DEFAULT_GROUP,
 ) -> Callable[[Callable[..., Any]], Tool]: ...
 
@@ -280,6 +296,7 @@ def tool(
     description: str | None = None,
     timeout: float | None = None,
     concurrency_safe: bool = True,
+    external: bool = False,
     group: str = DEFAULT_GROUP,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Make a function a :class:`Tool` (as ``@tool`` or ``@tool(name=…)``).
@@ -290,6 +307,7 @@ def tool(
         description: for the model; the docstring (without its ``Args:``) by default.
         timeout: seconds the tool may run by default.
         concurrency_safe: whether calls may run in parallel within one agent.
+        external: the agent pauses for an outside result instead of running it.
         group: the toolkit group it joins by default.
 
     Raises:
@@ -303,138 +321,8 @@ def tool(
             description=description,
             timeout=timeout,
             concurrency_safe=concurrency_safe,
+            external=external,
             group=group,
         )
 
     return wrap(fn) if fn is not None else wrap
-
-
-class Toolkit:
-    """Tools by name, in groups.
-
-    Args:
-        tools: tools (or plain functions, made tools) to add.
-    """
-
-    def __init__(self, tools: Iterable[Tool | Callable[..., Any]] = ()) -> None:
-        self._tools: dict[str, Tool] = {}
-        self._groups: dict[str, str] = {}
-        for t in tools:
-            self.add(t)
-
-    def add(self, item: Tool | Callable[..., Any], *, group: str | None = None) -> Tool:
-        """Add a tool (a plain function is made one first).
-
-        Raises:
-            ToolDefinitionError: the function cannot be a tool, or the name is taken.
-        """
-        added = item if isinstance(item, Tool) else Tool(item)
-        if added.name in self._tools and self._tools[added.name] is not added:
-            raise ToolDefinitionError(f"a tool named {added.name!r} is already in the toolkit")
-        self._tools[added.name] = added
-        self._groups[added.name] = group or added.group
-        return added
-
-    def remove(self, name: str) -> None:
-        """Remove a tool.
-
-        Raises:
-            UnknownToolError: no such tool.
-        """
-        self.get(name)
-        del self._tools[name]
-        del self._groups[name]
-
-    def get(self, name: str) -> Tool:
-        """The tool called ``name``.
-
-        Raises:
-            UnknownToolError: no such tool; the error lists those that exist.
-        """
-        try:
-            return self._tools[name]
-        except KeyError:
-            raise UnknownToolError(name, list(self._tools)) from None
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._tools
-
-    def __iter__(self) -> Iterator[Tool]:
-        return iter(self._tools.values())
-
-    def __len__(self) -> int:
-        return len(self._tools)
-
-    @property
-    def names(self) -> list[str]:
-        """The tools' names, in the order they were added."""
-        return list(self._tools)
-
-    @property
-    def groups(self) -> dict[str, list[str]]:
-        """Tool names by group."""
-        result: dict[str, list[str]] = {}
-        for tool_name, group in self._groups.items():
-            result.setdefault(group, []).append(tool_name)
-        return result
-
-    def in_groups(self, *groups: str) -> list[Tool]:
-        """The tools of the given groups (all tools when none is given)."""
-        return [t for t in self._tools.values() if not groups or self._groups[t.name] in groups]
-
-    def specs(self, *groups: str) -> list[ToolSpec]:
-        """The specs of the tools of the given groups (all when none given)."""
-        return [t.spec() for t in self.in_groups(*groups)]
-
-    async def run(self, name: str, parameters: Any, *, timeout: float | None = None) -> ToolOutcome:
-        """Run a tool by name; an unknown name is an ``unknown_tool`` outcome."""
-        found = self._tools.get(name)
-        if found is None:
-            message = str(UnknownToolError(name, list(self._tools)))
-            return ToolOutcome.failure("error", "unknown_tool", message)
-        return await found.run(parameters, timeout=timeout)
-
-
-def load_toolkit(spec: str) -> Toolkit:
-    """The toolkit named by ``MODULE[:ATTR]``.
-
-    ``ATTR`` may be a :class:`Toolkit`, a :class:`Tool`, a list of tools, or a
-    function returning one of these. Without ``ATTR``: the module's
-    ``toolkit`` attribute if it has one, else every ``Tool`` defined at its
-    top level.
-
-    Raises:
-        ToolDefinitionError: the module or attribute cannot be loaded, or
-            holds no tools.
-    """
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ToolDefinitionError(f"cannot import {module_name!r}: {exc}") from exc
-    if attr:
-        try:
-            target: Any = module
-            for part in attr.split("."):
-                target = getattr(target, part)
-        except AttributeError:
-            raise ToolDefinitionError(f"module {module_name!r} has no attribute {attr!r}") from None
-    elif isinstance(getattr(module, "toolkit", None), Toolkit):
-        target = module.toolkit
-    else:
-        target = [v for v in vars(module).values() if isinstance(v, Tool)]
-    if callable(target) and not isinstance(target, Tool | Toolkit):
-        target = target()
-    if isinstance(target, Awaitable):
-        raise ToolDefinitionError(f"{spec} is an async factory; give a sync one")
-    if isinstance(target, Toolkit):
-        kit = target
-    elif isinstance(target, Tool):
-        kit = Toolkit([target])
-    elif isinstance(target, list | tuple) and all(isinstance(t, Tool) for t in target):
-        kit = Toolkit(target)
-    else:
-        raise ToolDefinitionError(f"{spec} is not a Toolkit, a Tool or a list of tools")
-    if not len(kit):
-        raise ToolDefinitionError(f"{spec} holds no tools")
-    return kit

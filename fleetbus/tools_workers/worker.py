@@ -30,7 +30,8 @@ from collections import OrderedDict
 from fleetbus._version import __version__
 from fleetbus.bus import SERVICE_NAME, Bus, EndpointInfo, Handler, MicroService, Request
 from fleetbus.protocol import ErrorMessage, Message, ToolCall, ToolResult
-from fleetbus.tools_workers.tool import Tool, Toolkit, ToolOutcome
+from fleetbus.tools_workers.tool import ToolOutcome
+from fleetbus.tools_workers.toolkit import Toolkit, ToolLike
 
 __all__ = ["ToolWorker"]
 
@@ -100,7 +101,7 @@ class ToolWorker:
         self.executed = 0
         """How many times this worker ran a tool (not counting replays)."""
 
-    def _endpoint(self, t: Tool) -> EndpointInfo:
+    def _endpoint(self, t: ToolLike) -> EndpointInfo:
         metadata = {
             "description": t.description,
             "schema": json.dumps(t.parameters, separators=(",", ":")),
@@ -160,7 +161,7 @@ class ToolWorker:
         self._ready.set()
         logger.info("worker %s ready", self.worker_id)
 
-    def _handler(self, served: Tool) -> Handler:
+    def _handler(self, served: ToolLike) -> Handler:
         async def handle(request: Request) -> Message:
             started = time.perf_counter_ns()
             reply = await self._answer(served, request)
@@ -174,7 +175,7 @@ class ToolWorker:
 
         return handle
 
-    async def _answer(self, served: Tool, request: Request) -> Message:
+    async def _answer(self, served: ToolLike, request: Request) -> Message:
         call = request.message
         if not isinstance(call, ToolCall):
             return self._error(
@@ -240,7 +241,7 @@ class ToolWorker:
         finally:
             del self._running[key]
 
-    async def _execute(self, served: Tool, call: ToolCall, timeout: float) -> ToolResult:
+    async def _execute(self, served: ToolLike, call: ToolCall, timeout: float) -> ToolResult:
         self.executed += 1
         try:
             outcome = await served.run(call.parameters, timeout=timeout)

@@ -17,7 +17,14 @@ def _isort_key(name: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize(
     "module",
-    ["fleetbus", "fleetbus.protocol", "fleetbus.bus", "fleetbus.tools_workers", "fleetbus.errors"],
+    [
+        "fleetbus",
+        "fleetbus.protocol",
+        "fleetbus.bus",
+        "fleetbus.tools_workers",
+        "fleetbus.agents",
+        "fleetbus.errors",
+    ],
 )
 def test_all_is_sorted_and_every_name_exists(module: str) -> None:
     mod = importlib.import_module(module)
@@ -33,7 +40,8 @@ def test_top_level_exports_the_names_users_type() -> None:
     public = {
         n
         for n in vars(fleetbus)
-        if not n.startswith("_") and n not in {"bus", "protocol", "tools_workers", "errors", "cli"}
+        if not n.startswith("_")
+        and n not in {"bus", "protocol", "tools_workers", "errors", "cli", "agents", "testing"}
     }
     assert public <= set(fleetbus.__all__), public - set(fleetbus.__all__)
 

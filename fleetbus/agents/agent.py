@@ -1,0 +1,397 @@
+"""The ReAct agent: reason, act, observe, repeat.
+
+::
+
+    agent = Agent("helper", "You help.", model, toolkit=Toolkit([calculator]))
+    answer = await agent.reply("What is 2026 - 1991?")
+    async for item in agent.reply_stream("And times two?"):
+        ...  # Event messages as they happen, then the FinalAnswer
+
+Every failure on the way — the model erring or answering garbage, arguments
+that are not JSON or do not fit the schema, an unknown tool, a tool that
+raises or times out, a denied call, the same failing call repeated — becomes
+an observation the model sees or a clear ``finished_reason``; never a crash,
+a hang, or a memory where a tool call lacks its result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+import pydantic
+
+from fleetbus.agents._reply import ReplyRun
+from fleetbus.agents.compression import (
+    ApproxTokenCounter,
+    CompressionResult,
+    ContextConfig,
+    TokenCounter,
+    compress,
+    summarize_with_model,
+)
+from fleetbus.agents.messages import Msg
+from fleetbus.agents.middleware import Middleware
+from fleetbus.agents.model import ChatModel, ModelConfig
+from fleetbus.agents.offload import Offloader
+from fleetbus.agents.permissions import Permissions
+from fleetbus.agents.plan import PlanNotebook
+from fleetbus.agents.state import AgentState, ReplyState
+from fleetbus.agents.tools import ToolSource
+from fleetbus.errors import ConfigError
+from fleetbus.protocol import (
+    AgentMessage,
+    ConfirmResult,
+    Event,
+    ExternalResult,
+    FinalAnswer,
+    ToolResultBlock,
+    UserRequest,
+    new_id,
+)
+
+__all__ = ["Agent", "ReplyInput"]
+
+logger = logging.getLogger(__name__)
+
+ReplyInput = (
+    str
+    | Msg
+    | UserRequest
+    | AgentMessage
+    | ConfirmResult
+    | ExternalResult
+    | Sequence["str | Msg | UserRequest | AgentMessage"]
+    | None
+)
+"""What ``reply`` takes: new input, a resume message, or nothing (continue
+the reply in progress, or answer the memory as it is)."""
+
+
+class Agent:
+    """An LLM agent that runs the ReAct loop.
+
+    Args:
+        name: the agent's name (a subject token when it serves on the bus).
+        system_prompt: who it is and how it works.
+        model: the model it reasons with.
+        toolkit: its tools (``fleetbus.Toolkit``: local and remote alike).
+        max_iters: reasoning steps per reply before it must answer.
+        parallel_tool_calls: run a step's calls at once when every tool of
+            the step is concurrency-safe.
+        plan: give it a plan notebook (``True``, or one to start from).
+        permissions: allow / deny / ask rules checked before every call.
+        middlewares: hooks around the reply, reasoning, model and tool calls.
+        context: context length and compression settings.
+        model_config: retries, backoff, timeout and fallback of model calls.
+        state: a saved state to continue from (its name must match).
+        token_counter: estimates tokens; a tokenizer-free one by default.
+        offloader: keeps whole tool results that are cut in the context, and
+            gives the model ``read_offloaded`` to read them.
+        tool_timeout: seconds each tool call may run (the tool's own, else
+            the worker's, when ``None``).
+        max_repeated_failures: the same failing call this many times in a
+            row ends the reply (``repeated_action``).
+        structured_retries: invalid or missing structured answers tolerated.
+        checkpoint: awaited after every step with the state (to save it).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        system_prompt: str = "",
+        model: ChatModel | None = None,
+        *,
+        toolkit: ToolSource | None = None,
+        max_iters: int = 10,
+        parallel_tool_calls: bool = False,
+        plan: bool | PlanNotebook = False,
+        permissions: Permissions | None = None,
+        middlewares: Iterable[Middleware] = (),
+        context: ContextConfig | None = None,
+        model_config: ModelConfig | None = None,
+        state: AgentState | None = None,
+        token_counter: TokenCounter | None = None,
+        offloader: Offloader | None = None,
+        tool_timeout: float | None = None,
+        max_repeated_failures: int = 3,
+        structured_retries: int = 2,
+        checkpoint: Callable[[AgentState], Awaitable[None]] | None = None,
+    ) -> None:
+        if model is None:
+            raise ConfigError(f"agent {name!r} needs a model")
+        if max_iters < 1:
+            raise ConfigError("max_iters must be at least 1")
+        if max_repeated_failures < 1:
+            raise ConfigError("max_repeated_failures must be at least 1")
+        self.name = name
+        self.system_prompt = system_prompt
+        self.model = model
+        self.toolkit = toolkit
+        self.max_iters = max_iters
+        self.parallel_tool_calls = parallel_tool_calls
+        self.middlewares = list(middlewares)
+        self.context = context or ContextConfig()
+        self.model_config = model_config or ModelConfig()
+        self.token_counter: Any = token_counter or ApproxTokenCounter()
+        self.offloader = offloader
+        self.tool_timeout = tool_timeout
+        self.max_repeated_failures = max_repeated_failures
+        self.structured_retries = structured_retries
+        self._checkpoint = checkpoint
+        if state is not None:
+            if state.agent_name != name:
+                raise ConfigError(f"the state is agent {state.agent_name!r}'s, not {name!r}'s")
+            self._state = state
+        else:
+            self._state = AgentState(agent_name=name)
+        if permissions is not None:
+            self._state.permissions = permissions
+        if plan is True and self._state.plan is None:
+            self._state.plan = PlanNotebook()
+        elif isinstance(plan, PlanNotebook):
+            self._state.plan = plan
+        self._lock = asyncio.Lock()
+        self._running: asyncio.Task[FinalAnswer] | None = None
+        self._interrupted = False
+
+    @property
+    def state(self) -> AgentState:
+        """Everything needed to continue this agent (live: updated in place)."""
+        return self._state
+
+    @property
+    def memory(self) -> list[Msg]:
+        """The messages of the conversation, oldest first."""
+        return self._state.memory
+
+    async def checkpoint(self) -> None:
+        """Hand the state to the ``checkpoint`` callback (after every step)."""
+        if self._checkpoint is not None:
+            await self._checkpoint(self._state)
+
+    async def observe(self, messages: str | Msg | AgentMessage | Sequence[Any]) -> None:
+        """Add messages to memory without replying."""
+        for message in _as_messages(messages):
+            self._state.memory.append(message.marked("observed"))
+        await self.checkpoint()
+
+    async def compress_context(self, config: ContextConfig | None = None) -> CompressionResult:
+        """Compress memory now, whatever its size (``config`` or the agent's)."""
+        async with self._lock:
+            counter = self.token_counter
+            model = self.model
+
+            async def summarize(messages: list[Msg]) -> Any:
+                return await summarize_with_model(model, messages)
+
+            result = await compress(
+                self._state.memory,
+                config or self.context,
+                counter,
+                summarize,
+                system_tokens=counter.count_text(self.system_prompt),
+                force=True,
+            )
+            if result.method != "none":
+                self._state.memory[:] = result.messages
+                if result.summary is not None:
+                    self._state.summary = result.summary
+            return result
+
+    def interrupt(self) -> None:
+        """Stop the reply in progress; it ends with ``finished_reason="interrupted"``."""
+        if self._running is not None and not self._running.done():
+            self._interrupted = True
+            self._running.cancel()
+
+    async def reply(
+        self,
+        inputs: ReplyInput = None,
+        *,
+        structured_model: type[pydantic.BaseModel] | None = None,
+        session_id: str | None = None,
+    ) -> FinalAnswer:
+        """Reply to ``inputs`` and return the final message.
+
+        Args:
+            inputs: text, messages, or a ``confirm_result`` /
+                ``external_result`` resuming a paused reply; ``None``
+                continues a reply in progress (after a restore) or answers
+                the memory as it is.
+            structured_model: the answer must validate against this model;
+                it is on the final message as ``structured``.
+            session_id: carried by the reply's events and final message.
+        """
+        final: FinalAnswer | None = None
+        async for item in self.reply_stream(
+            inputs, structured_model=structured_model, session_id=session_id
+        ):
+            if isinstance(item, FinalAnswer):
+                final = item
+        assert final is not None  # reply_stream always ends with one
+        return final
+
+    async def reply_stream(
+        self,
+        inputs: ReplyInput = None,
+        *,
+        structured_model: type[pydantic.BaseModel] | None = None,
+        session_id: str | None = None,
+    ) -> AsyncIterator[Event | FinalAnswer]:
+        """Reply, yielding each event as it happens and the final message last.
+
+        Leaving the iteration early interrupts the reply (memory stays
+        consistent). Replies of one agent run one at a time.
+        """
+        async with self._lock:
+            queue: asyncio.Queue[Event | FinalAnswer] = asyncio.Queue()
+            self._interrupted = False
+            task = asyncio.get_running_loop().create_task(
+                self._reply(inputs, structured_model, session_id, queue.put_nowait)
+            )
+            self._running = task
+            try:
+                while True:
+                    getter = asyncio.ensure_future(queue.get())
+                    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():
+                        getter.cancel()
+                        break  # the reply task ended: drain the queue below
+                    item = getter.result()
+                    yield item
+                    if isinstance(item, FinalAnswer):
+                        return
+                while not queue.empty():
+                    item = queue.get_nowait()
+                    yield item
+                    if isinstance(item, FinalAnswer):
+                        return
+                task.result()  # re-raises whatever ended the reply without an answer
+                raise RuntimeError("the reply ended without a final answer")
+            finally:
+                if not task.done():
+                    self._interrupted = True
+                    task.cancel()
+                # Our own task: wait for it without letting its end cancel us.
+                await asyncio.wait({task})
+                self._running = None
+
+    async def _reply(
+        self,
+        inputs: ReplyInput,
+        structured_model: type[pydantic.BaseModel] | None,
+        session_id: str | None,
+        emit: Callable[[Event | FinalAnswer], None],
+    ) -> FinalAnswer:
+        run: ReplyRun | None = None
+        try:
+            prepared = self._prepare(inputs, structured_model, session_id)
+            if isinstance(prepared, FinalAnswer):
+                emit(prepared)
+                return prepared
+            reply, resume = prepared
+            run = ReplyRun(self, reply, structured_model=structured_model, emit=emit)
+            if resume is None and reply.iteration == 0 and not reply.answered:
+                run.event("reply_start", reply_id=reply.reply_id)
+            final = await run.run(resume)
+        except asyncio.CancelledError:
+            if not self._interrupted or run is None:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            final = run.finish("interrupted", "The reply was interrupted.")
+        except Exception as exc:  # a bug must not take the caller down with it
+            logger.exception("%s: reply failed", self.name)
+            self._state.reply = None
+            final = FinalAnswer(
+                sender=self.name,
+                session_id=session_id,
+                content=f"internal error: {type(exc).__name__}: {exc}",
+                finished_reason="error",
+            )
+        with contextlib.suppress(Exception):
+            await self.checkpoint()
+        emit(final)
+        return final
+
+    def _prepare(
+        self,
+        inputs: ReplyInput,
+        structured_model: type[pydantic.BaseModel] | None,
+        session_id: str | None,
+    ) -> tuple[ReplyState, ConfirmResult | ExternalResult | None] | FinalAnswer:
+        state = self._state
+        if isinstance(inputs, ConfirmResult | ExternalResult):
+            if state.reply is None or not state.reply.pending:
+                what = "confirmation" if isinstance(inputs, ConfirmResult) else "external result"
+                return FinalAnswer(
+                    sender=self.name,
+                    session_id=session_id or inputs.session_id,
+                    content=f"Nothing is waiting for a {what}.",
+                    finished_reason="error",
+                )
+            return state.reply, inputs
+        if state.reply is not None:
+            if inputs is None and not state.reply.pending:
+                return state.reply, None  # continue a restored reply
+            self._abandon_reply()
+        for message in _as_messages(inputs):
+            state.memory.append(message)
+        schema: dict[str, Any] | None = None
+        if structured_model is not None:
+            schema = structured_model.model_json_schema()
+            schema.pop("title", None)
+        reply = ReplyState(
+            reply_id=new_id(),
+            session_id=session_id or _session_of(inputs),
+            structured_name=structured_model.__name__ if structured_model else None,
+            structured_schema=schema,
+        )
+        state.reply = reply
+        return reply, None
+
+    def _abandon_reply(self) -> None:
+        """A new input while a reply is paused or unfinished: close its calls."""
+        reply = self._state.reply
+        assert reply is not None
+        answered = {b.id for m in self._state.memory for b in m.tool_results}
+        for message in reversed(self._state.memory):
+            if message.role == "assistant":
+                for use in message.tool_uses:
+                    if use.id not in answered:
+                        block = ToolResultBlock(
+                            id=use.id,
+                            name=use.name,
+                            output="cancelled: a new message came before this call was run.",
+                            state="cancelled",
+                        )
+                        self._state.memory.append(Msg(role="tool", name=use.name, content=[block]))
+                break
+        self._state.reply = None
+
+
+def _as_messages(inputs: Any) -> list[Msg]:
+    if inputs is None:
+        return []
+    if isinstance(inputs, str):
+        return [Msg.text_message("user", inputs)]
+    if isinstance(inputs, Msg):
+        return [inputs]
+    if isinstance(inputs, UserRequest):
+        content = inputs.content
+        return [Msg(role="user", content=content, metadata=dict(inputs.metadata))]
+    if isinstance(inputs, AgentMessage):
+        return [Msg(role="user", name=inputs.name or inputs.sender, content=inputs.content)]
+    if isinstance(inputs, Sequence):
+        return [m for item in inputs for m in _as_messages(item)]
+    raise ConfigError(f"cannot reply to a {type(inputs).__name__}")
+
+
+def _session_of(inputs: Any) -> str | None:
+    session = getattr(inputs, "session_id", None)
+    return session if isinstance(session, str) else None

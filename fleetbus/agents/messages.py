@@ -1,0 +1,102 @@
+"""Memory entries: one message of a conversation, with marks.
+
+A :class:`Msg` holds protocol content blocks (text, thinking, tool_use,
+tool_result, data). It is a pydantic model so that the whole
+:class:`~fleetbus.agents.state.AgentState` round-trips through JSON; its
+blocks are the protocol's msgspec structs, converted at the edge.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, WithJsonSchema
+
+from fleetbus.protocol import (
+    ChatMessage,
+    ContentBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+    new_id,
+)
+
+__all__ = ["Blocks", "Mark", "Msg", "Role"]
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+Mark = Literal["hint", "compressed", "observed"]
+"""``hint``: injected for one reasoning step, then removed; ``compressed``: a
+summary standing for older messages; ``observed``: added by ``observe``."""
+
+
+def _to_blocks(value: Any) -> list[ContentBlock]:
+    if isinstance(value, str):
+        return [TextBlock(text=value)]
+    try:
+        return msgspec.convert(value, type=list[ContentBlock])
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid content blocks: {exc}") from exc
+
+
+def _from_blocks(blocks: list[ContentBlock]) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = msgspec.to_builtins(blocks)
+    return result
+
+
+Blocks = Annotated[
+    list[ContentBlock],
+    PlainValidator(_to_blocks),
+    PlainSerializer(_from_blocks, return_type=list[dict[str, Any]]),
+    WithJsonSchema({"type": "array", "items": {"type": "object"}}),
+]
+"""A list of content blocks, as a pydantic field (a string becomes one text block)."""
+
+
+class Msg(BaseModel):
+    """One message in an agent's memory."""
+
+    model_config = ConfigDict(frozen=True)
+
+    msg_id: str = Field(default_factory=new_id)
+    role: Role
+    content: Blocks
+    name: str = ""
+    """Who spoke (an agent's or a user's display name)."""
+    marks: frozenset[Mark] = frozenset()
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def text_message(cls, role: Role, text: str, **kwargs: Any) -> Msg:
+        """A message of one text block."""
+        return cls(role=role, content=[TextBlock(text=text)], **kwargs)
+
+    @property
+    def text(self) -> str:
+        """The text blocks, joined by newlines."""
+        return "\n".join(b.text for b in self.content if isinstance(b, TextBlock))
+
+    @property
+    def thinking(self) -> str:
+        """The thinking blocks, joined by newlines."""
+        return "\n".join(b.thinking for b in self.content if isinstance(b, ThinkingBlock))
+
+    @property
+    def tool_uses(self) -> list[ToolUseBlock]:
+        """The tool calls this message asks for."""
+        return [b for b in self.content if isinstance(b, ToolUseBlock)]
+
+    @property
+    def tool_results(self) -> list[ToolResultBlock]:
+        """The tool results this message carries."""
+        return [b for b in self.content if isinstance(b, ToolResultBlock)]
+
+    def marked(self, *marks: Mark) -> Msg:
+        """A copy with more marks."""
+        return self.model_copy(update={"marks": self.marks | set(marks)})
+
+    def to_chat(self) -> ChatMessage:
+        """As a protocol ``ChatMessage`` (what a model is sent)."""
+        return ChatMessage(role=self.role, content=list(self.content), name=self.name or None)

@@ -1,0 +1,77 @@
+"""A tool served by workers on the bus, usable like a local tool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleetbus.bus import RemoteTool, ToolClient
+from fleetbus.errors import BusError, FleetbusError
+from fleetbus.protocol import ToolSpec
+from fleetbus.tools_workers.tool import ToolOutcome
+
+__all__ = ["RemoteToolProxy"]
+
+
+class RemoteToolProxy:
+    """Calls a discovered tool through a :class:`~fleetbus.bus.ToolClient`.
+
+    Its :meth:`run` has the contract of a local tool's: never raises for
+    what happens to the call. A call no worker answers (after the client's
+    retries) is an ``error`` outcome saying so; the ``call_id`` is passed
+    through, so a retry of the same call is answered from the worker's record.
+
+    Args:
+        remote: the tool as discovered.
+        client: the client that calls it.
+        group: the toolkit group it joins by default.
+    """
+
+    def __init__(self, remote: RemoteTool, client: ToolClient, *, group: str = "remote") -> None:
+        self.remote = remote
+        self.client = client
+        self.name = remote.name
+        self.description = remote.description
+        self.parameters: dict[str, Any] = remote.parameters
+        self.timeout: float | None = remote.timeout
+        self.concurrency_safe = remote.metadata.get("concurrency_safe", "true") == "true"
+        self.external = False
+        self.group = group
+
+    def __repr__(self) -> str:
+        return f"RemoteToolProxy({self.name!r}, workers={self.remote.workers})"
+
+    def spec(self) -> ToolSpec:
+        """The tool as offered to a model."""
+        return self.remote.spec()
+
+    async def run(
+        self,
+        parameters: Any,
+        *,
+        timeout: float | None = None,
+        call_id: str | None = None,
+        session_id: str | None = None,
+    ) -> ToolOutcome:
+        """Call the tool on the bus and say how it ended."""
+        if not isinstance(parameters, dict):
+            return ToolOutcome.failure(
+                "error", "invalid_parameters", "parameters must be a JSON object"
+            )
+        try:
+            result = await self.client.call(
+                self.name,
+                parameters,
+                call_id=call_id,
+                session_id=session_id,
+                timeout=timeout if timeout is not None else self.timeout,
+            )
+        except BusError as exc:
+            message = f"{self.name} could not be called: {exc}"
+            if isinstance(exc, TimeoutError):
+                return ToolOutcome.failure("timeout", "timeout", message)
+            return ToolOutcome.failure("error", "tool_error", message)
+        except FleetbusError as exc:  # a reply that is not a valid tool_result
+            return ToolOutcome.failure("error", "tool_error", f"{self.name}: {exc}")
+        return ToolOutcome(
+            status=result.status, content=result.content, error_detail=result.error_detail
+        )

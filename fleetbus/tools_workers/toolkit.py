@@ -1,0 +1,231 @@
+"""The Toolkit: tools by name and group, local or served on the bus.
+
+Anything with the :class:`ToolLike` shape can be in a toolkit: a local
+:class:`~fleetbus.tools_workers.tool.Tool`, or a
+:class:`~fleetbus.tools_workers.remote.RemoteToolProxy` that calls a tool
+served by workers. An agent uses both the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+from fleetbus.bus import ToolClient
+from fleetbus.errors import ToolDefinitionError, UnknownToolError
+from fleetbus.protocol import ToolSpec
+from fleetbus.tools_workers.remote import RemoteToolProxy
+from fleetbus.tools_workers.tool import Tool, ToolOutcome
+
+__all__ = ["ToolLike", "Toolkit", "load_toolkit"]
+
+
+@runtime_checkable
+class ToolLike(Protocol):
+    """What a toolkit holds: a tool's description and a way to run it."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    timeout: float | None
+    concurrency_safe: bool
+    external: bool
+    group: str
+
+    def spec(self) -> ToolSpec:
+        """The tool as offered to a model."""
+        ...
+
+    async def run(
+        self,
+        parameters: Any,
+        *,
+        timeout: float | None = None,
+        call_id: str | None = None,
+        session_id: str | None = None,
+    ) -> ToolOutcome:
+        """Run it; never raises for what the tool does."""
+        ...
+
+
+class Toolkit:
+    """Tools by name, in groups: local functions and tools served on the bus,
+    used the same way.
+
+    Args:
+        tools: tools (plain functions are made tools; remote tools are added
+            as they are) to add.
+    """
+
+    def __init__(self, tools: Iterable[ToolLike | Callable[..., Any]] = ()) -> None:
+        self._tools: dict[str, ToolLike] = {}
+        self._groups: dict[str, str] = {}
+        for t in tools:
+            self.add(t)
+
+    def add(self, item: ToolLike | Callable[..., Any], *, group: str | None = None) -> ToolLike:
+        """Add a tool (a plain function is made one first).
+
+        Raises:
+            ToolDefinitionError: the function cannot be a tool, or the name is taken.
+        """
+        added: ToolLike = item if isinstance(item, ToolLike) else Tool(item)
+        if added.name in self._tools and self._tools[added.name] is not added:
+            raise ToolDefinitionError(f"a tool named {added.name!r} is already in the toolkit")
+        self._tools[added.name] = added
+        self._groups[added.name] = group or added.group
+        return added
+
+    def remove(self, name: str) -> None:
+        """Remove a tool.
+
+        Raises:
+            UnknownToolError: no such tool.
+        """
+        self.get(name)
+        del self._tools[name]
+        del self._groups[name]
+
+    def get(self, name: str) -> ToolLike:
+        """The tool called ``name``.
+
+        Raises:
+            UnknownToolError: no such tool; the error lists those that exist.
+        """
+        try:
+            return self._tools[name]
+        except KeyError:
+            raise UnknownToolError(name, list(self._tools)) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def __iter__(self) -> Iterator[ToolLike]:
+        return iter(self._tools.values())
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    @property
+    def names(self) -> list[str]:
+        """The tools' names, in the order they were added."""
+        return list(self._tools)
+
+    @property
+    def groups(self) -> dict[str, list[str]]:
+        """Tool names by group."""
+        result: dict[str, list[str]] = {}
+        for tool_name, group in self._groups.items():
+            result.setdefault(group, []).append(tool_name)
+        return result
+
+    def in_groups(self, *groups: str) -> list[ToolLike]:
+        """The tools of the given groups (all tools when none is given)."""
+        return [t for t in self._tools.values() if not groups or self._groups[t.name] in groups]
+
+    def specs(self, *groups: str) -> list[ToolSpec]:
+        """The specs of the tools of the given groups (all when none given)."""
+        return [t.spec() for t in self.in_groups(*groups)]
+
+    def is_concurrency_safe(self, name: str) -> bool:
+        """Whether calls of the tool may run in parallel (``False`` if unknown)."""
+        found = self._tools.get(name)
+        return found is not None and found.concurrency_safe
+
+    def is_external(self, name: str) -> bool:
+        """Whether the tool is run outside the agent (``False`` if unknown)."""
+        found = self._tools.get(name)
+        return found is not None and found.external
+
+    async def run(
+        self,
+        name: str,
+        parameters: Any,
+        *,
+        timeout: float | None = None,
+        call_id: str | None = None,
+        session_id: str | None = None,
+    ) -> ToolOutcome:
+        """Run a tool by name; an unknown name is an ``unknown_tool`` outcome.
+
+        Never raises for what the tool does, except ``CancelledError``.
+        """
+        found = self._tools.get(name)
+        if found is None:
+            message = str(UnknownToolError(name, list(self._tools)))
+            return ToolOutcome.failure("error", "unknown_tool", message)
+        return await found.run(parameters, timeout=timeout, call_id=call_id, session_id=session_id)
+
+    async def add_remote(
+        self,
+        client: ToolClient,
+        names: Iterable[str] | None = None,
+        *,
+        group: str = "remote",
+        timeout: float = 0.5,
+    ) -> list[str]:
+        """Add the tools served on the bus (all, or those named), discovered
+        through ``client``; returns the names added. A name already in the
+        toolkit is kept as it is (local tools win).
+
+        Raises:
+            UnknownToolError: a named tool is not served by any worker.
+            BusError: discovery failed.
+        """
+        found = await client.discover(timeout=timeout)
+        wanted = list(found) if names is None else list(names)
+        missing = [n for n in wanted if n not in found]
+        if missing:
+            raise UnknownToolError(missing[0], list(found))
+        added = []
+        for tool_name in wanted:
+            if tool_name not in self._tools:
+                self.add(RemoteToolProxy(found[tool_name], client), group=group)
+                added.append(tool_name)
+        return added
+
+
+def load_toolkit(spec: str) -> Toolkit:
+    """The toolkit named by ``MODULE[:ATTR]``.
+
+    ``ATTR`` may be a :class:`Toolkit`, a :class:`Tool`, a list of tools, or a
+    function returning one of these. Without ``ATTR``: the module's
+    ``toolkit`` attribute if it has one, else every ``Tool`` defined at its
+    top level.
+
+    Raises:
+        ToolDefinitionError: the module or attribute cannot be loaded, or
+            holds no tools.
+    """
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ToolDefinitionError(f"cannot import {module_name!r}: {exc}") from exc
+    if attr:
+        try:
+            target: Any = module
+            for part in attr.split("."):
+                target = getattr(target, part)
+        except AttributeError:
+            raise ToolDefinitionError(f"module {module_name!r} has no attribute {attr!r}") from None
+    elif isinstance(getattr(module, "toolkit", None), Toolkit):
+        target = module.toolkit
+    else:
+        target = [v for v in vars(module).values() if isinstance(v, Tool)]
+    if callable(target) and not isinstance(target, Tool | Toolkit | RemoteToolProxy):
+        target = target()
+    if isinstance(target, Awaitable):
+        raise ToolDefinitionError(f"{spec} is an async factory; give a sync one")
+    if isinstance(target, Toolkit):
+        kit = target
+    elif isinstance(target, ToolLike):
+        kit = Toolkit([target])
+    elif isinstance(target, list | tuple) and all(isinstance(t, ToolLike) for t in target):
+        kit = Toolkit(target)
+    else:
+        raise ToolDefinitionError(f"{spec} is not a Toolkit, a Tool or a list of tools")
+    if not len(kit):
+        raise ToolDefinitionError(f"{spec} holds no tools")
+    return kit
