@@ -251,7 +251,8 @@ class ReplyRun:
                 options=dict(self.agent.model_config.options),
             )
             response = await self._call_model(request)
-            return Msg(role="assistant", name=self.agent.name, content=_fix_ids(response))
+            used = {u.id for m in self.state.memory for u in m.tool_uses}
+            return Msg(role="assistant", name=self.agent.name, content=_fix_ids(response, used))
 
         call = step
         for middleware in reversed(self.agent.middlewares):
@@ -599,12 +600,7 @@ class ReplyRun:
                     )
                     continue
                 if decision.always:
-                    add = (
-                        self.state.permissions.allow
-                        if decision.confirmed
-                        else self.state.permissions.deny
-                    )
-                    add(waiting.tool_name)
+                    self._remember_decision(waiting, decision.confirmed)
                 del pending[decision.call_id]
                 use = uses[decision.call_id]
                 if not decision.confirmed:
@@ -629,17 +625,11 @@ class ReplyRun:
                     detail = output.error_detail
                     text = f"{detail.code}: {detail.message}" if detail else output.status
                     results[use.id] = _result(use, output.status, text)
-        if not results:
-            return (
-                self.finish(
-                    "paused" if pending else "error",
-                    "The resume message matched no pending call; still waiting for: "
-                    + ", ".join(pending),
-                )
-                if pending
-                else self.finish("error", "Nothing was waiting.")
-            )
         self.reply.pending = list(pending.values())
+        if not results and self.reply.pending:
+            # Nothing matched: still paused, on the same calls.
+            logger.warning("%s: the resume message matched no pending call", self.agent.name)
+            return self._pause(self.reply.pending)
         ordered = [uses[c] for c in uses if c in results]
         ended = self._record(ordered, results)
         if ended is not None:
@@ -648,6 +638,28 @@ class ReplyRun:
             return self._pause(self.reply.pending)
         await self.agent.checkpoint()
         return None
+
+    def _remember_decision(self, waiting: PendingCall, confirmed: bool) -> None:
+        """``always``: a rule so that calls of this tool are not asked again."""
+        permissions = self.state.permissions
+        if not confirmed:
+            permissions.deny(waiting.tool_name)
+            return
+        # Ask outranks allow, so the ask rule that named exactly this tool
+        # gives way; a glob that also covers other tools stays and still asks.
+        permissions.rules = [
+            r
+            for r in permissions.rules
+            if not (r.action == "ask" and r.tool == waiting.tool_name and not r.params)
+        ]
+        permissions.allow(waiting.tool_name)
+        if permissions.check(waiting.tool_name, waiting.parameters).action == "ask":
+            logger.warning(
+                "%s: 'always' for %s cannot lift the broader ask rule %s",
+                self.agent.name,
+                waiting.tool_name,
+                waiting.rule,
+            )
 
     def _unanswered_uses(self) -> list[ToolUseBlock]:
         """Tool calls of the last assistant message that have no result."""
@@ -675,9 +687,11 @@ def _result(use: ToolUseBlock, state: ToolStatus, output: Any) -> ToolResultBloc
     return ToolResultBlock(id=use.id, name=use.name, output=output, state=state)
 
 
-def _fix_ids(response: ModelResponse) -> list[Any]:
-    """Give every tool call a unique, non-empty id (some models reuse or omit them)."""
-    seen: set[str] = set()
+def _fix_ids(response: ModelResponse, used: set[str]) -> list[Any]:
+    """Give every tool call an id unique in the conversation: some models omit
+    ids or reuse them across turns, and a ``call_id`` seen before would be
+    answered from a worker's record instead of running."""
+    seen = set(used)
     content: list[Any] = []
     for block in response.content:
         if isinstance(block, ToolUseBlock) and (not block.id or block.id in seen):

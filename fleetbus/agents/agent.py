@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import pydantic
@@ -241,7 +241,7 @@ class Agent:
         *,
         structured_model: type[pydantic.BaseModel] | None = None,
         session_id: str | None = None,
-    ) -> AsyncIterator[Event | FinalAnswer]:
+    ) -> AsyncGenerator[Event | FinalAnswer, None]:
         """Reply, yielding each event as it happens and the final message last.
 
         Leaving the iteration early interrupts the reply (memory stays
