@@ -1,0 +1,92 @@
+"""An agent uses tools served by worker processes on the bus exactly like
+local ones: discovered into its Toolkit, called with the tool call's id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fleetbus.agents import Agent
+from fleetbus.bus import Bus, EmbeddedServer, ToolClient
+from fleetbus.errors import UnknownToolError
+from fleetbus.protocol import ToolResultBlock
+from fleetbus.testing import ScriptedModel
+from fleetbus.tools_workers import RemoteToolProxy, Toolkit, tool
+from tests.helpers import wait_for_workers, workers
+
+SPEC = "tests.integration.worker_tools"
+
+
+@tool
+def local_double(x: int) -> int:
+    """Double a number, here."""
+    return 2 * x
+
+
+async def test_local_and_remote_tools_are_used_the_same_way(
+    nats_server: EmbeddedServer, bus: Bus, tmp_path: Path
+) -> None:
+    with workers(
+        nats_server.url, bus.prefix, 1, spec=SPEC, env={"FLEETBUS_TEST_DIR": str(tmp_path)}
+    ):
+        await wait_for_workers(bus, "echo", 1)
+        toolkit = Toolkit([local_double])
+        added = await toolkit.add_remote(ToolClient(bus), ["echo", "record"])
+        assert added == ["echo", "record"]
+        assert isinstance(toolkit.get("echo"), RemoteToolProxy)
+        assert toolkit.groups == {"default": ["local_double"], "remote": ["echo", "record"]}
+        model = ScriptedModel(
+            [
+                ScriptedModel.calls(
+                    ("local_double", {"x": 21}, "l1"),
+                    ("echo", {"text": "over the bus"}, "r1"),
+                    ("record", {"tag": "from-agent"}, "r2"),
+                ),
+                ScriptedModel.call("echo", {"text": 5}, call_id="r3"),
+                ScriptedModel.text("done"),
+            ]
+        )
+        agent = Agent("a", "", model, toolkit=toolkit)
+        final = await agent.reply("go")
+    assert final.content == "done"
+    offered = {t.name for t in model.requests[0].tools}
+    assert {"local_double", "echo", "record"} <= offered
+    echo_spec = next(t for t in model.requests[0].tools if t.name == "echo")
+    assert echo_spec.parameters["required"] == ["text"]
+    results = {r.id: r for m in agent.memory for r in m.tool_results}
+    assert results["l1"].output == 42
+    assert results["r1"].output == "over the bus"
+    record = results["r2"].output
+    assert isinstance(record, dict)
+    assert record["tag"] == "from-agent"
+    # The worker validated the parameters and the agent showed the error.
+    assert results["r3"].state == "error"
+    assert "text: Input should be a valid string" in str(results["r3"].output)
+    # The tool call's id travelled as the call_id: the marks name the call.
+    assert (tmp_path / f"from-agent.{record['pid']}.done").exists()
+
+
+async def test_a_remote_tool_whose_workers_are_gone_is_an_error_result(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    with workers(nats_server.url, bus.prefix, 1, spec=SPEC):
+        await wait_for_workers(bus, "echo", 1)
+        toolkit = Toolkit()
+        await toolkit.add_remote(ToolClient(bus, attempts=2, reply_grace=0.1), ["echo"])
+    # The worker stopped: the proxy stays, the call finds no responders.
+    model = ScriptedModel(
+        [ScriptedModel.call("echo", {"text": "anyone?"}), ScriptedModel.text("no")]
+    )
+    agent = Agent("a", "", model, toolkit=toolkit)
+    final = await agent.reply("go")
+    assert final.content == "no"
+    seen = model.requests[1].messages[-1].content[0]
+    assert isinstance(seen, ToolResultBlock)
+    assert seen.state == "error"
+    assert "no responders" in seen.output
+
+
+async def test_adding_a_tool_nobody_serves_is_refused(bus: Bus) -> None:
+    with pytest.raises(UnknownToolError, match="unknown tool 'ghost'"):
+        await Toolkit().add_remote(ToolClient(bus), ["ghost"], timeout=0.2)
