@@ -340,7 +340,7 @@ class ReplyRun:
         )
         try:
             response = await self._call_model(request)
-        except _ModelFailedError as exc:
+        except (_ModelFailedError, StopReply) as exc:
             logger.warning("%s: no final words: %s", self.agent.name, exc)
             return ""
         text = response.text
@@ -411,13 +411,12 @@ class ReplyRun:
             and len(runnable) > 1
             and all(toolkit is not None and toolkit.is_concurrency_safe(u.name) for u in runnable)
         )
-        if parallel:
-            async with asyncio.TaskGroup() as tg:
-                tasks = {u.id: tg.create_task(self._run_tool(u)) for u in runnable}
-            results.update({call_id: task.result() for call_id, task in tasks.items()})
-        else:
-            for use in runnable:
-                results[use.id] = await self._run_tool(use)
+        try:
+            await self._run_tools(runnable, results, parallel=parallel)
+        except StopReply:
+            # What ran is recorded as it ran; the rest is closed as not run.
+            self._record([u for u in uses if u.id in results], results, watch=False)
+            raise
         ended = self._record([u for u in uses if u.id in results], results)
         if ended is not None:
             return ended
@@ -430,6 +429,25 @@ class ReplyRun:
         if pending:
             return self._pause(pending)
         return None
+
+    async def _run_tools(
+        self, uses: list[ToolUseBlock], results: dict[str, ToolResultBlock], *, parallel: bool
+    ) -> None:
+        """Run calls, putting each result in ``results`` as soon as it exists."""
+        if not parallel:
+            for use in uses:
+                results[use.id] = await self._run_tool(use)
+            return
+
+        async def one(use: ToolUseBlock) -> None:
+            results[use.id] = await self._run_tool(use)
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for use in uses:
+                    tg.create_task(one(use))
+        except* StopReply as group:
+            raise group.exceptions[0] from None
 
     def _check(self, use: ToolUseBlock) -> ToolResultBlock | PendingCall | None:
         """What happens to a call before it runs: a result now, a pause, or None (run it)."""
@@ -504,8 +522,13 @@ class ReplyRun:
             return _result(use, "success" if done.ok else "error", done.text)
         offloader = self.agent.offloader
         if use.name == READ_OFFLOADED_SPEC.name and offloader is not None:
+            # A read brings no more into the context than a tool result may.
+            arguments = dict(use.input)
+            limit = arguments.get("limit")
+            cap = self.agent.context.tool_result_limit
+            arguments["limit"] = min(limit, cap) if isinstance(limit, int) else cap
             try:
-                return _result(use, "success", await read_offloaded(offloader, use.input))
+                return _result(use, "success", await read_offloaded(offloader, arguments))
             except (pydantic.ValidationError, FleetbusError, KeyError, OSError) as exc:
                 return _result(use, "error", f"read_offloaded failed: {_brief(exc)}")
         toolkit = self.agent.toolkit
@@ -531,7 +554,7 @@ class ReplyRun:
         return _result(use, "success", shown)
 
     def _record(
-        self, uses: list[ToolUseBlock], results: dict[str, ToolResultBlock]
+        self, uses: list[ToolUseBlock], results: dict[str, ToolResultBlock], *, watch: bool = True
     ) -> FinalAnswer | None:
         """Put results in memory (the model's order), emit them, watch for repeats."""
         ended: FinalAnswer | None = None
@@ -546,7 +569,7 @@ class ReplyRun:
                 status=block.state,
                 output=block.output,
             )
-            if ended is None:
+            if ended is None and watch:
                 ended = self._watch_repeats(use, block)
         return ended
 
@@ -681,6 +704,9 @@ class ReplyRun:
                 Msg(role="tool", name=use.name, content=[_result(use, state, text)])
             )
             self.reply.answered.append(use.id)
+            self.event(
+                ev.TOOL_RESULT, call_id=use.id, tool_name=use.name, status=state, output=text
+            )
 
 
 def _result(use: ToolUseBlock, state: ToolStatus, output: Any) -> ToolResultBlock:

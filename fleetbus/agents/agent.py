@@ -180,7 +180,13 @@ class Agent:
         await self.checkpoint()
 
     async def compress_context(self, config: ContextConfig | None = None) -> CompressionResult:
-        """Compress memory now, whatever its size (``config`` or the agent's)."""
+        """Compress memory now, below the trigger too (``config`` or the agent's).
+
+        Everything older than the most recent ``reserve_ratio`` of the context
+        is summarized; when the whole memory fits in that reserve there is
+        nothing to compress (``method="none"``): pass a config with a smaller
+        ``reserve_ratio`` to keep less verbatim.
+        """
         async with self._lock:
             counter = self.token_counter
             model = self.model

@@ -163,7 +163,7 @@ class Tool:
         limit = self.timeout if timeout is None else timeout
         try:
             result = await self._call(kwargs, limit)
-        except TimeoutError:
+        except _DeadlineError:
             return ToolOutcome.failure(
                 "timeout", "timeout", f"{self.name} did not finish within {limit:g}s"
             )
@@ -184,7 +184,8 @@ class Tool:
         return ToolOutcome(status="success", content=content)
 
     async def _call(self, kwargs: dict[str, Any], limit: float | None) -> Any:
-        """Call the function; ``TimeoutError`` after ``limit`` seconds.
+        """Call the function; :class:`_DeadlineError` after ``limit`` seconds
+        (a ``TimeoutError`` the function raises itself is its own failure).
 
         Does what ``asyncio.timeout`` does with one timer handle and no
         context-manager state, which halves its cost on the hot path of a
@@ -195,8 +196,11 @@ class Tool:
             return await call
         task = asyncio.current_task()
         if task is None:  # pragma: no cover - always inside a task under asyncio
-            async with asyncio.timeout(limit):
-                return await call
+            try:
+                async with asyncio.timeout(limit):
+                    return await call
+            except TimeoutError as exc:
+                raise _DeadlineError from exc
         loop = asyncio.get_running_loop()
         cancelling = task.cancelling()
         expired = False
@@ -214,12 +218,16 @@ class Tool:
                 expired = False
                 # Ours, unless someone else cancelled the task too.
                 if task.uncancel() <= cancelling:
-                    raise TimeoutError from None
+                    raise _DeadlineError from None
             raise
         finally:
             timer.cancel()
             if expired:  # the function swallowed our cancellation
                 task.uncancel()
+
+
+class _DeadlineError(Exception):
+    """The tool ran past its deadline (not a ``TimeoutError`` of its own)."""
 
 
 def _brief(exc: pydantic.ValidationError) -> str:

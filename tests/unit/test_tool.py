@@ -161,6 +161,19 @@ async def test_a_tool_that_swallows_the_timeout_leaves_the_task_clean() -> None:
     await asyncio.sleep(0.01)  # no pending cancellation hits us later
 
 
+async def test_a_timeout_error_the_tool_raises_is_its_own_failure() -> None:
+    @tool
+    async def impatient() -> None:
+        """Its own client gives up."""
+        raise TimeoutError("upstream did not answer")
+
+    for limit in (None, 5.0):
+        outcome = await impatient.run({}, timeout=limit)
+        assert outcome.status == "error"
+        assert outcome.error_detail is not None
+        assert outcome.error_detail.message == "TimeoutError: upstream did not answer"
+
+
 async def test_the_tools_own_timeout_applies_by_default() -> None:
     @tool(timeout=0.05)
     async def sleeper() -> None:

@@ -1,0 +1,1 @@
+"""Agent features exercised through the public API with a scripted model."""
