@@ -9,6 +9,7 @@ that the state after any step is enough to continue.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -110,6 +111,11 @@ class ReplyRun:
             output_tokens=reply.output_tokens,
             tool_calls=reply.tool_calls,
         )
+
+    @functools.cached_property
+    def _used_ids(self) -> set[str]:
+        """Every tool call id of the conversation (updated as calls are added)."""
+        return {u.id for m in self.state.memory for u in m.tool_uses}
 
     # -- events and endings ---------------------------------------------------
 
@@ -251,8 +257,9 @@ class ReplyRun:
                 options=dict(self.agent.model_config.options),
             )
             response = await self._call_model(request)
-            used = {u.id for m in self.state.memory for u in m.tool_uses}
-            return Msg(role="assistant", name=self.agent.name, content=_fix_ids(response, used))
+            return Msg(
+                role="assistant", name=self.agent.name, content=_fix_ids(response, self._used_ids)
+            )
 
         call = step
         for middleware in reversed(self.agent.middlewares):
@@ -430,6 +437,13 @@ class ReplyRun:
             return self._pause(pending)
         return None
 
+    def call_id_of(self, use: ToolUseBlock) -> str:
+        """The ``call_id`` a tool call travels with: the reply's id and the
+        model's call id, unique across agents (models reuse ids like
+        ``call_0``) and the same when a restored reply runs the call again,
+        so a worker that answered it replays its result."""
+        return f"{self.reply.reply_id}.{use.id}"
+
     async def _run_tools(
         self, uses: list[ToolUseBlock], results: dict[str, ToolResultBlock], *, parallel: bool
     ) -> None:
@@ -537,7 +551,7 @@ class ReplyRun:
             use.name,
             use.input,
             timeout=self.agent.tool_timeout,
-            call_id=use.id,
+            call_id=self.call_id_of(use),
             session_id=self.reply.session_id,
         )
         status = outcome.status if outcome.status in TOOL_STATUSES else "error"
@@ -714,16 +728,14 @@ def _result(use: ToolUseBlock, state: ToolStatus, output: Any) -> ToolResultBloc
 
 
 def _fix_ids(response: ModelResponse, used: set[str]) -> list[Any]:
-    """Give every tool call an id unique in the conversation: some models omit
-    ids or reuse them across turns, and a ``call_id`` seen before would be
-    answered from a worker's record instead of running."""
-    seen = set(used)
+    """Give every tool call an id unique in the conversation (adding it to
+    ``used``): some models omit ids or reuse them across turns."""
     content: list[Any] = []
     for block in response.content:
-        if isinstance(block, ToolUseBlock) and (not block.id or block.id in seen):
+        if isinstance(block, ToolUseBlock) and (not block.id or block.id in used):
             block = msgspec.structs.replace(block, id=f"call_{new_id()[:16]}")
         if isinstance(block, ToolUseBlock):
-            seen.add(block.id)
+            used.add(block.id)
         content.append(block)
     return content
 

@@ -254,25 +254,19 @@ class Agent:
         consistent). Replies of one agent run one at a time.
         """
         async with self._lock:
-            queue: asyncio.Queue[Event | FinalAnswer] = asyncio.Queue()
+            queue: asyncio.Queue[Event | FinalAnswer | None] = asyncio.Queue()
             self._interrupted = False
             task = asyncio.get_running_loop().create_task(
                 self._reply(inputs, structured_model, session_id, queue.put_nowait)
             )
+            # The end of the task, however it ends, wakes the reader.
+            task.add_done_callback(lambda _: queue.put_nowait(None))
             self._running = task
             try:
                 while True:
-                    getter = asyncio.ensure_future(queue.get())
-                    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                    if not getter.done():
-                        getter.cancel()
-                        break  # the reply task ended: drain the queue below
-                    item = getter.result()
-                    yield item
-                    if isinstance(item, FinalAnswer):
-                        return
-                while not queue.empty():
-                    item = queue.get_nowait()
+                    item = await queue.get()
+                    if item is None:
+                        break
                     yield item
                     if isinstance(item, FinalAnswer):
                         return

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, Self, runtime_checkable
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fleetbus.agents.messages import Msg
@@ -74,7 +75,12 @@ class TokenCounter(Protocol):
 def _json_text(value: Any) -> str:
     if isinstance(value, str):
         return value
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+    if not value:
+        return "null" if value is None else json.dumps(value)
+    try:
+        return msgspec.json.encode(value).decode()
+    except (TypeError, msgspec.EncodeError):
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
 def _block_chars(block: object) -> int:
@@ -104,11 +110,16 @@ class ApproxTokenCounter:
         message_overhead: tokens added for each message.
     """
 
+    _CACHE_SIZE = 8192
+
     def __init__(self, chars_per_token: float = 4.0, message_overhead: int = 4) -> None:
         if chars_per_token <= 0 or message_overhead < 0:
             raise ValueError("chars_per_token must be > 0 and message_overhead >= 0")
         self.chars_per_token = chars_per_token
         self.message_overhead = message_overhead
+        # Messages are immutable: each is counted once (an agent counts its
+        # whole memory before every step).
+        self._counts: dict[tuple[str, int], int] = {}
 
     def count_text(self, text: str) -> int:
         """The tokens a piece of text takes."""
@@ -117,9 +128,17 @@ class ApproxTokenCounter:
     def count(self, messages: Sequence[Msg]) -> int:
         """The tokens ``messages`` take, overhead included."""
         total = 0
+        counts = self._counts
         for message in messages:
-            chars = sum(_block_chars(block) for block in message.content)
-            total += math.ceil(chars / self.chars_per_token) + self.message_overhead
+            key = (message.msg_id, id(message.content))
+            tokens = counts.get(key)
+            if tokens is None:
+                chars = sum(_block_chars(block) for block in message.content)
+                tokens = math.ceil(chars / self.chars_per_token) + self.message_overhead
+                if len(counts) >= self._CACHE_SIZE:
+                    counts.clear()
+                counts[key] = tokens
+            total += tokens
         return total
 
 

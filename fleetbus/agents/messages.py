@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidat
 from fleetbus.protocol import (
     ChatMessage,
     ContentBlock,
+    DataBlock,
     TextBlock,
     ThinkingBlock,
     ToolResultBlock,
@@ -32,9 +33,14 @@ Mark = Literal["hint", "compressed", "observed"]
 summary standing for older messages; ``observed``: added by ``observe``."""
 
 
+_BLOCK_TYPES = (TextBlock, ThinkingBlock, ToolUseBlock, ToolResultBlock, DataBlock)
+
+
 def _to_blocks(value: Any) -> list[ContentBlock]:
     if isinstance(value, str):
         return [TextBlock(text=value)]
+    if isinstance(value, list) and all(isinstance(b, _BLOCK_TYPES) for b in value):
+        return value  # already blocks: the common case, and immutable ones
     try:
         return msgspec.convert(value, type=list[ContentBlock])
     except msgspec.ValidationError as exc:

@@ -84,8 +84,8 @@ class ToolWorker:
         self.drain_timeout = drain_timeout
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
-        self._answered: OrderedDict[tuple[str, str], tuple[float, ToolResult]] = OrderedDict()
-        self._running: dict[tuple[str, str], asyncio.Future[ToolResult]] = {}
+        self._answered: OrderedDict[tuple[str, str, str], tuple[float, ToolResult]] = OrderedDict()
+        self._running: dict[tuple[str, str, str], asyncio.Future[ToolResult]] = {}
         self.service = MicroService(
             bus,
             name=SERVICE_NAME,
@@ -212,7 +212,9 @@ class ToolWorker:
                 call,
                 ToolOutcome.failure("error", "invalid_parameters", "timeout must be positive"),
             )
-        key = (served.name, call.call_id)
+        # A call is one client's: two callers that pick the same call_id do
+        # not get each other's answers.
+        key = (served.name, call.sender, call.call_id)
         recorded = self._recorded(key)
         if recorded is not None:
             logger.info(
@@ -276,7 +278,7 @@ class ToolWorker:
             source_component=self.worker_id,
         )
 
-    def _recorded(self, key: tuple[str, str]) -> ToolResult | None:
+    def _recorded(self, key: tuple[str, str, str]) -> ToolResult | None:
         entry = self._answered.get(key)
         if entry is None:
             return None
@@ -286,7 +288,7 @@ class ToolWorker:
             return None
         return result
 
-    def _remember(self, key: tuple[str, str], result: ToolResult) -> None:
+    def _remember(self, key: tuple[str, str, str], result: ToolResult) -> None:
         if result.status == "cancelled":
             return  # not an answer: a retry should run the call again
         self._answered[key] = (time.monotonic() + self.dedup_ttl, result)

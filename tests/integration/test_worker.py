@@ -128,6 +128,17 @@ async def test_the_same_call_id_on_another_tool_is_another_call(
     assert explode_result.status == "error"
 
 
+async def test_two_callers_choosing_the_same_call_id_get_their_own_answers(
+    worker: ToolWorker, bus: Bus
+) -> None:
+    first = ToolClient(bus, sender="agent-a")
+    second = ToolClient(bus, sender="agent-b")
+    a = await first.call("counted", {"key": "caller-a"}, call_id="call_0")
+    b = await second.call("counted", {"key": "caller-b"}, call_id="call_0")
+    assert a.content == {"key": "caller-a", "runs": 1}
+    assert b.content == {"key": "caller-b", "runs": 1}
+
+
 async def test_a_refused_call_is_not_recorded_so_a_fixed_retry_runs(
     worker: ToolWorker, bus: Bus
 ) -> None:

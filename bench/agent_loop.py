@@ -1,0 +1,354 @@
+"""Agent-loop overhead: fleetbus's ReAct loop against a hand-written loop, in one run.
+
+A scripted model (``fleetbus.testing.ScriptedModel``: no network, no tokens)
+calls a no-op tool ``iterations - 1`` times, one call a step, then answers.
+Measured: the time of one ``Agent.reply()`` divided by its iterations (model
+steps), the median of ``--runs`` replies after ``--warmup`` ones, for
+
+- ``local``: the tool in-process (``Toolkit([noop])``);
+- ``remote``: the same tool served by one ``fleetbus worker`` process over an
+  embedded nats-server (the toolkit gets it with ``add_remote``);
+
+each next to a hand-written loop doing the bare minimum with the same model
+script and the same tool: stream the model's turn to its ``ModelResponse``,
+run the tool (``Tool.run`` locally, ``ToolClient.call`` remotely), append to a
+plain list of chat messages. Replies of both kinds alternate, so drift on a
+shared machine hits both alike. Each event loop (standard asyncio, uvloop) is
+measured on its own, the worker running the same loop.
+
+The scripted turns carry their token usage, as real models report it:
+without it ``ScriptedModel`` estimates usage from the repr of the whole
+history on every call, a model-side cost that grows with the conversation and
+would blur the loop's own. Memory grows by two messages an iteration and is
+part of the cost: whatever the loop does over the whole conversation each
+step makes the figures grow with ``--iterations``.
+
+Prints one JSON line. Target: the remote case under 1 ms an iteration
+(median, uvloop when measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import gc
+import importlib.util
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+# The tool the worker serves too (``fleetbus worker bench._noop_tools``); this
+# script runs from bench/, where the module is top-level.
+from _noop_tools import noop
+
+from fleetbus.agents import Agent
+from fleetbus.agents.model import ModelRequest, ModelResponse
+from fleetbus.bus import Bus, EmbeddedServer, ToolClient
+from fleetbus.protocol import ChatMessage, TextBlock, ToolResultBlock, ToolUseBlock, Usage
+from fleetbus.testing import ScriptedModel, Turn
+from fleetbus.tools_workers import Tool, Toolkit
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SYSTEM_PROMPT = "You call noop until you are done."
+PROMPT = "Call noop."
+TARGET_REMOTE_US = 1000.0
+
+RunTool = Callable[[ToolUseBlock], Awaitable[ToolResultBlock]]
+
+
+# -- processes ----------------------------------------------------------------------
+
+
+@contextmanager
+def worker_process(
+    url: str, prefix: str, loop_kind: str
+) -> Iterator[tuple[subprocess.Popen[bytes], IO[bytes]]]:
+    """One ``fleetbus worker`` serving the no-op tool; always stopped on exit."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "fleetbus",
+        "worker",
+        "bench._noop_tools",
+        "--nats",
+        url,
+        "--prefix",
+        prefix,
+    ]
+    env = {
+        **os.environ,
+        "FLEETBUS_UVLOOP": "1" if loop_kind == "uvloop" else "0",
+        "PYTHONPATH": str(ROOT),
+    }
+    with tempfile.TemporaryFile() as output:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            yield proc, output
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def tail(output: IO[bytes], limit: int = 2000) -> str:
+    output.seek(0)
+    return output.read().decode(errors="replace")[-limit:]
+
+
+async def wait_for_worker(
+    client: ToolClient, proc: subprocess.Popen[bytes], output: IO[bytes], timeout: float = 20.0
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the worker exited with {proc.returncode}:\n{tail(output)}")
+        tools = await client.discover(timeout=0.3)
+        if "noop" in tools:
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"the worker did not serve noop within {timeout:g}s:\n{tail(output)}")
+
+
+# -- the two loops ----------------------------------------------------------------------
+
+
+def script(iterations: int) -> list[Turn]:
+    """``iterations - 1`` single noop calls, then an answer.
+
+    Make a new script for every reply: each call gets a new ``call_id``, as a
+    model's calls do (a worker answers a ``call_id`` it has seen from its
+    record, without running the tool).
+    """
+    usage = Usage(input_tokens=100, output_tokens=10)
+    turns: list[Turn] = [
+        dataclasses.replace(ScriptedModel.call("noop", {}), usage=usage)
+        for _ in range(iterations - 1)
+    ]
+    turns.append(dataclasses.replace(ScriptedModel.text("Done."), usage=usage))
+    return turns
+
+
+async def agent_reply(toolkit: Toolkit, iterations: int) -> float:
+    """Seconds of one ``Agent.reply()``; checks it ran every call and answered."""
+    model = ScriptedModel(script(iterations))
+    agent = Agent("bench", SYSTEM_PROMPT, model, toolkit=toolkit, max_iters=iterations)
+    started = time.perf_counter()
+    final = await agent.reply(PROMPT)
+    elapsed = time.perf_counter() - started
+    results = [b for m in agent.memory for b in m.tool_results]
+    if final.finished_reason != "completed" or len(results) != iterations - 1:
+        raise RuntimeError(f"the agent ended {final.finished_reason!r}: {final.content!r}")
+    failed = [b.output for b in results if b.state != "success"]
+    if failed:
+        raise RuntimeError(f"{len(failed)} tool call(s) failed, e.g. {failed[0]!r}")
+    return elapsed
+
+
+async def hand_loop(model: ScriptedModel, run_tool: RunTool, iterations: int) -> str:
+    """The bare minimum of a ReAct loop: model turn, tool, append, repeat."""
+    tools = [noop.spec()]
+    history = [
+        ChatMessage(role="system", content=[TextBlock(text=SYSTEM_PROMPT)]),
+        ChatMessage(role="user", content=[TextBlock(text=PROMPT)]),
+    ]
+    for _ in range(iterations):
+        request = ModelRequest(messages=list(history), tools=tools, tool_choice="auto")
+        final: ModelResponse | None = None
+        async for item in model.stream(request):
+            if isinstance(item, ModelResponse):
+                final = item
+        if final is None:
+            raise RuntimeError("the model ended its stream without a response")
+        history.append(ChatMessage(role="assistant", content=final.content))
+        uses = final.tool_uses
+        if not uses:
+            return final.text
+        for use in uses:
+            history.append(ChatMessage(role="tool", content=[await run_tool(use)]))
+    raise RuntimeError("the hand-written loop got no answer")
+
+
+async def hand_reply(run_tool: RunTool, iterations: int) -> float:
+    """Seconds of one reply of :func:`hand_loop`."""
+    model = ScriptedModel(script(iterations))
+    started = time.perf_counter()
+    await hand_loop(model, run_tool, iterations)
+    return time.perf_counter() - started
+
+
+def local_tool(tool: Tool) -> RunTool:
+    async def run(use: ToolUseBlock) -> ToolResultBlock:
+        outcome = await tool.run(use.input, call_id=use.id)
+        if outcome.status != "success":
+            raise RuntimeError(f"noop failed: {outcome.error_detail}")
+        return ToolResultBlock(id=use.id, name=use.name, output=outcome.content)
+
+    return run
+
+
+def remote_tool(client: ToolClient) -> RunTool:
+    async def run(use: ToolUseBlock) -> ToolResultBlock:
+        result = await client.call(use.name, use.input, call_id=use.id)
+        if not result.ok:
+            raise RuntimeError(f"noop failed: {result.error_detail}")
+        return ToolResultBlock(id=use.id, name=use.name, output=result.content)
+
+    return run
+
+
+# -- measuring ----------------------------------------------------------------------
+
+
+async def compare(
+    fleet: Callable[[], Awaitable[float]],
+    hand: Callable[[], Awaitable[float]],
+    iterations: int,
+    runs: int,
+    warmup: int,
+) -> dict[str, Any]:
+    """Median microseconds an iteration of each, replies alternating (AB BA AB…).
+
+    ``ratio`` divides the medians; ``paired_ratio`` is the median of the
+    ratios of the two replies of each round, which drift between rounds (a
+    shared machine) cancels out of.
+    """
+    fleet_times: list[float] = []
+    hand_times: list[float] = []
+    # Once, before the warm-up: a collection right before a timed reply makes
+    # it start with cold caches and fresh arenas (+0.3 ms a reply here).
+    gc.collect()
+    for index in range(warmup + runs):
+        if index % 2:
+            hand_time, fleet_time = await hand(), await fleet()
+        else:
+            fleet_time, hand_time = await fleet(), await hand()
+        if index >= warmup:
+            fleet_times.append(fleet_time / iterations * 1e6)
+            hand_times.append(hand_time / iterations * 1e6)
+    fleet_us, hand_us = statistics.median(fleet_times), statistics.median(hand_times)
+    paired = statistics.median(f / h for f, h in zip(fleet_times, hand_times, strict=True))
+    return {
+        "fleetbus_us": round(fleet_us, 1),
+        "hand_us": round(hand_us, 1),
+        "ratio": round(fleet_us / hand_us, 2),
+        "paired_ratio": round(paired, 2),
+        "fleetbus_overhead_us": round(fleet_us - hand_us, 1),
+        "fleetbus_min_max_us": [round(min(fleet_times), 1), round(max(fleet_times), 1)],
+        "hand_min_max_us": [round(min(hand_times), 1), round(max(hand_times), 1)],
+    }
+
+
+async def measure(
+    url: str,
+    prefix: str,
+    worker: tuple[subprocess.Popen[bytes], IO[bytes]],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    iterations, runs, warmup = args.iterations, args.runs, args.warmup
+    results: dict[str, Any] = {}
+    async with asyncio.timeout(args.deadline):
+        local_kit, run_local = Toolkit([noop]), local_tool(noop)
+        results["local"] = await compare(
+            lambda: agent_reply(local_kit, iterations),
+            lambda: hand_reply(run_local, iterations),
+            iterations,
+            runs,
+            warmup,
+        )
+        bus = await Bus.connect(url, prefix=prefix)
+        try:
+            client = ToolClient(bus, timeout=5.0, attempts=1)
+            await wait_for_worker(client, *worker)
+            remote_kit, run_remote = Toolkit(), remote_tool(client)
+            await remote_kit.add_remote(client, ["noop"])
+            results["remote"] = await compare(
+                lambda: agent_reply(remote_kit, iterations),
+                lambda: hand_reply(run_remote, iterations),
+                iterations,
+                runs,
+                warmup,
+            )
+        finally:
+            await bus.close()
+    return results
+
+
+def run_loop(kind: str, coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)
+
+
+def default_loops() -> str:
+    """Both loops, or only asyncio when uvloop is not installed."""
+    return "asyncio,uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--iterations", type=int, default=50, help="model steps a reply")
+    parser.add_argument("--runs", type=int, default=21, help="measured replies (median)")
+    parser.add_argument("--warmup", type=int, default=3, help="replies not measured")
+    parser.add_argument(
+        "--loops", default=default_loops(), help="event loops to measure (default: %(default)s)"
+    )
+    parser.add_argument("--deadline", type=float, default=25.0, help="seconds a loop may take")
+    args = parser.parse_args()
+    if args.iterations < 2 or args.runs < 1 or args.warmup < 0:
+        parser.error("need --iterations >= 2, --runs >= 1, --warmup >= 0")
+    # SIGTERM (a CI timeout) unwinds like Ctrl-C, so the worker and the
+    # server are stopped on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    started = time.perf_counter()
+    report: dict[str, Any] = {
+        "bench": "agent_loop",
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "iterations": args.iterations,
+        "tool_calls": args.iterations - 1,
+        "runs": args.runs,
+        "warmup": args.warmup,
+        "unit": "median microseconds per iteration (reply time / iterations)",
+        "loops": "each event-loop key: the loop of this process and of the worker",
+    }
+    kinds = args.loops.split(",")
+    with EmbeddedServer() as server:
+        for kind in kinds:
+            prefix = f"benchloop{kind}"
+            with worker_process(server.url, prefix, kind) as worker:
+                report[kind] = run_loop(kind, measure(server.url, prefix, worker, args))
+    target_loop = "uvloop" if "uvloop" in kinds else kinds[0]
+    report["targets_loop"] = target_loop
+    report["targets_met"] = {
+        "remote_under_1ms": report[target_loop]["remote"]["fleetbus_us"] < TARGET_REMOTE_US,
+    }
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(report, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()
