@@ -1,0 +1,70 @@
+"""observe() adds to memory without replying; the state round-trips through
+JSON and an agent built from it continues exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetbus.agents import Agent, AgentState, Permissions
+from fleetbus.errors import ConfigError
+from fleetbus.protocol import AgentMessage, TextBlock, UserRequest
+from fleetbus.testing import ScriptedModel
+
+
+async def test_observed_messages_join_memory_without_a_model_call() -> None:
+    model = ScriptedModel([ScriptedModel.text("I heard both")])
+    agent = Agent("listener", "", model)
+    await agent.observe("the meeting moved to 3pm")
+    await agent.observe(
+        AgentMessage(sender="agent.planner", name="planner", content=[TextBlock(text="ok")])
+    )
+    assert model.requests == []
+    assert [m.text for m in agent.memory] == ["the meeting moved to 3pm", "ok"]
+    assert all("observed" in m.marks for m in agent.memory)
+    assert agent.memory[1].name == "planner"
+    final = await agent.reply("what did you hear?")
+    assert final.content == "I heard both"
+    sent = [m.content[0] for m in model.requests[0].messages if m.role == "user"]
+    assert [b.text for b in sent if isinstance(b, TextBlock)] == [
+        "the meeting moved to 3pm",
+        "ok",
+        "what did you hear?",
+    ]
+
+
+async def test_the_state_round_trips_and_the_copy_continues_the_conversation() -> None:
+    first = Agent(
+        "a",
+        "sys",
+        ScriptedModel([ScriptedModel.text("one")]),
+        plan=True,
+        permissions=Permissions.from_strings(ask=["shell"]),
+    )
+    await first.reply(UserRequest(content="first", session_id="s-1"))
+    saved = first.state.model_dump_json()
+    restored = AgentState.model_validate_json(saved)
+    assert restored == first.state
+    model = ScriptedModel([ScriptedModel.text("two")])
+    second = Agent("a", "sys", model, state=restored)
+    final = await second.reply("second")
+    assert final.content == "two"
+    assert [m.text for m in second.memory] == ["first", "one", "second", "two"]
+    assert second.state.plan is not None
+    assert [str(r) for r in second.state.permissions.rules] == ["shell"]
+
+
+async def test_the_session_id_of_a_request_is_carried_to_the_answer() -> None:
+    agent = Agent("a", "", ScriptedModel([ScriptedModel.text("hi")]))
+    final = await agent.reply(UserRequest(content="hello", session_id="s-7"))
+    assert final.session_id == "s-7"
+    assert final.sender == "a"
+
+
+def test_a_state_of_another_agent_is_refused() -> None:
+    with pytest.raises(ConfigError, match="the state is agent 'b'"):
+        Agent("a", "", ScriptedModel([]), state=AgentState(agent_name="b"))
+
+
+def test_an_agent_needs_a_model() -> None:
+    with pytest.raises(ConfigError, match="needs a model"):
+        Agent("a", "")
