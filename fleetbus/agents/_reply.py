@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgspec
 import pydantic
@@ -73,6 +73,9 @@ _STRUCTURED_REMINDER = (
 )
 
 
+_F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
+
+
 class _ModelFailedError(Exception):
     """Every attempt at every model failed (internal to the loop)."""
 
@@ -117,6 +120,13 @@ class ReplyRun:
         """Every tool call id of the conversation (updated as calls are added)."""
         return {u.id for m in self.state.memory for u in m.tool_uses}
 
+    def _onion(self, hook: str, innermost: _F) -> _F:
+        """``innermost`` wrapped in every middleware's ``hook``, the first outermost."""
+        call: Any = innermost
+        for middleware in reversed(self.agent.middlewares):
+            call = _layer(getattr(middleware, hook), self.ctx, call)
+        return cast(_F, call)
+
     # -- events and endings ---------------------------------------------------
 
     def event(self, name: str, **data: Any) -> None:
@@ -151,9 +161,7 @@ class ReplyRun:
         async def innermost() -> FinalAnswer:
             return await self._guarded(resume)
 
-        call = innermost
-        for middleware in reversed(self.agent.middlewares):
-            call = _bind_reply(middleware.on_reply, self.ctx, call)
+        call = self._onion("on_reply", innermost)
         return await call()
 
     async def _guarded(self, resume: ConfirmResult | ExternalResult | None) -> FinalAnswer:
@@ -261,9 +269,7 @@ class ReplyRun:
                 role="assistant", name=self.agent.name, content=_fix_ids(response, self._used_ids)
             )
 
-        call = step
-        for middleware in reversed(self.agent.middlewares):
-            call = _bind_reasoning(middleware.on_reasoning, self.ctx, call)
+        call = self._onion("on_reasoning", step)
         return await call()
 
     async def _call_model(self, request: ModelRequest) -> ModelResponse:
@@ -299,9 +305,7 @@ class ReplyRun:
         async def attempt(req: ModelRequest) -> ModelResponse:
             return await self._stream(model, req)
 
-        call = attempt
-        for middleware in reversed(self.agent.middlewares):
-            call = _bind_model(middleware.on_model_call, self.ctx, call)
+        call = self._onion("on_model_call", attempt)
         return await call(request)
 
     async def _stream(self, model: ChatModel, request: ModelRequest) -> ModelResponse:
@@ -524,9 +528,7 @@ class ReplyRun:
             self.reply.tool_calls = self.ctx.tool_calls
             return await self._execute(call)
 
-        call = execute
-        for middleware in reversed(self.agent.middlewares):
-            call = _bind_tool(middleware.on_tool_call, self.ctx, call)
+        call = self._onion("on_tool_call", execute)
         return await call(use)
 
     async def _execute(self, use: ToolUseBlock) -> ToolResultBlock:
@@ -762,37 +764,10 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _bind_reply(hook: Any, ctx: ReplyContext, nxt: Callable[[], Awaitable[FinalAnswer]]) -> Any:
-    async def call() -> FinalAnswer:
-        result: FinalAnswer = await hook(ctx, nxt)
-        return result
+def _layer(hook: Any, ctx: ReplyContext, call_next: Any) -> Any:
+    """One onion layer: ``hook(ctx, *args, call_next)`` as a ``call_next`` itself."""
 
-    return call
-
-
-def _bind_reasoning(hook: Any, ctx: ReplyContext, nxt: Callable[[], Awaitable[Msg]]) -> Any:
-    async def call() -> Msg:
-        result: Msg = await hook(ctx, nxt)
-        return result
-
-    return call
-
-
-def _bind_model(
-    hook: Any, ctx: ReplyContext, nxt: Callable[[ModelRequest], Awaitable[ModelResponse]]
-) -> Any:
-    async def call(request: ModelRequest) -> ModelResponse:
-        result: ModelResponse = await hook(ctx, request, nxt)
-        return result
-
-    return call
-
-
-def _bind_tool(
-    hook: Any, ctx: ReplyContext, nxt: Callable[[ToolUseBlock], Awaitable[ToolResultBlock]]
-) -> Any:
-    async def call(use: ToolUseBlock) -> ToolResultBlock:
-        result: ToolResultBlock = await hook(ctx, use, nxt)
-        return result
+    async def call(*args: Any) -> Any:
+        return await hook(ctx, *args, call_next)
 
     return call
