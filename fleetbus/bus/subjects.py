@@ -83,6 +83,16 @@ class Subjects:
         """Queue group shared by the replicas of an agent: ``agent.<name>``."""
         return f"agent.{check_name(agent_name, what='agent name')}"
 
+    def agent_control(self, agent_name: str) -> str:
+        """Control messages (``cancel``) for every replica of an agent:
+        ``<prefix>.agent.<name>.control``, no queue group."""
+        return f"{self.prefix}.agent.{check_name(agent_name, what='agent name')}.control"
+
+    def topic_queue(self, agent_name: str) -> str:
+        """Queue group in which the replicas of an agent observe topics, so
+        one replica records each broadcast: ``agent.<name>.topics``."""
+        return f"agent.{check_name(agent_name, what='agent name')}.topics"
+
     def topic(self, topic: str) -> str:
         """A broadcast topic: ``<prefix>.topic.<topic>``."""
         return f"{self.prefix}.topic.{check_name(topic, what='topic')}"

@@ -22,6 +22,7 @@ from fleetbus.errors import (
 from fleetbus.protocol.messages import (
     PROTOCOL_VERSION,
     AgentMessage,
+    Cancel,
     ConfirmResult,
     ErrorMessage,
     Event,
@@ -49,6 +50,7 @@ AnyMessage = (
     | Event
     | ConfirmResult
     | ExternalResult
+    | Cancel
 )
 """Any message of protocol version 1."""
 
@@ -66,6 +68,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Event,
         ConfirmResult,
         ExternalResult,
+        Cancel,
     )
 }
 """Message classes by their ``type`` tag."""

@@ -21,6 +21,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "TOOL_STATUSES",
     "AgentMessage",
+    "Cancel",
     "ChatMessage",
     "ConfirmResult",
     "Confirmation",
@@ -235,6 +236,13 @@ class Event(Message, frozen=True, kw_only=True, tag="event"):
     data: dict[str, Any] = msgspec.field(default_factory=dict)
     seq: int = 0
     """Position in the stream of this reply, from 0."""
+
+
+class Cancel(Message, frozen=True, kw_only=True, tag="cancel"):
+    """Interrupt the reply running in ``session_id`` (it ends ``interrupted``)."""
+
+    reason: str = ""
+    """Why, for the logs and the final answer."""
 
 
 class Confirmation(msgspec.Struct, frozen=True, kw_only=True):
