@@ -27,6 +27,9 @@ it (``CallTimeoutError`` is a ``TimeoutError``)::
     │       ├── ServerBinaryNotFoundError (FileNotFoundError)
     │       ├── PortInUseError (OSError)
     │       └── ServerStartError
+    ├── SessionError                         an agent session on the bus
+    │   ├── SessionBusyError                 another replica runs it (lease held)
+    │   └── SessionLostError                 another replica took it over
     └── ToolError                            defining or looking up tools
         ├── ToolDefinitionError (TypeError)  a function that cannot become a tool
         └── UnknownToolError (KeyError)
@@ -57,6 +60,9 @@ __all__ = [
     "ServerBinaryNotFoundError",
     "ServerError",
     "ServerStartError",
+    "SessionBusyError",
+    "SessionError",
+    "SessionLostError",
     "StoreError",
     "ToolDefinitionError",
     "ToolError",
@@ -265,6 +271,29 @@ class PortInUseError(ServerError, OSError):
 
 class ServerStartError(ServerError):
     """nats-server exited or did not become ready in time."""
+
+
+class SessionError(FleetbusError):
+    """An agent session kept in JetStream could not be used.
+
+    Attributes:
+        agent: the agent's name.
+        session_id: the session.
+    """
+
+    def __init__(self, message: str, *, agent: str, session_id: str) -> None:
+        super().__init__(message)
+        self.agent = agent
+        self.session_id = session_id
+
+
+class SessionBusyError(SessionError):
+    """Another replica holds the session's lease and is running it."""
+
+
+class SessionLostError(SessionError):
+    """The session was written by someone else since it was read: this
+    replica no longer owns it (its lease expired and another took over)."""
 
 
 class ToolError(FleetbusError):

@@ -154,9 +154,42 @@ class Agent:
             self._state.plan = PlanNotebook()
         elif isinstance(plan, PlanNotebook):
             self._state.plan = plan
+        # What a new session of this agent starts from (see clone()).
+        self._initial_permissions = (permissions or Permissions()).model_copy(deep=True)
+        self._plan_enabled = plan is not False
         self._lock = asyncio.Lock()
         self._running: asyncio.Task[FinalAnswer] | None = None
         self._interrupted = False
+
+    def clone(
+        self,
+        *,
+        state: AgentState | None = None,
+        checkpoint: Callable[[AgentState], Awaitable[None]] | None = None,
+    ) -> Agent:
+        """The same agent (model, tools, settings) with another state: a saved
+        session's, or a fresh one with the permissions and plan it was built
+        with. Used to serve many sessions from one definition."""
+        return Agent(
+            self.name,
+            self.system_prompt,
+            self.model,
+            toolkit=self.toolkit,
+            max_iters=self.max_iters,
+            parallel_tool_calls=self.parallel_tool_calls,
+            plan=self._plan_enabled if state is None else False,
+            permissions=self._initial_permissions.model_copy(deep=True) if state is None else None,
+            middlewares=self.middlewares,
+            context=self.context,
+            model_config=self.model_config,
+            state=state,
+            token_counter=self.token_counter,
+            offloader=self.offloader,
+            tool_timeout=self.tool_timeout,
+            max_repeated_failures=self.max_repeated_failures,
+            structured_retries=self.structured_retries,
+            checkpoint=checkpoint,
+        )
 
     @property
     def state(self) -> AgentState:

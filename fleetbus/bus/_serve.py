@@ -34,11 +34,13 @@ class Request:
         message: the decoded message.
         subject: the subject it arrived on.
         size: its encoded size in bytes.
+        reply: the subject the answer goes to (``""`` for a plain publish).
     """
 
     message: AnyMessage
     subject: str
     size: int
+    reply: str = ""
 
 
 Handler = Callable[[Request], Awaitable[Message | None]]
@@ -186,7 +188,7 @@ class ServeLoop:
             )
         try:
             return await self._handler(
-                Request(message=message, subject=msg.subject, size=len(msg.data))
+                Request(message=message, subject=msg.subject, size=len(msg.data), reply=msg.reply)
             )
         except asyncio.CancelledError:
             raise
