@@ -9,11 +9,14 @@ subpackage (``fleetbus.protocol``, ``fleetbus.bus``, ``fleetbus.tools_workers``,
 from fleetbus._version import __version__
 from fleetbus.agents import (
     Agent,
+    AgentService,
     AgentState,
     BudgetLimit,
     ContextConfig,
     ModelConfig,
+    MsgHub,
     Permissions,
+    RemoteAgent,
     StepLogger,
 )
 from fleetbus.bus import Bus, ConnectOptions, EmbeddedServer, RemoteTool, ToolClient
@@ -22,6 +25,7 @@ from fleetbus.tools_workers import Tool, Toolkit, ToolWorker, tool
 
 __all__ = [
     "Agent",
+    "AgentService",
     "AgentState",
     "BudgetLimit",
     "Bus",
@@ -30,7 +34,9 @@ __all__ = [
     "EmbeddedServer",
     "FleetbusError",
     "ModelConfig",
+    "MsgHub",
     "Permissions",
+    "RemoteAgent",
     "RemoteTool",
     "StepLogger",
     "Tool",

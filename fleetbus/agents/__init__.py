@@ -1,5 +1,6 @@
-"""The ReAct agent and what it is made of: models, memory, compression, plan,
-permissions, middleware, events and state."""
+"""The ReAct agent and what it is made of — models, memory, compression, plan,
+permissions, middleware, events, state — and agents on the bus: the agent
+service, sessions in JetStream, remote agents, group conversations."""
 
 from fleetbus.agents._reply import FINISH_TOOL
 from fleetbus.agents.agent import Agent, ReplyInput
@@ -10,6 +11,7 @@ from fleetbus.agents.compression import (
     Summary,
     TokenCounter,
 )
+from fleetbus.agents.hub import MsgHub, Participant, fanout_pipeline, sequential_pipeline
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import BudgetLimit, Middleware, ReplyContext, StepLogger, StopReply
 from fleetbus.agents.model import (
@@ -21,15 +23,20 @@ from fleetbus.agents.model import (
     TextDelta,
     ThinkingDelta,
 )
+from fleetbus.agents.offline import OfflineModel
 from fleetbus.agents.offload import DirectoryOffloader, ObjectStoreOffloader, Offloader
 from fleetbus.agents.permissions import Decision, PermissionRule, Permissions
 from fleetbus.agents.plan import Plan, PlanNotebook, SubTask
+from fleetbus.agents.remote import RemoteAgent
+from fleetbus.agents.service import AgentService
+from fleetbus.agents.sessions import SessionRecord, SessionStore
 from fleetbus.agents.state import AgentState, PendingCall, ReplyState
 from fleetbus.agents.tools import ToolSource
 
 __all__ = [
     "FINISH_TOOL",
     "Agent",
+    "AgentService",
     "AgentState",
     "ApproxTokenCounter",
     "BudgetLimit",
@@ -44,16 +51,22 @@ __all__ = [
     "ModelRequest",
     "ModelResponse",
     "Msg",
+    "MsgHub",
     "ObjectStoreOffloader",
+    "OfflineModel",
     "Offloader",
+    "Participant",
     "PendingCall",
     "PermissionRule",
     "Permissions",
     "Plan",
     "PlanNotebook",
+    "RemoteAgent",
     "ReplyContext",
     "ReplyInput",
     "ReplyState",
+    "SessionRecord",
+    "SessionStore",
     "StepLogger",
     "StopReply",
     "SubTask",
@@ -62,4 +75,6 @@ __all__ = [
     "ThinkingDelta",
     "TokenCounter",
     "ToolSource",
+    "fanout_pipeline",
+    "sequential_pipeline",
 ]

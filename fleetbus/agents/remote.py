@@ -327,10 +327,11 @@ class RemoteAgent:
 
 
 def _unexpected(answer: AnyMessage, expected: str, call_id: str | None) -> UnexpectedMessageError:
-    kind = answer.event if isinstance(answer, Event) else type(answer).__name__
+    tag = type(answer).__struct_config__.tag
+    got = f"{tag!r} ({answer.event!r})" if isinstance(answer, Event) else repr(tag)
     return UnexpectedMessageError(
-        f"expected {expected} reply, got {kind}",
+        f"expected {expected} reply, got {got}",
         call_id=call_id,
         session_id=answer.session_id,
-        message_type=type(answer).__struct_config__.tag,  # type: ignore[arg-type]
+        message_type=tag,  # type: ignore[arg-type]
     )

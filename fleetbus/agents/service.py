@@ -31,7 +31,7 @@ import hashlib
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fleetbus.agents.agent import Agent
@@ -131,6 +131,10 @@ class AgentService:
         self._stop = asyncio.Event()
         self._ready = asyncio.Event()
         self._running: dict[str, Agent] = {}
+        # One reply at a time per session in this replica; the lease does the
+        # same across replicas.
+        self._session_locks: dict[str, asyncio.Lock] = {}
+        self._lock_users: dict[str, int] = {}
 
     def stop(self) -> None:
         """Stop taking messages, finish the replies running, then return from run()."""
@@ -224,24 +228,38 @@ class AgentService:
         except InvalidSubjectError as exc:
             return self._error(message, "malformed", str(exc))
         assert self.store is not None
-        try:
-            lease = await self.store.acquire(
-                self.name,
-                session,
-                fresh=self.agent.clone().state,
-                reply_to=request.reply if request is not None else None,
-                wait=self.busy_wait,
-            )
-        except SessionBusyError as exc:
-            return self._error(message, "overloaded", str(exc))
-        final = await self._run_reply(lease, message, session)
-        return (
-            final
-            if final is not None
-            else self._error(
+        async with self._session_lock(session):
+            try:
+                lease = await self.store.acquire(
+                    self.name,
+                    session,
+                    fresh=self.agent.clone().state,
+                    reply_to=request.reply if request is not None else None,
+                    wait=self.busy_wait,
+                )
+            except SessionBusyError as exc:
+                return self._error(message, "overloaded", str(exc))
+            final = await self._run_reply(lease, message, session)
+        if final is None:
+            return self._error(
                 message, "internal", f"session {session} was taken over by another replica"
             )
-        )
+        return final
+
+    @contextlib.asynccontextmanager
+    async def _session_lock(self, session: str) -> AsyncIterator[None]:
+        """One reply (or observation) at a time per session in this replica;
+        the lease does the same across replicas."""
+        lock = self._session_locks.setdefault(session, asyncio.Lock())
+        self._lock_users[session] = self._lock_users.get(session, 0) + 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self._lock_users[session] -= 1
+            if not self._lock_users[session]:
+                del self._lock_users[session]
+                del self._session_locks[session]
 
     async def _run_reply(self, lease: Lease, inputs: Any, session: str) -> FinalAnswer | None:
         """Run (or continue, with ``inputs=None``) a reply holding ``lease``;
@@ -257,14 +275,17 @@ class AgentService:
         self._running[session] = agent
         final: FinalAnswer | None = None
         lost = False
+        unfinished = inputs is not None and agent.state.reply is not None and not agent.state.paused
         try:
             async with asyncio.TaskGroup() as tg:
                 renewing = tg.create_task(self._renew(lease))
                 try:
-                    async for item in agent.reply_stream(inputs, session_id=session):
-                        if isinstance(item, FinalAnswer):
-                            final = item
-                        await self._publish(events, item)
+                    if unfinished:
+                        # A reply cut short by a crash: finish it before the new input.
+                        earlier = await self._stream(agent, None, session, events)
+                        if lease.record.reply_to and earlier is not None:
+                            await self._publish(lease.record.reply_to, earlier)
+                    final = await self._stream(agent, inputs, session, events)
                 finally:
                     renewing.cancel()
         except* SessionLostError:
@@ -284,6 +305,16 @@ class AgentService:
             return None
         return final
 
+    async def _stream(
+        self, agent: Agent, inputs: Any, session: str, events: str
+    ) -> FinalAnswer | None:
+        final: FinalAnswer | None = None
+        async for item in agent.reply_stream(inputs, session_id=session):
+            if isinstance(item, FinalAnswer):
+                final = item
+            await self._publish(events, item)
+        return final
+
     async def _renew(self, lease: Lease) -> None:
         assert self.store is not None
         while True:
@@ -299,23 +330,23 @@ class AgentService:
     async def _observe(self, message: AgentMessage) -> Message:
         session = message.session_id or "main"
         assert self.store is not None
-        try:
-            lease = await self.store.acquire(
-                self.name, session, fresh=self.agent.clone().state, wait=self.busy_wait
+        async with self._session_lock(session):
+            try:
+                lease = await self.store.acquire(
+                    self.name, session, fresh=self.agent.clone().state, wait=self.busy_wait
+                )
+            except SessionBusyError as exc:
+                return self._error(message, "overloaded", str(exc))
+            agent = self.agent.clone(state=lease.record.state)
+            await agent.observe(message)
+            previous = lease.previous
+            status: SessionStatus = (
+                "paused" if agent.state.paused else "idle" if previous == "running" else previous
             )
-        except SessionBusyError as exc:
-            return self._error(message, "overloaded", str(exc))
-        agent = self.agent.clone(state=lease.record.state)
-        await agent.observe(message)
-        status: SessionStatus = (
-            "paused"
-            if agent.state.paused
-            else ("idle" if lease.record.status in ("idle", "running") else lease.record.status)
-        )
-        try:
-            await self.store.save(lease, state=agent.state, status=status, release=True)
-        except SessionLostError as exc:
-            return self._error(message, "internal", str(exc))
+            try:
+                await self.store.save(lease, state=agent.state, status=status, release=True)
+            except SessionLostError as exc:
+                return self._error(message, "internal", str(exc))
         return Event(
             sender=self.replica_id,
             session_id=session,

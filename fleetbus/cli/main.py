@@ -26,6 +26,8 @@ from fleetbus.cli._common import (
     run,
     setup_logging,
 )
+from fleetbus.cli.fleet import add_fleet_commands
+from fleetbus.cli.fleet import commands as fleet_commands
 from fleetbus.errors import ConfigError
 from fleetbus.protocol import render_schemas, to_builtins
 
@@ -105,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--check", action="store_true", help="exit 1 if the files differ from the code")
 
+    add_fleet_commands(sub, bus_options)
+
     p = sub.add_parser("demo", help="embedded server, two tool workers, 2,000 calculator calls")
     p.add_argument("--calls", type=int, default=2000, help="how many calls (default 2000)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
@@ -117,6 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     command = {
+        **fleet_commands(),
         "server": cmd_server,
         "worker": cmd_worker,
         "tools": cmd_tools,

@@ -1,0 +1,460 @@
+"""A deterministic model that needs no network: a tiny rule-based ReAct planner.
+
+:class:`OfflineModel` is not an LLM, and says so: the first answer of every
+conversation starts with :data:`OFFLINE_PREFIX`. It reads the latest user
+message for simple requests — arithmetic, the time, writing, reading and
+listing files — and calls the matching tools on offer, one per step, then sums
+up their results. It fills a structured answer (``generate_response``) from its
+JSON Schema, and in a multi-agent chat it argues the stance its ``persona`` or
+system prompt gives it, answering the last speaker::
+
+    agent = Agent("helper", "You help.", OfflineModel(), toolkit=builtin_toolkit())
+    answer = await agent.reply("What is 2026 - 1991?")  # calls calculator, says 35
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+from fleetbus.agents._reply import FINISH_TOOL
+from fleetbus.agents.model import (
+    ModelError,
+    ModelRequest,
+    ModelResponse,
+    ModelStreamItem,
+    TextDelta,
+    ThinkingDelta,
+)
+from fleetbus.protocol import (
+    ChatMessage,
+    ContentBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolResultBlock,
+    ToolSpec,
+    ToolUseBlock,
+    Usage,
+)
+
+__all__ = ["OFFLINE_PREFIX", "OfflineModel"]
+
+OFFLINE_PREFIX = "(offline model) "
+"""How the first answer of a conversation starts, so nobody takes it for an LLM."""
+
+_B = TypeVar("_B")
+_Intent = tuple[int, str, dict[str, Any]]
+"""Where a request starts in the text, the tool, its arguments."""
+_CHOICES = (None, "auto", "none", "required")
+# Injected instructions, summaries and plan hints: never a user's request.
+_HINT_STARTS = ("<plan_hint>", "<summary of earlier", "<earlier conversation", "You have used all",
+                "The reply must end now", "Give your final answer by calling the tool")  # fmt: skip
+_MAX_PARSED = 10_000  # characters of a message searched for requests: bounds the work
+_NUM = r"\d+(?:\.\d+)?"
+_ARITH = re.compile(
+    rf"(?<![(\d.])(?:\(\s*)*+-?{_NUM}(?:[\s)]*(?:\*\*|//|[-+*/%^\u00d7\u00f7])[\s(]*-?\s*{_NUM})+[\s)]*"
+)
+_DATE = re.compile(r"\d{4}-\d\d-\d\d")
+_PATH = r"[`'\"]?(?P<path>[\w~.-]*(?:/[\w~.-]+)+/?|[\w~-][\w~.-]*\.\w+)"
+_QUOTED = r"(?:\"(?P<dq>[^\"]*)\"|'(?P<sq>[^']*)'|“(?P<cq>[^”]*)”)"
+_FILE = r"\s+(?:the\s+)?(?:file\s+)?"
+_WRITES = (
+    re.compile(rf"\b(?:write|save|put|store)\s+(?:{_QUOTED}|(?P<raw>.+?))\s+(?:to|into|in|as)"
+               rf"{_FILE}{_PATH}", re.I | re.S),
+    re.compile(rf"\bnote:\s*(?:{_QUOTED}|(?P<raw>.+?))\s+in{_FILE}{_PATH}", re.I | re.S),
+)  # fmt: skip
+_READ = re.compile(rf"\b(?:read|open|cat)\b{_FILE}{_PATH}", re.I)
+_LIST = re.compile(r"\b(?:list|ls|(?:what|which)\s+files)\b(?P<rest>[^.?!;,\n]*)", re.I)
+_NOT_A_VERB = re.compile(r"\b(?:a|an|the|my|your|this|that|shopping|to-do|todo)\s*$", re.I)
+_LIST_STOP = frozenset({
+    "the", "all", "files", "file", "in", "of", "my", "me", "please", "directory", "folder", "dir",
+    "contents", "content", "there", "are", "is", "inside", "under", "workspace", "root", "current",
+    "available", "exist", "do", "you", "have", "here", "a",
+})  # fmt: skip
+_TIME = re.compile(r"\b(?:time|clock|date)\b", re.I)
+_CUE = re.compile(r"\b(?:what|when|which|tell|current|show|give|get|check|today)\b", re.I)
+_CLAUSE_END = re.compile(r"[!?;,\n]|\.(?:\s|$)|\band\b|\bthen\b", re.I)
+_ZONE = re.compile(r"\b(?:[A-Z][A-Za-z_]+/[A-Z][A-Za-z_]+(?:/[A-Z][A-Za-z_]+)?|UTC|GMT)\b")
+_CITIES = {
+    "tokyo": "Asia/Tokyo", "london": "Europe/London", "paris": "Europe/Paris",
+    "berlin": "Europe/Berlin", "lisbon": "Europe/Lisbon", "madrid": "Europe/Madrid",
+    "rome": "Europe/Rome", "amsterdam": "Europe/Amsterdam", "moscow": "Europe/Moscow",
+    "new york": "America/New_York", "chicago": "America/Chicago", "toronto": "America/Toronto",
+    "los angeles": "America/Los_Angeles", "san francisco": "America/Los_Angeles",
+    "mexico city": "America/Mexico_City", "sao paulo": "America/Sao_Paulo",
+    "sydney": "Australia/Sydney", "singapore": "Asia/Singapore", "hong kong": "Asia/Hong_Kong",
+    "beijing": "Asia/Shanghai", "shanghai": "Asia/Shanghai", "seoul": "Asia/Seoul",
+    "mumbai": "Asia/Kolkata", "delhi": "Asia/Kolkata", "dubai": "Asia/Dubai",
+    "cairo": "Africa/Cairo", "johannesburg": "Africa/Johannesburg",
+}  # fmt: skip
+_STANCES = (
+    re.compile(r"\b(?:your|my)\s+(?:position|stance|view|opinion|thesis|side)\s*(?:is|:)\s*"
+               r"(?:that\s+)?(?P<p>.+)", re.I),
+    re.compile(r"\b(?:position|stance|thesis)\s*:\s*(?P<p>.+)", re.I),
+    re.compile(r"\byou\s+(?:firmly\s+|strongly\s+)?(?:argue|believe|think|hold|maintain|insist|"
+               r"claim|contend|feel)s?\s+(?:that\s+)?(?P<p>.+)", re.I),
+)  # fmt: skip
+# A role worth speaking in ("You are Alice, a skeptic"), not a generic assistant.
+_ROLE = re.compile(r"\byou are (?![^.;\n]*\b(?:assistant|helper|agent|ai|bot|model)\b)"
+                   r"(?P<r>[^.;\n]+)", re.I)  # fmt: skip
+_PRONOUNS = {"your": "my", "yours": "mine", "yourself": "myself", "you": "I", "you're": "I'm"}
+_LOWER_FIRST = frozenset({"the", "a", "an", "we", "it", "this", "that", "there", "all", "every",
+                          "our", "they", "people", "most"})  # fmt: skip
+_POSITION = ("I maintain that {p}.", "My position stands: {p}.", "Let me be clear: {p}.",
+             "I keep coming back to this: {p}.")  # fmt: skip
+_REPLY_NAMED = ('{who} says "{q}", but I see it differently.',
+                "I hear {who}'s point that \"{q}\"; it does not change my mind.",
+                'Responding to {who}: "{q}" leaves out what matters most.',
+                '{who} argued "{q}". Fair, yet the argument cuts the other way.')  # fmt: skip
+_REPLY_USER = ('You asked: "{q}".', 'On "{q}", here is where I stand.',
+               'You raise "{q}".', 'About "{q}": my answer is the same.')  # fmt: skip
+_CAN = {"calculator": 'calculate ("what is 6*7")',
+        "current_time": 'tell the time ("time in Tokyo")'}  # fmt: skip
+_FORMATS = {"date-time": "2000-01-01T00:00:00Z", "date": "2000-01-01", "time": "00:00:00",
+            "email": "offline@example.com", "uri": "https://example.com"}  # fmt: skip
+_CLOSERS = ("What would convince you otherwise?", "That is where the evidence points.",
+            "I would like to hear a counterexample.",
+            "Let us weigh the costs honestly.")  # fmt: skip
+
+
+class OfflineModel:
+    """A deterministic, rule-based model: no network, no API key, no LLM.
+
+    Args:
+        name: the model's name.
+        persona: a voice or stance for chat answers (otherwise taken from the
+            system prompt: "You argue that…", "Your position: …").
+        chunk_size: stream text in pieces of this many characters.
+    """
+
+    def __init__(
+        self, name: str = "fleetbus-offline", *, persona: str | None = None, chunk_size: int = 12
+    ) -> None:
+        self._name = name
+        self._persona = persona
+        self._chunk_size = max(1, chunk_size)
+
+    @property
+    def name(self) -> str:
+        """The model's name."""
+        return self._name
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelStreamItem]:
+        """Decide the next step of the conversation, streaming its text.
+
+        Raises:
+            ModelError: the request cannot be answered (not a request, messages
+                that are not chat messages, a ``tool_choice`` naming no tool on offer);
+                never retryable.
+        """
+        _validate(request)
+        content, finish_reason = self._decide(request)
+        for block in content:
+            if isinstance(block, ThinkingBlock):
+                yield ThinkingDelta(block.thinking)
+            elif isinstance(block, TextBlock):
+                for i in range(0, len(block.text), self._chunk_size):
+                    yield TextDelta(block.text[i : i + self._chunk_size])
+        out = sum(len(b.text) if isinstance(b, TextBlock) else len(repr(b)) for b in content)
+        size = sum(len(repr(m.content)) for m in request.messages)
+        size += sum(len(json.dumps(t.parameters, default=str)) for t in request.tools)
+        yield ModelResponse(
+            content=content,
+            usage=Usage(input_tokens=max(1, size // 4), output_tokens=max(1, out // 4)),
+            finish_reason=finish_reason,
+            model=self._name,
+        )
+
+    def _decide(self, request: ModelRequest) -> tuple[list[ContentBlock], str]:
+        messages = [m for m in request.messages if not _is_hint(m)]
+        tools = {t.name: t for t in request.tools}
+        choice = request.tool_choice
+        start = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
+        user_text = _text(messages[start]) if start >= 0 else ""
+        turn = messages[start + 1 :]
+        uses = [b for m in turn if m.role == "assistant" for b in _blocks(m, ToolUseBlock)]
+        results = [b for m in turn if m.role == "tool" for b in _blocks(m, ToolResultBlock)]
+        args_of = {u.id: u.input for u in uses}
+        lines = [_describe(r, args_of.get(r.id, {})) for r in results if r.name != FINISH_TOOL]
+        if choice != "none" and tools:
+            intents = [(tool, args) for _, tool, args in _parse(user_text) if tool in tools]
+            done = sum(1 for u in uses if u.name != FINISH_TOOL)
+            numbers = _numbers(results, user_text)
+            summary = "; ".join(lines) or _clip(user_text, 300) or "nothing to summarize"
+            if choice not in _CHOICES:
+                spec = tools[str(choice)]
+                forced = [args for tool, args in intents[done:] if tool == spec.name]
+                args = forced[0] if forced else _fill(spec.parameters, summary, numbers)
+                return self._call(request, spec.name, args), "tool_calls"
+            if done < len(intents):
+                return self._call(request, *intents[done]), "tool_calls"
+            if FINISH_TOOL in tools:
+                args = _fill(tools[FINISH_TOOL].parameters, summary, numbers)
+                return self._call(request, FINISH_TOOL, args), "tool_calls"
+        if len(lines) == 1:
+            text = lines[0] + "."
+        elif lines:
+            text = "Here is what I found:\n- " + "\n- ".join(lines)
+        else:
+            text = self._chat(messages, [*tools])
+        answered = any(m.role == "assistant" and _text(m).strip() for m in request.messages)
+        return [TextBlock(text=text if answered else OFFLINE_PREFIX + text)], "stop"
+
+    def _call(self, request: ModelRequest, tool: str, args: dict[str, Any]) -> list[ContentBlock]:
+        used = {b.id for m in request.messages for b in _blocks(m, ToolUseBlock)}
+        n = len(used) + 1
+        while f"offline_{n}" in used:
+            n += 1
+        shown = ", ".join(f"{k}={_clip(json.dumps(v, default=str), 60)}" for k, v in args.items())
+        use = ToolUseBlock(id=f"offline_{n}", name=tool, input=args)
+        return [ThinkingBlock(thinking=f"Next step: call {tool}({shown})."), use]
+
+    def _chat(self, messages: list[ChatMessage], tools: list[str]) -> str:
+        """A text answer without tools: a stance in a debate, else a plain reply."""
+        turn = sum(1 for m in messages if m.role == "assistant" and _text(m).strip())
+        speaker = next((m for m in reversed(messages) if m.role == "user"), None)
+        quote = _quote(_text(speaker)) if speaker is not None else ""
+        system = " ".join(_text(m) for m in messages if m.role == "system")
+        position = _stance(self._persona or "") or _stance(system)
+        role = _ROLE.search(system)
+        voice = self._persona or (_swap(role.group("r")) if role else None)
+        if position or voice:
+            salt = zlib.crc32((position or voice or "").encode())
+            parts = [
+                _POSITION[(turn + salt) % 4].format(p=position)
+                if position
+                else f"Speaking as {voice}, I will weigh in."
+            ]
+            if quote and speaker is not None and speaker.name:
+                parts.append(_REPLY_NAMED[(turn + salt // 4) % 4].format(who=speaker.name, q=quote))
+            elif quote:
+                parts.append(_REPLY_USER[(turn + salt // 4) % 4].format(q=quote))
+            parts.append(_CLOSERS[(turn + salt // 16) % 4])
+            return " ".join(parts)
+        can = _capabilities(tools)
+        if not quote:
+            return f"Hello. I am a rule-based offline model (no LLM, no network). {can}"
+        return (
+            f"I am a rule-based offline model, not an LLM, so I only follow simple requests. "
+            f'You said: "{quote}". {can}',
+            f'Noted: "{quote}". {can}',
+            f'I read "{quote}", but found no request I can act on. {can}',
+        )[turn % 3]
+
+
+def _validate(request: object) -> None:
+    problem = ""
+    if not isinstance(request, ModelRequest):
+        problem = f"not a ModelRequest but a {type(request).__name__}"
+    elif not all(isinstance(m, ChatMessage) for m in request.messages):
+        problem = "request.messages must be ChatMessages"
+    elif not all(isinstance(t, ToolSpec) for t in request.tools):
+        problem = "request.tools must be ToolSpecs"
+    elif request.tool_choice not in (*_CHOICES, *(t.name for t in request.tools)):
+        problem = f"tool_choice {request.tool_choice!r} names no tool on offer"
+    if problem:
+        raise ModelError(f"the offline model cannot answer: {problem}", retryable=False)
+
+
+def _blocks(message: ChatMessage, kind: type[_B]) -> list[_B]:
+    content = message.content if isinstance(message.content, list) else []
+    return [b for b in content if isinstance(b, kind)]
+
+
+def _text(message: ChatMessage) -> str:
+    return "\n".join(b.text for b in _blocks(message, TextBlock))
+
+
+def _is_hint(message: ChatMessage) -> bool:
+    hint = message.name == "hint" or _text(message).lstrip().startswith(_HINT_STARTS)
+    return message.role == "user" and hint
+
+
+def _clip(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0].rstrip(",;:") + "…"
+
+
+def _quote(text: str) -> str:
+    """The first sentence of what someone said, without quotes inside, to quote it."""
+    text = text.removeprefix(OFFLINE_PREFIX.strip()).strip()
+    for template in _POSITION:  # quote the other's position, not our phrasing of it
+        text = text.removeprefix(template.split("{p}")[0])
+    text = re.sub(r"\"[^\"]*\"|“[^”]*”", "…", text)
+    first = re.split(r"(?<=[.!?])\s", text.strip(), maxsplit=1)[0]
+    return _clip(first, 80).rstrip(".!?")
+
+
+def _stance(text: str) -> str | None:
+    """A position stated in second person ("You argue that X"), in first person."""
+    for sentence in re.split(r"(?<=[.!?])\s+|\n", text):
+        sentence = sentence.strip().rstrip(".!")
+        found = next((m for p in _STANCES if (m := p.search(sentence))), None)
+        if found is None:
+            continue
+        words = _swap(found.group("p")).split()
+        if words and words[0].lower() in _LOWER_FIRST:
+            words[0] = words[0].lower()
+        return " ".join(words) or None
+    return None
+
+
+def _swap(text: str) -> str:
+    """Second person to first: "your view" -> "my view"."""
+    return " ".join(_PRONOUNS.get(w.lower(), w) for w in text.strip().split())
+
+
+def _capabilities(tools: list[str]) -> str:
+    can = [text for tool, text in _CAN.items() if tool in tools]
+    files = [t.split("_")[0] for t in ("read_file", "write_file", "list_dir") if t in tools]
+    can += [f"{', '.join(files)} files"] if files else []
+    return f"Ask me to {'; '.join(can)}." if can else "I have no tools here to act with."
+
+
+def _parse(text: str) -> list[_Intent]:
+    """The tool requests in ``text``, in order of appearance."""
+    intents: list[_Intent] = []
+    masked = text[:_MAX_PARSED]
+
+    def take(m: re.Match[str], tool: str, args: dict[str, Any]) -> None:
+        nonlocal masked
+        intents.append((m.start(), tool, args))
+        masked = masked[: m.start()] + " " * (m.end() - m.start()) + masked[m.end() :]
+
+    for pattern in _WRITES:
+        for m in list(pattern.finditer(masked)):
+            body = next((g for g in (m["dq"], m["sq"], m["cq"]) if g is not None), m["raw"])
+            take(m, "write_file", {"path": m["path"].rstrip("."), "content": body.strip()})
+    for m in list(_READ.finditer(masked)):
+        take(m, "read_file", {"path": m["path"].rstrip(".")})
+    for m in list(_LIST.finditer(masked)):
+        if _NOT_A_VERB.search(masked[max(0, m.start() - 12) : m.start()]):
+            continue
+        rest = re.split(r"\band\b|\bthen\b", m["rest"], maxsplit=1, flags=re.I)[0]
+        words = [w for w in re.findall(r"[\w~./-]+", rest) if w.lower() not in _LIST_STOP]
+        take(m, "list_dir", {"path": words[0].rstrip(".") if words else "."})
+    for m in _ARITH.finditer(masked):
+        expr = _balance(m.group().strip())
+        if expr and not _DATE.fullmatch(expr):
+            for old, new in (("^", "**"), ("\u00d7", "*"), ("\u00f7", "/")):
+                expr = expr.replace(old, new)
+            intents.append((m.start(), "calculator", {"expr": expr}))
+    begin = 0
+    for stop in [*_CLAUSE_END.finditer(masked), None]:  # one current_time per clause
+        clause, at = masked[begin : stop.start() if stop else len(masked)], begin
+        begin = stop.end() if stop else len(masked)
+        word = _TIME.search(clause)
+        question = stop is not None and stop.group() == "?"
+        if word is None or not (question or _CUE.search(clause) or len(clause.split()) <= 4):
+            continue
+        zone = _ZONE.search(clause)
+        city = next((z for c, z in _CITIES.items() if re.search(rf"\b{c}\b", clause, re.I)), None)
+        timezone = zone.group() if zone else city or "UTC"
+        intents.append((at + word.start(), "current_time", {"timezone": timezone}))
+    return sorted(intents, key=lambda i: i[0])
+
+
+def _balance(expr: str) -> str:
+    """``expr`` without its unmatched parentheses."""
+    unmatched: list[int] = []
+    for i, ch in enumerate(expr):
+        if ch == ")" and unmatched and expr[unmatched[-1]] == "(":
+            unmatched.pop()
+        elif ch in "()":
+            unmatched.append(i)
+    return "".join(ch for i, ch in enumerate(expr) if i not in unmatched).strip()
+
+
+def _describe(result: ToolResultBlock, args: dict[str, Any]) -> str:
+    """One line saying plainly what a tool call gave."""
+    name, out = result.name, result.output
+    if result.state != "success":
+        verb = {"denied": "was denied", "timeout": "timed out", "cancelled": "was cancelled"}
+        why = str(out).removeprefix(f"{result.state}: ")
+        return f"{name} {verb.get(result.state, 'failed')}: {_clip(why, 200)}"
+    if name == "calculator":
+        return f"calculator: {args.get('expr', '?')} = {out}"
+    if name == "current_time" and isinstance(out, dict):
+        zone = out.get("timezone", args.get("timezone", "UTC"))
+        return f"current_time in {zone}: {out.get('weekday', '')} {out.get('iso', '')}".rstrip()
+    if name == "write_file":
+        path = out.get("path", args.get("path")) if isinstance(out, dict) else args.get("path")
+        size = f" ({out['bytes']} bytes)" if isinstance(out, dict) and "bytes" in out else ""
+        return f"write_file: wrote {path}{size}"
+    if name == "read_file":
+        return f'read_file {args.get("path", "")}: "{_clip(str(out), 200)}"'
+    if name == "list_dir" and isinstance(out, list):
+        entries = [e for e in out if isinstance(e, dict)]
+        names = [f"{e.get('name')}{'/' * (e.get('type') == 'dir')}" for e in entries]
+        return f"list_dir {args.get('path', '.')}: {', '.join(names) or '(empty)'}"
+    shown = out if isinstance(out, str) else json.dumps(out, ensure_ascii=False, default=str)
+    return f"{name}: {_clip(shown, 200)}"
+
+
+def _numbers(results: list[ToolResultBlock], text: str) -> list[float | int]:
+    """Numbers to fill a structure with: tool results first, then the user's."""
+    found: list[float | int] = [
+        r.output for r in results if r.state == "success" and type(r.output) in (int, float)
+    ]
+    for token in re.findall(rf"-?{_NUM}", text):
+        found.append(float(token) if "." in token else int(token))
+    return found
+
+
+def _fill(schema: dict[str, Any], summary: str, numbers: list[float | int]) -> dict[str, Any]:
+    """Arguments that fit ``schema``: strings get ``summary``, numbers ``numbers``."""
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    counter = iter(range(1 << 30))
+
+    def value(node: Any, depth: int) -> Any:
+        if not isinstance(node, dict) or depth > 12:
+            return None
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            return value(defs.get(ref.rsplit("/", 1)[-1], {}), depth + 1)
+        if "const" in node:
+            return node["const"]
+        if node.get("enum"):
+            return node["enum"][0]
+        for key in ("anyOf", "oneOf", "allOf"):
+            options = [o for o in node.get(key) or [] if isinstance(o, dict)]
+            if options:
+                return value(
+                    next((o for o in options if o.get("type") != "null"), options[0]), depth + 1
+                )
+        kind = node.get("type", "object" if "properties" in node else "string")
+        if isinstance(kind, list):
+            kind = next((k for k in kind if k != "null"), "null")
+        if kind == "object":
+            props = node.get("properties", {})
+            return {k: value(props.get(k, {}), depth + 1) for k in node.get("required", [])}
+        if kind == "array":
+            return [value(node.get("items", {}), depth + 1) for _ in range(node.get("minItems", 0))]
+        if kind in ("integer", "number"):
+            n = next(counter)
+            number: float = numbers[n % len(numbers)] if numbers else 0
+            low = node.get("minimum", node.get("exclusiveMinimum"))
+            if isinstance(low, int | float):
+                number = max(number, low + ("exclusiveMinimum" in node))
+            high = node.get("maximum", node.get("exclusiveMaximum"))
+            if isinstance(high, int | float):
+                number = min(number, high - ("exclusiveMaximum" in node))
+            return round(number) if kind == "integer" else number
+        if kind == "boolean":
+            return False
+        if kind == "null":
+            return None
+        text = _FORMATS.get(node.get("format", ""), summary)
+        text = text[: node.get("maxLength", len(text))]
+        return text.ljust(node.get("minLength", 0), ".")
+
+    try:
+        filled = value(schema, 0)
+    except (TypeError, ValueError, AttributeError):  # a schema too odd to follow
+        return {}
+    return filled if isinstance(filled, dict) else {}

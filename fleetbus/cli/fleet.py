@@ -1,0 +1,514 @@
+"""The fleet commands: ``agent``, ``ask``, ``sessions``, ``confirm``,
+``cancel`` and ``watch``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from fleetbus.agents import Agent, Permissions
+from fleetbus.agents.service import AgentService
+from fleetbus.agents.sessions import SessionRecord, SessionStore
+from fleetbus.bus import Bus, ToolClient
+from fleetbus.bus.subjects import check_name
+from fleetbus.cli._common import connect, console, err_console, fail, on_stop_signals, run
+from fleetbus.errors import ConfigError, FleetbusError
+from fleetbus.protocol import (
+    AnyMessage,
+    Cancel,
+    Confirmation,
+    ConfirmResult,
+    ErrorMessage,
+    FinalAnswer,
+    Message,
+    UserRequest,
+    new_id,
+    to_builtins,
+)
+from fleetbus.tools_workers import Toolkit, load_toolkit
+
+__all__ = ["add_fleet_commands", "commands", "load_agents"]
+
+
+def add_fleet_commands(sub: Any, bus_options: Any) -> None:
+    """Add the fleet commands to the ``fleetbus`` parser."""
+    p = sub.add_parser("agent", help="serve agents on the bus (module:factory or a TOML file)")
+    p.add_argument("spec", metavar="SPEC", help="module:factory returning Agent(s), or agents.toml")
+    p.add_argument(
+        "--replicas", type=int, default=1, help="processes serving each agent (default 1)"
+    )
+    p.add_argument("--topic", action="append", default=[], help="a broadcast topic to observe")
+    p.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a session lease lasts")
+    p.add_argument(
+        "--no-remote-tools",
+        action="store_true",
+        help="do not add the tools served on the bus to the agents' toolkits",
+    )
+    p.add_argument("--replica-id", help=argparse.SUPPRESS)
+    bus_options(p)
+
+    p = sub.add_parser("ask", help="ask an agent; streams the reply as it happens")
+    p.add_argument("agent", metavar="AGENT")
+    p.add_argument("text", metavar="TEXT")
+    p.add_argument("--session", help="continue this session (default: a new one)")
+    p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
+    bus_options(p)
+
+    p = sub.add_parser("sessions", help="list agent sessions with their status")
+    p.add_argument("agent", metavar="AGENT", nargs="?")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    bus_options(p)
+
+    p = sub.add_parser("confirm", help="allow or deny the tool calls a paused session waits for")
+    p.add_argument("session", metavar="SESSION")
+    p.add_argument("--allow", action="append", default=[], metavar="CALL_ID")
+    p.add_argument("--deny", action="append", default=[], metavar="CALL_ID")
+    p.add_argument("--always", action="store_true", help="also add a rule for these tools")
+    p.add_argument("--agent", help="the agent (found from the session when omitted)")
+    p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
+    bus_options(p)
+
+    p = sub.add_parser("cancel", help="interrupt the reply running in a session")
+    p.add_argument("session", metavar="SESSION")
+    p.add_argument("--agent", help="the agent (found from the session when omitted)")
+    p.add_argument("--reason", default="cancelled from the command line")
+    bus_options(p)
+
+    p = sub.add_parser("watch", help="live traffic on the bus, one message a line")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--session", help="only this session")
+    group.add_argument("--agent", help="only this agent")
+    p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
+    bus_options(p)
+
+
+# -- loading agents ------------------------------------------------------------------------
+
+
+def load_agents(spec: str) -> list[Agent]:
+    """The agents named by ``module:factory`` or a TOML file.
+
+    Raises:
+        ConfigError: nothing loadable, or not agents.
+    """
+    if spec.endswith(".toml"):
+        return _agents_from_toml(Path(spec))
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"cannot import {module_name!r}: {exc}") from exc
+    target: Any = getattr(module, attr or "agents", None)
+    if target is None:
+        raise ConfigError(f"module {module_name!r} has no attribute {attr or 'agents'!r}")
+    if callable(target) and not isinstance(target, Agent):
+        target = target()
+    agents = (
+        [target]
+        if isinstance(target, Agent)
+        else list(target)
+        if isinstance(target, list | tuple)
+        else []
+    )
+    if not agents or not all(isinstance(a, Agent) for a in agents):
+        raise ConfigError(f"{spec} is not an Agent, a list of agents, or a factory of them")
+    names = [a.name for a in agents]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{spec} defines agents with the same name: {names}")
+    return agents
+
+
+def _agents_from_toml(path: Path) -> list[Agent]:
+    """``[agent.NAME]`` tables: system_prompt, model ("offline" or module:attr),
+    tools (MODULE[:ATTR] specs), max_iters, allow/ask/deny rule lists."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    tables = data.get("agent")
+    if not isinstance(tables, dict) or not tables:
+        raise ConfigError(f"{path} has no [agent.NAME] table")
+    agents = []
+    for name, table in tables.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: agent.{name} is not a table")
+        check_name(name, what="agent name")
+        toolkit = Toolkit()
+        for tool_spec in table.get("tools", []):
+            for t in load_toolkit(tool_spec):
+                toolkit.add(t)
+        agents.append(
+            Agent(
+                name,
+                str(table.get("system_prompt", "")),
+                _model(str(table.get("model", "offline")), path),
+                toolkit=toolkit,
+                max_iters=int(table.get("max_iters", 10)),
+                permissions=Permissions.from_strings(
+                    allow=table.get("allow", []),
+                    ask=table.get("ask", []),
+                    deny=table.get("deny", []),
+                    default=table.get("default", "allow"),
+                ),
+                plan=bool(table.get("plan", False)),
+            )
+        )
+    return agents
+
+
+def _model(spec: str, path: Path) -> Any:
+    if spec == "offline":
+        from fleetbus.agents.offline import OfflineModel
+
+        return OfflineModel()
+    module_name, _, attr = spec.partition(":")
+    try:
+        target = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"{path}: cannot load the model {spec!r}: {exc}") from exc
+    return target() if callable(target) and not hasattr(target, "stream") else target
+
+
+# -- fleetbus agent ------------------------------------------------------------------------
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    """Serve agents; with ``--replicas N``, supervise N processes doing so."""
+    if args.replicas < 1:
+        raise ConfigError("--replicas must be at least 1")
+    agents = load_agents(args.spec)  # fail here, once, on a bad spec
+    if args.replicas > 1:
+        return _supervise(args)
+    return run(_serve_agents(args, agents))
+
+
+async def _serve_agents(args: argparse.Namespace, agents: list[Agent]) -> int:
+    bus = await connect(args.nats, args.prefix, args.replica_id)
+    try:
+        if not args.no_remote_tools:
+            await _add_remote_tools(bus, agents)
+        services = [
+            AgentService(
+                bus,
+                agent,
+                replica_id=f"{agent.name}@{args.replica_id}" if args.replica_id else None,
+                topics=args.topic,
+                lease_ttl=args.lease_ttl,
+            )
+            for agent in agents
+        ]
+
+        def stop() -> None:
+            for service in services:
+                service.stop()
+
+        on_stop_signals(stop)
+        async with asyncio.TaskGroup() as tg:
+            for service in services:
+                tg.create_task(service.run())
+            for service in services:
+                await service.wait_ready(30)
+            names = ", ".join(a.name for a in agents)
+            console.print(f"serving {names} on {bus.connected_url} (prefix {bus.prefix})")
+        console.print("agents stopped")
+    finally:
+        await bus.close()
+    return 0
+
+
+async def _add_remote_tools(bus: Bus, agents: list[Agent]) -> None:
+    for agent in agents:
+        if agent.toolkit is None:
+            agent.toolkit = Toolkit()
+        if not isinstance(agent.toolkit, Toolkit):
+            continue
+        client = ToolClient(bus, sender=f"agent.{agent.name}")
+        try:
+            added = await agent.toolkit.add_remote(client, timeout=1.0)
+        except FleetbusError as exc:
+            err_console.print(f"[yellow]no remote tools for {agent.name}: {exc}[/]")
+            continue
+        if added:
+            console.print(f"{agent.name}: remote tools {', '.join(added)}")
+
+
+def _supervise(args: argparse.Namespace) -> int:
+    """Run ``--replicas`` child processes; restart one that crashes."""
+    base = [sys.executable, "-m", "fleetbus", *_child_args(args)]
+    stopping = False
+    children: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(index: int) -> None:
+        children[index] = subprocess.Popen([*base, "--replica-id", f"r{index}-{os.getpid()}"])
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for index in range(1, args.replicas + 1):
+        start(index)
+    console.print(f"supervising {args.replicas} replicas of {args.spec}")
+    while True:
+        for index, child in list(children.items()):
+            code = child.poll()
+            if code is None or stopping:
+                continue
+            err_console.print(f"[yellow]replica {index} exited with {code}; restarting[/]")
+            time.sleep(1.0)
+            start(index)
+        if stopping:
+            for child in children.values():
+                try:
+                    child.wait(60)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+            return 0
+        time.sleep(0.2)
+
+
+def _child_args(args: argparse.Namespace) -> list[str]:
+    out = ["agent", args.spec, "--replicas", "1", "--lease-ttl", str(args.lease_ttl)]
+    for topic in args.topic:
+        out += ["--topic", topic]
+    if args.no_remote_tools:
+        out.append("--no-remote-tools")
+    if args.nats:
+        out += ["--nats", args.nats]
+    if args.prefix:
+        out += ["--prefix", args.prefix]
+    return out
+
+
+# -- asking and watching -------------------------------------------------------------------
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    """Ask an agent, streaming its reply; exit 1 when it ends in error."""
+    session = args.session or f"s-{new_id()[:12]}"
+    check_name(session, what="session id")
+    request = UserRequest(sender="cli", session_id=session, content=args.text)
+    return run(_converse(args, args.agent, session, request))
+
+
+async def _converse(args: argparse.Namespace, agent: str, session: str, message: Message) -> int:
+    from fleetbus.cli.render import ReplyPrinter
+
+    bus = await connect(args.nats, args.prefix)
+    try:
+        observation = await bus.observe(bus.subjects.events(agent, session))
+        await bus.flush()
+        if not args.json:
+            console.print(f"[dim]session {session}[/]")
+        printer = ReplyPrinter(console)
+        asking = asyncio.ensure_future(
+            bus.request(bus.subjects.agent_inbox(agent), message, timeout=args.timeout)
+        )
+        final: FinalAnswer | None = None
+        async with observation:
+            events = aiter(observation)
+            while final is None:
+                nxt = asyncio.ensure_future(anext(events))
+                done, _ = await asyncio.wait({nxt, asking}, return_when=asyncio.FIRST_COMPLETED)
+                if nxt in done:
+                    item = nxt.result()
+                    _show(item, printer, args.json)
+                    if isinstance(item, FinalAnswer):
+                        final = item
+                    continue
+                nxt.cancel()
+                reply = asking.result()  # raises what the request raised
+                if isinstance(reply, ErrorMessage):
+                    return fail(f"{reply.source_component or agent}: {reply.code}: {reply.message}")
+                if isinstance(reply, FinalAnswer):
+                    _show(reply, printer, args.json)
+                    final = reply
+                else:
+                    return fail(f"unexpected reply: {type(reply).__name__}")
+        asking.cancel()
+        return 1 if final.finished_reason == "error" else 0
+    finally:
+        await bus.close()
+
+
+def _show(message: AnyMessage, printer: Any, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(to_builtins(message), ensure_ascii=False), flush=True)
+    else:
+        printer.handle(message)
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    """Print live traffic until Ctrl-C."""
+    from fleetbus.cli.watch import watch
+
+    async def main() -> int:
+        bus = await connect(args.nats, args.prefix)
+        stop = asyncio.Event()
+        on_stop_signals(stop.set)
+        try:
+            await watch(
+                bus,
+                session=args.session,
+                agent=args.agent,
+                json_output=args.json,
+                console=console,
+                stop=stop,
+            )
+        finally:
+            await bus.close()
+        return 0
+
+    return run(main())
+
+
+# -- sessions ----------------------------------------------------------------------------
+
+
+def cmd_sessions(args: argparse.Namespace) -> int:
+    """List sessions."""
+
+    async def main() -> int:
+        bus = await connect(args.nats, args.prefix)
+        try:
+            store = await SessionStore.open(bus, owner="cli")
+            records = await store.records(args.agent)
+        finally:
+            await bus.close()
+        if args.json:
+            print(json.dumps([_summary(r) for r in records], indent=2))
+            return 0
+        if not records:
+            console.print("no sessions")
+            return 0
+        table = Table(title="sessions")
+        for column in ("agent", "session", "status", "step", "age", "owner", "last answer"):
+            table.add_column(column)
+        now = time.time()
+        for r in records:
+            summary = _summary(r)
+            table.add_row(
+                r.agent,
+                r.session_id,
+                _status_style(r.status),
+                str(r.step),
+                _age(now - r.updated_at.timestamp()),
+                r.owner or "",
+                str(summary["last_answer"] or "")[:60],
+            )
+        console.print(table)
+        return 0
+
+    return run(main())
+
+
+def _summary(record: SessionRecord) -> dict[str, Any]:
+    final = record.final or {}
+    pending = record.state.reply.pending if record.state.reply else []
+    return {
+        "agent": record.agent,
+        "session": record.session_id,
+        "status": record.status,
+        "step": record.step,
+        "updated_at": record.updated_at.isoformat(),
+        "owner": record.owner,
+        "pending": [p.model_dump() for p in pending],
+        "last_answer": final.get("content"),
+    }
+
+
+def _status_style(status: str) -> str:
+    colour = {"running": "cyan", "paused": "yellow", "done": "green", "error": "red"}.get(status)
+    return f"[{colour}]{status}[/]" if colour else status
+
+
+def _age(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+async def _find_agent(bus: Bus, session: str, agent: str | None) -> str:
+    if agent:
+        return agent
+    store = await SessionStore.open(bus, owner="cli")
+    matches = [r.agent for r in await store.records() if r.session_id == session]
+    if not matches:
+        raise ConfigError(f"no session {session!r}; name the agent with --agent")
+    if len(set(matches)) > 1:
+        raise ConfigError(f"session {session!r} exists for {sorted(set(matches))}; use --agent")
+    return matches[0]
+
+
+def cmd_confirm(args: argparse.Namespace) -> int:
+    """Confirm or deny pending calls, then stream the resumed reply."""
+    if not args.allow and not args.deny:
+        raise ConfigError("name at least one call: --allow CALL_ID or --deny CALL_ID")
+    message = ConfirmResult(
+        sender="cli",
+        session_id=args.session,
+        confirmations=[
+            Confirmation(call_id=c, confirmed=True, always=args.always) for c in args.allow
+        ]
+        + [Confirmation(call_id=c, confirmed=False, always=args.always) for c in args.deny],
+    )
+
+    async def main() -> int:
+        bus = await connect(args.nats, args.prefix)
+        try:
+            agent = await _find_agent(bus, args.session, args.agent)
+        finally:
+            await bus.close()
+        return await _converse(args, agent, args.session, message)
+
+    return run(main())
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Send a cancel to every replica of the session's agent."""
+
+    async def main() -> int:
+        bus = await connect(args.nats, args.prefix)
+        try:
+            agent = await _find_agent(bus, args.session, args.agent)
+            cancel = Cancel(sender="cli", session_id=args.session, reason=args.reason)
+            await bus.publish(bus.subjects.agent_control(agent), cancel)
+            await bus.flush()
+        finally:
+            await bus.close()
+        console.print(f"cancel sent to {agent} for session {args.session}")
+        return 0
+
+    return run(main())
+
+
+def commands() -> dict[str, Any]:
+    """The fleet commands by name."""
+    return {
+        "agent": cmd_agent,
+        "ask": cmd_ask,
+        "sessions": cmd_sessions,
+        "confirm": cmd_confirm,
+        "cancel": cmd_cancel,
+        "watch": cmd_watch,
+    }

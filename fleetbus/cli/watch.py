@@ -1,0 +1,314 @@
+"""``fleetbus watch``: every message of a fleet, one line each, as it travels.
+
+Wiring (the CLI owner's side)::
+
+    p = sub.add_parser("watch", help="print the messages of the fleet as they travel")
+    who = p.add_mutually_exclusive_group()
+    who.add_argument("--session", help="only this session_id")
+    who.add_argument("--agent", help="only what this agent sends or receives")
+    p.add_argument("--json", action="store_true", help="one JSON message per line")
+    bus_options(p)
+
+    def cmd_watch(args: argparse.Namespace) -> int:
+        from fleetbus.cli.watch import watch
+
+        async def main() -> int:
+            bus = await connect(args.nats, args.prefix)
+            stop = asyncio.Event()
+            on_stop_signals(stop.set)
+            try:
+                await watch(bus, session=args.session, agent=args.agent,
+                            json_output=args.json, console=console, stop=stop)
+            finally:
+                await bus.close()
+            return 0
+
+        return run(main())
+
+:func:`watch` listens on ``<prefix>.>`` (calls, agent inboxes, topics, event
+streams) and on ``_INBOX.>``, where replies travel. An inbox is shown only when
+it is the reply subject of a request seen on the fleet's prefix, so replies of
+other fleets on the same server stay out (replies to requests sent before the
+watch began are not shown either). ``$SRV`` discovery traffic is not watched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Final, Protocol, TypeVar
+
+from rich.console import Console
+from rich.text import Text
+
+from fleetbus.bus import Bus, Subjects
+from fleetbus.cli.render import STATUS_STYLES, describe
+from fleetbus.errors import ConnectionClosedError, ProtocolError
+from fleetbus.protocol import (
+    AgentMessage,
+    ErrorMessage,
+    Event,
+    FinalAnswer,
+    LlmPrompt,
+    LlmResponse,
+    Message,
+    ToolCall,
+    ToolResult,
+    UserRequest,
+    decode,
+    to_builtins,
+)
+
+__all__ = ["watch"]
+
+logger = logging.getLogger(__name__)
+
+INBOX_WILDCARD: Final = "_INBOX.>"
+"""Where nats-py clients (and so fleetbus requests) receive their replies."""
+_REMEMBERED: Final = 10_000
+"""How many pending calls and reply subjects are remembered, the oldest forgotten first."""
+_FLUSH_TIMEOUT: Final = 5.0
+_PENDING_EVENTS: Final = frozenset({"require_user_confirm", "require_external_execution"})
+
+
+class _Msg(Protocol):
+    """What is read of a nats-py message."""
+
+    subject: str
+    reply: str
+    data: bytes
+
+
+class _Subscription(Protocol):
+    """What is used of a nats-py subscription."""
+
+    @property
+    def messages(self) -> AsyncIterator[_Msg]: ...
+
+    async def unsubscribe(self, limit: int = 0) -> None: ...
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class _Bounded(OrderedDict[K, V]):
+    """An ordered dict that forgets its oldest entries beyond ``limit``."""
+
+    def __init__(self, limit: int = _REMEMBERED) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def remember(self, key: K, value: V) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
+
+
+def _fleet_wildcard(subjects: Subjects) -> str:
+    # Subjects has no "everything" method; all_events("x") is "<prefix>.events.x.*",
+    # so the prefix is the part before ".events.".
+    return subjects.all_events().removesuffix("events.>") + ">"
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """Whether a NATS subject matches a pattern with ``*`` / ``>`` wildcards."""
+    want, got = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(got) > i
+        if i >= len(got) or (token != "*" and token != got[i]):
+            return False
+    return len(want) == len(got)
+
+
+class _Watcher:
+    """The state of one watch: filters, pending calls and reply subjects, counts."""
+
+    def __init__(
+        self,
+        subjects: Subjects,
+        *,
+        session: str | None,
+        agent: str | None,
+        json_output: bool,
+        console: Console,
+    ) -> None:
+        self.session = session
+        self.agent = agent
+        self.json_output = json_output
+        self.console = console
+        self.agent_subjects = (
+            ()
+            if agent is None
+            else (
+                subjects.agent_inbox(agent),
+                subjects.agent_control(agent),
+                subjects.all_events(agent),
+            )
+        )
+        self.calls: _Bounded[tuple[str, str], float] = _Bounded()
+        """When each pending tool call was seen, by (kind, call_id)."""
+        self.replies: _Bounded[str, bool] = _Bounded()
+        """Reply subjects of the fleet's requests: whether the request was shown."""
+        self.shown = 0
+        self.skipped = 0
+        """Payloads that could not be decoded."""
+
+    def wanted(self, message: Message, subject: str) -> bool:
+        if self.session is not None and message.session_id != self.session:
+            return False
+        if self.agent is not None:
+            return message.sender == self.agent or any(
+                _matches(p, subject) for p in self.agent_subjects
+            )
+        return True
+
+    def receive(self, msg: _Msg) -> None:
+        inbox = msg.subject.startswith("_INBOX.")
+        if inbox and msg.subject not in self.replies:
+            return  # a reply to someone else's request: another fleet, discovery, JetStream
+        try:
+            message = decode(msg.data)
+        except ProtocolError as exc:
+            self.skipped += 1
+            logger.debug("skipped an undecodable message on %s: %s", msg.subject, exc)
+            return
+        wanted = self.wanted(message, msg.subject) or (inbox and self.replies[msg.subject])
+        if msg.reply and not inbox:
+            self.replies.remember(msg.reply, wanted)
+        latency = self.pair(message)
+        if wanted:
+            self.shown += 1
+            self.print(message, msg.subject, latency)
+
+    def pair(self, message: Message) -> float | None:
+        """Milliseconds since the call a result answers, when that call was seen."""
+        if isinstance(message, ToolCall | ToolResult):
+            kind, call_id, is_call = "call", message.call_id, isinstance(message, ToolCall)
+        elif isinstance(message, Event) and message.event in ("tool_call", "tool_result"):
+            kind, call_id = "event", message.data.get("call_id")
+            is_call = message.event == "tool_call"
+        else:
+            return None
+        if not isinstance(call_id, str):
+            return None
+        key = (kind, call_id)
+        if is_call:
+            if key not in self.calls:  # a retry keeps the first attempt's time
+                self.calls.remember(key, time.monotonic())
+            return None
+        started = self.calls.pop(key, None)
+        return None if started is None else (time.monotonic() - started) * 1000.0
+
+    def print(self, message: Message, subject: str, latency: float | None) -> None:
+        if self.json_output:
+            line = json.dumps(to_builtins(message), ensure_ascii=False, default=str)
+            self.console.out(line, highlight=False)
+            return
+        clock = datetime.now().strftime("%H:%M:%S.%f")[:-3]
+        text = Text.assemble((clock, "dim"), " ", (describe(message, subject), _style(message)))
+        if latency is not None:
+            text.append(f"  [{latency:.1f} ms]", style="bold")
+        self.console.print(text, soft_wrap=True, highlight=False)
+
+
+def _style(message: Message) -> str:
+    match message:
+        case ToolCall():
+            return "cyan"
+        case ToolResult():
+            return STATUS_STYLES.get(message.status, "")
+        case ErrorMessage():
+            return "red"
+        case FinalAnswer():
+            return "bold green"
+        case UserRequest():
+            return "bold"
+        case AgentMessage():
+            return "magenta"
+        case LlmPrompt() | LlmResponse():
+            return "blue"
+        case Event() if message.event in _PENDING_EVENTS:
+            return "bold yellow"
+        case Event():
+            return "dim"
+        case _:
+            return ""
+
+
+async def watch(
+    bus: Bus,
+    *,
+    session: str | None,
+    agent: str | None,
+    json_output: bool,
+    console: Console,
+    stop: asyncio.Event,
+    ready: asyncio.Event | None = None,
+) -> None:
+    """Print every message of the fleet as it travels, until ``stop`` is set.
+
+    One line per message (:func:`~fleetbus.cli.render.describe`), a
+    ``tool_result`` with the milliseconds since its ``tool_call``; or, with
+    ``json_output``, each message as one JSON object per line. Payloads that
+    do not decode are skipped and counted (the count is printed at the end,
+    unless ``json_output``).
+
+    Args:
+        bus: the connection (its prefix is the fleet watched).
+        session: only messages of this ``session_id``.
+        agent: only messages this agent sends, those on its inbox, control
+            and event subjects, and the replies to its requests.
+        json_output: print JSON lines instead of descriptions.
+        console: where to print.
+        stop: set it to return.
+        ready: set once the subscriptions are live on the server.
+
+    Raises:
+        ConnectionClosedError: the bus is closed.
+        CallTimeoutError: the server did not confirm the subscriptions in time.
+    """
+    if bus.nc.is_closed or bus.nc.is_draining:
+        raise ConnectionClosedError("the bus connection is closed")
+    watcher = _Watcher(
+        bus.subjects, session=session, agent=agent, json_output=json_output, console=console
+    )
+
+    async def consume(sub: _Subscription) -> None:
+        async for msg in sub.messages:
+            watcher.receive(msg)
+
+    subs: list[_Subscription] = [
+        await bus.nc.subscribe(_fleet_wildcard(bus.subjects)),
+        await bus.nc.subscribe(INBOX_WILDCARD),
+    ]
+    try:
+        await bus.flush(_FLUSH_TIMEOUT)
+        if ready is not None:
+            ready.set()
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(consume(sub)) for sub in subs]
+            stopped = tg.create_task(stop.wait())
+            # The consumers end on their own only when the connection closes.
+            await asyncio.wait([stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in (stopped, *tasks):
+                task.cancel()
+    finally:
+        for sub in subs:
+            if not (bus.nc.is_closed or bus.nc.is_draining):
+                try:
+                    await sub.unsubscribe()
+                except Exception as exc:  # nats errors stay inside fleetbus.bus
+                    logger.debug("unsubscribe: %s", exc)
+    if not json_output and watcher.skipped:
+        console.print(
+            Text(f"skipped {watcher.skipped} undecodable message(s)", style="dim"),
+            highlight=False,
+        )
