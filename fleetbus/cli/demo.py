@@ -1,8 +1,12 @@
-"""``fleetbus demo``: tool calls spread over worker processes, live.
+"""``fleetbus demo``: tool calls spread over worker processes, then an agent
+fleet, live.
 
 An embedded nats-server, N worker processes serving the built-in tools, and
-a burst of calculator calls with a progress bar; then a table of calls per
-worker, throughput, latency and failures. Everything it starts, it stops.
+a burst of calculator calls with a progress bar, then a table of calls per
+worker, throughput, latency and failures. Then an agent with two replica
+processes holds a conversation: it uses the tools, observes a broadcast, and
+pauses for a confirmation that the demo grants (see ``demo_agents``).
+Everything it starts, it stops.
 """
 
 from __future__ import annotations
@@ -111,7 +115,9 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run_demo(*, calls: int = 2000, workers: int = 2, in_flight: int = 64) -> int:
+async def run_demo(
+    *, calls: int = 2000, workers: int = 2, in_flight: int = 64, agents: bool = True
+) -> int:
     """Run the demo; returns the exit code (0 when every call succeeded)."""
     if calls < 1 or workers < 1 or in_flight < 1:
         return fail("--calls, --workers and --in-flight must be at least 1")
@@ -130,7 +136,13 @@ async def run_demo(*, calls: int = 2000, workers: int = 2, in_flight: int = 64) 
             console.print(
                 f"{workers} worker processes up (pids {pids}), queue group tool.calculator"
             )
-            return await _burst(client, calls, in_flight)
+            burst = await _burst(client, calls, in_flight)
+            if not agents:
+                return burst
+            from fleetbus.cli.demo_agents import converse_with_fleet
+
+            fleet = await converse_with_fleet(bus, server.url, run_dir)
+            return burst or fleet
         finally:
             if bus is not None:
                 await bus.close()

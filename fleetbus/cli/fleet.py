@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from fleetbus.agents.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.bus.subjects import check_name
 from fleetbus.cli._common import connect, console, err_console, fail, on_stop_signals, run
-from fleetbus.errors import ConfigError, FleetbusError
+from fleetbus.errors import ConfigError, FleetbusError, UnexpectedMessageError
 from fleetbus.protocol import (
     AnyMessage,
     Cancel,
@@ -39,7 +40,7 @@ from fleetbus.protocol import (
 )
 from fleetbus.tools_workers import Toolkit, load_toolkit
 
-__all__ = ["add_fleet_commands", "commands", "load_agents"]
+__all__ = ["add_fleet_commands", "commands", "load_agents", "stream_reply"]
 
 
 def add_fleet_commands(sub: Any, bus_options: Any) -> None:
@@ -314,39 +315,99 @@ async def _converse(args: argparse.Namespace, agent: str, session: str, message:
 
     bus = await connect(args.nats, args.prefix)
     try:
-        observation = await bus.observe(bus.subjects.events(agent, session))
-        await bus.flush()
         if not args.json:
             console.print(f"[dim]session {session}[/]")
         printer = ReplyPrinter(console)
-        asking = asyncio.ensure_future(
-            bus.request(bus.subjects.agent_inbox(agent), message, timeout=args.timeout)
+        outcome = await stream_reply(
+            bus,
+            agent,
+            session,
+            message,
+            on_item=lambda item: _show(item, printer, args.json),
+            timeout=args.timeout,
         )
-        final: FinalAnswer | None = None
-        async with observation:
-            events = aiter(observation)
-            while final is None:
-                nxt = asyncio.ensure_future(anext(events))
-                done, _ = await asyncio.wait({nxt, asking}, return_when=asyncio.FIRST_COMPLETED)
-                if nxt in done:
-                    item = nxt.result()
-                    _show(item, printer, args.json)
-                    if isinstance(item, FinalAnswer):
-                        final = item
-                    continue
-                nxt.cancel()
-                reply = asking.result()  # raises what the request raised
-                if isinstance(reply, ErrorMessage):
-                    return fail(f"{reply.source_component or agent}: {reply.code}: {reply.message}")
-                if isinstance(reply, FinalAnswer):
-                    _show(reply, printer, args.json)
-                    final = reply
-                else:
-                    return fail(f"unexpected reply: {type(reply).__name__}")
-        asking.cancel()
-        return 1 if final.finished_reason == "error" else 0
     finally:
         await bus.close()
+    if isinstance(outcome, ErrorMessage):
+        return fail(f"{outcome.source_component or agent}: {outcome.code}: {outcome.message}")
+    return 1 if outcome.finished_reason == "error" else 0
+
+
+async def stream_reply(
+    bus: Bus,
+    agent: str,
+    session: str,
+    message: Message,
+    *,
+    on_item: Callable[[AnyMessage], None],
+    timeout: float,
+) -> FinalAnswer | ErrorMessage:
+    """Send ``message`` to an agent's inbox and hand each event of the reply
+    to ``on_item`` as it is published, the final answer last.
+
+    The answer is taken from the events subject or from the request's reply,
+    whichever comes first: a replica that takes over a session after a crash
+    publishes it on the events subject even though the request's reply is lost.
+
+    Raises:
+        CallTimeoutError: no answer within ``timeout`` seconds.
+        NoRespondersError: the agent is not served.
+    """
+    observation = await bus.observe(bus.subjects.events(agent, session))
+    await bus.flush()
+    queue: asyncio.Queue[AnyMessage] = asyncio.Queue()
+
+    async def read() -> None:
+        async for item in observation:
+            queue.put_nowait(item)
+
+    # Owned here: both are awaited before returning, whatever happens.
+    reader = asyncio.ensure_future(read())
+    asking = asyncio.ensure_future(
+        bus.request(bus.subjects.agent_inbox(agent), message, timeout=timeout)
+    )
+    try:
+        return await _follow(queue, asking, on_item, agent)
+    finally:
+        reader.cancel()
+        asking.cancel()
+        await asyncio.wait({reader, asking})
+        await observation.close()
+
+
+async def _follow(
+    queue: asyncio.Queue[AnyMessage],
+    asking: asyncio.Future[AnyMessage],
+    on_item: Callable[[AnyMessage], None],
+    agent: str,
+) -> FinalAnswer | ErrorMessage:
+    """Events until the final answer; the request's reply if no events come."""
+    while True:
+        getter = asyncio.ensure_future(queue.get())
+        await asyncio.wait({getter, asking}, return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            item = getter.result()
+            on_item(item)
+            if isinstance(item, FinalAnswer):
+                return item
+            continue
+        getter.cancel()
+        reply = asking.result()  # raises what the request raised
+        if isinstance(reply, ErrorMessage):
+            return reply
+        if not isinstance(reply, FinalAnswer):
+            raise UnexpectedMessageError(f"unexpected reply from {agent}: {type(reply).__name__}")
+        # The events (published before the reply) may still be on their way.
+        try:
+            async with asyncio.timeout(2.0):
+                while True:
+                    item = await queue.get()
+                    on_item(item)
+                    if isinstance(item, FinalAnswer):
+                        return item
+        except TimeoutError:
+            on_item(reply)
+            return reply
 
 
 def _show(message: AnyMessage, printer: Any, as_json: bool) -> None:

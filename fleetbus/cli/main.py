@@ -109,10 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_fleet_commands(sub, bus_options)
 
-    p = sub.add_parser("demo", help="embedded server, two tool workers, 2,000 calculator calls")
+    p = sub.add_parser(
+        "demo", help="embedded server, tool workers, 2,000 calculator calls, then an agent fleet"
+    )
     p.add_argument("--calls", type=int, default=2000, help="how many calls (default 2000)")
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--in-flight", type=int, default=64, help="calls in flight (default 64)")
+    p.add_argument("--no-agents", action="store_true", help="only the tool-call part")
     return parser
 
 
@@ -291,4 +294,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The tool fleet demo."""
     from fleetbus.cli.demo import run_demo
 
-    return run(run_demo(calls=args.calls, workers=args.workers, in_flight=args.in_flight))
+    return run(
+        run_demo(
+            calls=args.calls,
+            workers=args.workers,
+            in_flight=args.in_flight,
+            agents=not args.no_agents,
+        )
+    )

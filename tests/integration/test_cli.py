@@ -130,6 +130,12 @@ def test_the_demo_runs_and_leaves_nothing_running() -> None:
     assert "demo-worker-2" in out
     assert re.search(r"failures\s+0", out), out
     assert "exit codes [0, 0]" in out
+    # The fleet part: tools used, a broadcast observed, a confirmation granted.
+    assert "calculator: 2026 - 1991 = 35" in out
+    assert "recorded it in session 'demo': True" in out
+    assert "paused (session demo)" in out
+    assert "wrote notes/demo.md" in out
+    assert "agent stopped (exit code 0)" in out
     pids = [int(p) for p in re.findall(r"pids (\d+), (\d+)", out)[0]]
     for pid in pids:
         assert not _alive(pid), f"worker {pid} still running"
