@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from fleetbus.bus import Bus, ToolClient
@@ -52,17 +52,11 @@ def output(proc: subprocess.Popen[bytes]) -> str:
 
 
 @contextmanager
-def workers(
-    url: str, prefix: str, count: int, *, spec: str, env: dict[str, str] | None = None
+def running(
+    commands: list[list[str]], *, env: dict[str, str] | None = None
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """``count`` worker processes serving ``spec``, stopped (SIGTERM) on exit."""
-    procs = [
-        spawn(
-            ["worker", spec, "--nats", url, "--prefix", prefix, "--worker-id", f"w{i}"],
-            env=env,
-        )
-        for i in range(1, count + 1)
-    ]
+    """``fleetbus`` processes running ``commands``, stopped (SIGTERM) on exit."""
+    procs = [spawn(command, env=env) for command in commands]
     try:
         yield procs
     finally:
@@ -71,6 +65,43 @@ def workers(
                 stop(proc)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def workers(
+    url: str, prefix: str, count: int, *, spec: str, env: dict[str, str] | None = None
+) -> AbstractContextManager[list[subprocess.Popen[bytes]]]:
+    """``count`` worker processes serving ``spec``, stopped (SIGTERM) on exit."""
+    return running(
+        [
+            ["worker", spec, "--nats", url, "--prefix", prefix, "--worker-id", f"w{i}"]
+            for i in range(1, count + 1)
+        ],
+        env=env,
+    )
+
+
+def agents(
+    url: str, prefix: str, spec: str, count: int, *extra: str
+) -> AbstractContextManager[list[subprocess.Popen[bytes]]]:
+    """``count`` replicas of ``tests.integration.agent_specs:<spec>`` (lease 1 s)."""
+    return running(
+        [
+            [
+                "agent",
+                f"tests.integration.agent_specs:{spec}",
+                "--nats",
+                url,
+                "--prefix",
+                prefix,
+                "--lease-ttl",
+                "1",
+                "--replica-id",
+                f"r{i}",
+                *extra,
+            ]
+            for i in range(1, count + 1)
+        ]
+    )
 
 
 async def wait_for_workers(bus: Bus, tool_name: str, count: int, timeout: float = 30.0) -> None:

@@ -7,10 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -31,41 +28,9 @@ from fleetbus.protocol import (
     UserRequest,
     decode,
 )
-from tests.helpers import spawn, stop, wait_for_workers, workers
+from tests.helpers import agents, stop, wait_for_workers, workers
 
 TOOLS = "tests.integration.worker_tools"
-
-
-@contextmanager
-def agents(
-    url: str, prefix: str, spec: str, count: int, *extra: str
-) -> Iterator[list[subprocess.Popen[bytes]]]:
-    procs = [
-        spawn(
-            [
-                "agent",
-                f"tests.integration.agent_specs:{spec}",
-                "--nats",
-                url,
-                "--prefix",
-                prefix,
-                "--lease-ttl",
-                "1",
-                "--replica-id",
-                f"r{i}",
-                *extra,
-            ]
-        )
-        for i in range(1, count + 1)
-    ]
-    try:
-        yield procs
-    finally:
-        for proc in procs:
-            try:
-                stop(proc)
-            except subprocess.TimeoutExpired:
-                pass
 
 
 async def ask(
