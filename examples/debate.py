@@ -37,10 +37,11 @@ from rich.table import Table
 
 from fleetbus import Agent, AgentService, Bus, EmbeddedServer, MsgHub, RemoteAgent
 from fleetbus.agents import OfflineModel, Participant
-from fleetbus.protocol import ContentBlock, TextBlock
+from fleetbus.protocol import AgentMessage, ContentBlock, TextBlock
 
 DEFAULT_TOPIC = "AI assistants will make software engineers more productive"
 SPEAKERS = ("optimist", "skeptic", "moderator")
+HOST = "host"
 READY = "ready"
 """What a serving child process prints once its agent listens."""
 TIMEOUT = 60.0
@@ -59,7 +60,7 @@ def system_prompts(topic: str) -> dict[str, str]:
         ),
         "moderator": (
             "You are Maya, the moderator of a debate. You hold that both sides have a point "
-            "and that careful measurement should settle the question."
+            "and that careful measurement should settle it."
         ),
     }
 
@@ -92,12 +93,14 @@ def text_of(content: str | list[ContentBlock]) -> str:
 
 async def debate(participants: Sequence[Participant], topic: str, rounds: int) -> bool:
     """Run the debate, printing each statement as it comes; ``True`` if all went well."""
-    announcement = (
+    text = (
         f"Welcome to the debate: {topic}. Each of you states a position, "
         "then answers what the others said."
     )
+    # From a named host, so every debater hears the same message, local or remote.
+    announcement = AgentMessage(sender=HOST, name=HOST, content=[TextBlock(text=text)], reply=False)
     console.rule(f"[bold]{escape(topic)}")
-    console.print(f"[dim]announcement:[/] {escape(announcement)}")
+    console.print(f"[bold]{HOST}:[/] {escape(text)}")
     ok = True
     async with MsgHub(participants, announcement=announcement) as hub:
         for round_no in range(1, rounds + 1):
@@ -105,9 +108,7 @@ async def debate(participants: Sequence[Participant], topic: str, rounds: int) -
             for speaker in participants:
                 answer = await asyncio.wait_for(hub.speak(speaker), TIMEOUT)
                 style = {"optimist": "green", "skeptic": "red"}.get(speaker.name, "cyan")
-                console.print(
-                    f"[bold {style}]{speaker.name}:[/] {escape(text_of(answer.content))}"
-                )
+                console.print(f"[bold {style}]{speaker.name}:[/] {escape(text_of(answer.content))}")
                 if answer.finished_reason != "completed":
                     console.print(f"[red]  (the reply ended {answer.finished_reason})[/]")
                     ok = False
@@ -211,7 +212,7 @@ async def serve_one(name: str, topic: str, url: str, prefix: str) -> None:
 async def over_the_bus(url: str, args: argparse.Namespace) -> bool:
     """The debate with every agent served on the bus, driven through RemoteAgents."""
     prefix = "debate"
-    bus = await Bus.connect(url, prefix=prefix, name="debate-host", timeout=TIMEOUT)
+    bus = await Bus.connect(url, prefix=prefix, name=HOST, timeout=TIMEOUT)
     try:
         async with AsyncExitStack() as stack:
             if args.processes:

@@ -417,6 +417,8 @@ def _as_messages(inputs: Any) -> list[Msg]:
         return [inputs]
     if isinstance(inputs, UserRequest):
         content = inputs.content
+        if not content or (isinstance(content, str) and not content.strip()):
+            return []  # a request with no content: answer the memory as it is
         return [Msg(role="user", content=content, metadata=dict(inputs.metadata))]
     if isinstance(inputs, AgentMessage):
         return [Msg(role="user", name=inputs.name or inputs.sender, content=inputs.content)]
