@@ -4,6 +4,7 @@ service, sessions in JetStream, remote agents, group conversations."""
 
 from fleetbus.agents._reply import FINISH_TOOL
 from fleetbus.agents.agent import Agent, ReplyInput
+from fleetbus.agents.bus_model import BusChatModel
 from fleetbus.agents.compression import (
     ApproxTokenCounter,
     CompressionResult,
@@ -23,6 +24,7 @@ from fleetbus.agents.model import (
     TextDelta,
     ThinkingDelta,
 )
+from fleetbus.agents.model_worker import ModelWorker
 from fleetbus.agents.offline import OfflineModel
 from fleetbus.agents.offload import DirectoryOffloader, ObjectStoreOffloader, Offloader
 from fleetbus.agents.permissions import Decision, PermissionRule, Permissions
@@ -40,6 +42,7 @@ __all__ = [
     "AgentState",
     "ApproxTokenCounter",
     "BudgetLimit",
+    "BusChatModel",
     "ChatModel",
     "CompressionResult",
     "ContextConfig",
@@ -50,6 +53,7 @@ __all__ = [
     "ModelError",
     "ModelRequest",
     "ModelResponse",
+    "ModelWorker",
     "Msg",
     "MsgHub",
     "ObjectStoreOffloader",

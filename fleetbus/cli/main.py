@@ -17,6 +17,7 @@ from rich.table import Table
 
 from fleetbus._version import __version__
 from fleetbus.bus import EmbeddedServer, ToolClient
+from fleetbus.cli import model_worker_cmd
 from fleetbus.cli._common import (
     connect,
     console,
@@ -108,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 1 if the files differ from the code")
 
     add_fleet_commands(sub, bus_options)
+    model_worker_cmd.add_parser(sub, bus_options)
 
     p = sub.add_parser(
         "demo", help="embedded server, tool workers, 2,000 calculator calls, then an agent fleet"
@@ -125,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.verbose)
     command = {
         **fleet_commands(),
+        "model-worker": model_worker_cmd.cmd,
         "server": cmd_server,
         "worker": cmd_worker,
         "tools": cmd_tools,

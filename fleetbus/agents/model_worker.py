@@ -1,0 +1,396 @@
+"""The model worker: serves a :class:`~fleetbus.agents.model.ChatModel` on the bus.
+
+The worker holds the API key and the rate limits of a model; agents reach it
+with :class:`~fleetbus.agents.bus_model.BusChatModel`. It serves
+``<prefix>.model.<name>`` in queue group ``model.<name>``, so every process
+serving a model shares its load, and registers as the NATS micro service
+``fleetbus-models`` with one endpoint (the model).
+
+One ``llm_prompt`` gets, on its reply subject:
+
+- when ``stream`` is set, an ``event`` per delta as the model produces it
+  (``text_delta`` with ``{"text": piece}``, ``thinking_delta`` with
+  ``{"thinking": piece}``; the prompt's ``call_id``; ``seq`` from 0);
+- then exactly one final message: the ``llm_response``, or an ``error``.
+
+Error codes, since an ``error`` message carries no "retryable" flag:
+
+- ``overloaded``: trying again later may succeed. The worker is at its
+  concurrency or its per-minute request/token budget (the message says which
+  and roughly when to retry), the model failed with a retryable
+  :class:`~fleetbus.agents.model.ModelError` (rate limit, 5xx), the model was
+  unreachable (``ConnectionError``), or the worker is shutting down.
+- ``timeout``: the model did not answer within ``call_timeout`` (or its
+  adapter timed out); also worth a retry.
+- ``internal``: a non-retryable ``ModelError``, a bug, a stream without a
+  response.
+- ``malformed`` (and the codec's codes): the request was not an ``llm_prompt``.
+
+A prompt is never queued: when it cannot start at once it is refused. The
+subject chooses the model; the prompt's ``model`` field is not checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from fleetbus._version import __version__
+from fleetbus.agents.model import (
+    ChatModel,
+    ModelError,
+    ModelRequest,
+    ModelResponse,
+    TextDelta,
+    ThinkingDelta,
+)
+from fleetbus.bus import Bus, EndpointInfo, MicroService, Request, check_name
+from fleetbus.errors import BusError, ConfigError
+from fleetbus.protocol import ErrorMessage, Event, LlmPrompt, LlmResponse, Message
+
+__all__ = ["MODEL_SERVICE_NAME", "ModelWorker"]
+
+logger = logging.getLogger(__name__)
+
+MODEL_SERVICE_NAME = "fleetbus-models"
+"""The NATS micro service name model workers register under."""
+
+WINDOW = 60.0
+"""Seconds of the sliding window of the per-minute limits."""
+
+# Handlers allowed past the serving loop's semaphore beyond ``concurrency``:
+# room to refuse extra prompts at once with ``overloaded`` instead of leaving
+# them queued in the subscription.
+_SPARE_HANDLERS = 64
+
+
+@dataclass(slots=True)
+class _Spent:
+    """One admitted call in the window: when, and its tokens (estimated, then actual)."""
+
+    at: float
+    tokens: int
+
+
+class _Budget:
+    """Per-minute request and token budgets over a sliding 60 s window."""
+
+    def __init__(self, requests_per_minute: int | None, tokens_per_minute: int | None) -> None:
+        self.requests_per_minute = requests_per_minute
+        self.tokens_per_minute = tokens_per_minute
+        self._window: deque[_Spent] = deque()
+
+    def _expire(self, now: float) -> None:
+        while self._window and self._window[0].at <= now - WINDOW:
+            self._window.popleft()
+
+    def admit(self, estimate: int) -> _Spent | str:
+        """Record a call of ~``estimate`` tokens, or say why it must wait."""
+        now = time.monotonic()
+        self._expire(now)
+        rpm = self.requests_per_minute
+        if rpm is not None and len(self._window) >= rpm:
+            wait = self._window[len(self._window) - rpm].at + WINDOW - now
+            return f"its limit of {rpm} requests per minute is reached; retry in ~{_secs(wait)}"
+        tpm = self.tokens_per_minute
+        used = sum(s.tokens for s in self._window)
+        # A prompt larger than the whole budget still runs when the window is
+        # empty: refusing it for ever would only hide the problem.
+        if tpm is not None and used and used + estimate > tpm:
+            freed, wait = 0, WINDOW
+            for spent in self._window:
+                freed += spent.tokens
+                if used - freed + estimate <= tpm:
+                    wait = spent.at + WINDOW - now
+                    break
+            return (
+                f"its limit of {tpm} tokens per minute is reached (~{used} used, this prompt "
+                f"~{estimate}); retry in ~{_secs(wait)}"
+            )
+        spent = _Spent(now, estimate)
+        self._window.append(spent)
+        return spent
+
+
+def _secs(seconds: float) -> str:
+    return f"{max(1, round(seconds))} s"
+
+
+class ModelWorker:
+    """Serves one model on the bus, within its concurrency and rate limits.
+
+    Args:
+        bus: the connection.
+        model: the model to serve (it holds the API key).
+        name: the name it is served as, one subject token; ``model.name`` by default.
+        worker_id: this worker's id (``sender`` of its messages); host-pid by default.
+        concurrency: calls run at once; more are refused with ``overloaded``.
+        requests_per_minute: calls admitted in any 60 s; unlimited when ``None``.
+        tokens_per_minute: tokens admitted in any 60 s, counting each prompt
+            as ~bytes/4 when it starts and as its reported usage once done;
+            unlimited when ``None``.
+        drain_timeout: seconds in-flight calls get to finish on stop.
+        call_timeout: seconds one model call may take.
+
+    Raises:
+        ConfigError: the name is not a subject token, or a limit is below 1.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        model: ChatModel,
+        *,
+        name: str | None = None,
+        worker_id: str | None = None,
+        concurrency: int = 8,
+        requests_per_minute: int | None = None,
+        tokens_per_minute: int | None = None,
+        drain_timeout: float = 30.0,
+        call_timeout: float = 300.0,
+    ) -> None:
+        self.name = check_name(model.name if name is None else name, what="model name")
+        for what, value in (
+            ("concurrency", concurrency),
+            ("requests_per_minute", requests_per_minute),
+            ("tokens_per_minute", tokens_per_minute),
+        ):
+            if value is not None and value < 1:
+                raise ConfigError(f"{what} must be at least 1")
+        if not call_timeout > 0:
+            raise ConfigError("call_timeout must be positive")
+        self.bus = bus
+        self.model = model
+        self.worker_id = worker_id or f"model-worker.{socket.gethostname()}-{os.getpid()}"
+        self.concurrency = concurrency
+        self.drain_timeout = drain_timeout
+        self.call_timeout = call_timeout
+        self._budget = _Budget(requests_per_minute, tokens_per_minute)
+        self._running = 0
+        self._stop = asyncio.Event()
+        self._ready = asyncio.Event()
+        limits = {"concurrency": str(concurrency)}
+        if requests_per_minute is not None:
+            limits["requests_per_minute"] = str(requests_per_minute)
+        if tokens_per_minute is not None:
+            limits["tokens_per_minute"] = str(tokens_per_minute)
+        self.service = MicroService(
+            bus,
+            name=MODEL_SERVICE_NAME,
+            version=__version__,
+            description="fleetbus model worker",
+            metadata={"fleetbus_prefix": bus.prefix, "worker_id": self.worker_id},
+            endpoints=[
+                EndpointInfo(
+                    name=self.name,
+                    subject=bus.subjects.model(self.name),
+                    queue_group=bus.subjects.model_queue(self.name),
+                    metadata={"model": model.name, **limits},
+                )
+            ],
+        )
+        self.calls = 0
+        """Model calls started."""
+        self.refused = 0
+        """Prompts answered ``overloaded`` without calling the model."""
+
+    @property
+    def requests_per_minute(self) -> int | None:
+        """The per-minute request limit."""
+        return self._budget.requests_per_minute
+
+    @property
+    def tokens_per_minute(self) -> int | None:
+        """The per-minute token limit."""
+        return self._budget.tokens_per_minute
+
+    @property
+    def running(self) -> int:
+        """Model calls in progress."""
+        return self._running
+
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        """Wait until the subscription and the service registration are live."""
+        async with asyncio.timeout(timeout):
+            await self._ready.wait()
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to drain and return (safe from a signal handler)."""
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Serve until :meth:`stop`; then finish in-flight calls and return.
+
+        Raises:
+            ConnectionClosedError: the bus closed.
+        """
+        loop_ready, service_ready = asyncio.Event(), asyncio.Event()
+        logger.info("model worker %s serving %s as %s", self.worker_id, self.model.name, self.name)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(
+                self.bus.serve(
+                    self.bus.subjects.model(self.name),
+                    self._handle,
+                    stop=self._stop,
+                    queue=self.bus.subjects.model_queue(self.name),
+                    limiter=asyncio.Semaphore(self.concurrency + _SPARE_HANDLERS),
+                    drain_timeout=self.drain_timeout,
+                    ready=loop_ready,
+                    component=self.worker_id,
+                )
+            )
+            tg.create_task(self.service.run(self._stop, ready=service_ready))
+            tg.create_task(self._announce_ready(loop_ready, service_ready))
+        logger.info(
+            "model worker %s stopped after %d call(s), %d refused",
+            self.worker_id,
+            self.calls,
+            self.refused,
+        )
+
+    async def _announce_ready(self, *events: asyncio.Event) -> None:
+        for event in events:
+            await event.wait()
+        self._ready.set()
+
+    async def _handle(self, request: Request) -> Message | None:
+        started = time.perf_counter_ns()
+        reply = await self._answer(request)
+        if reply is not None:
+            error = f"{reply.code}: {reply.message}" if isinstance(reply, ErrorMessage) else None
+            self.service.record(self.name, started, error)
+        return reply
+
+    async def _answer(self, request: Request) -> Message | None:
+        prompt = request.message
+        if not isinstance(prompt, LlmPrompt):
+            tag = type(prompt).__struct_config__.tag
+            return self._error(
+                prompt, "malformed", f"expected an 'llm_prompt' on {request.subject}, got {tag!r}"
+            )
+        if not request.reply:
+            # Nobody could read the answer: do not spend the model's budget on it.
+            logger.warning(
+                "llm_prompt on %s has no reply subject; not run",
+                request.subject,
+                extra={"call_id": prompt.call_id},
+            )
+            return None
+        if self._running >= self.concurrency:
+            self.refused += 1
+            return self._error(
+                prompt,
+                "overloaded",
+                f"model {self.name} is busy ({self._running} of {self.concurrency} calls "
+                "running); retry in a few seconds",
+            )
+        admitted = self._budget.admit(max(1, request.size // 4))
+        if isinstance(admitted, str):
+            self.refused += 1
+            return self._error(prompt, "overloaded", f"model {self.name}: {admitted}")
+        self._running += 1
+        self.calls += 1
+        try:
+            return await self._call(prompt, request.reply, admitted)
+        finally:
+            self._running -= 1
+
+    async def _call(self, prompt: LlmPrompt, reply: str, spent: _Spent) -> Message:
+        request = ModelRequest(
+            messages=list(prompt.messages),
+            tools=list(prompt.tools),
+            tool_choice=prompt.tool_choice,
+            options=dict(prompt.options),
+        )
+        final: ModelResponse | None = None
+        seq = 0
+        extra = {"call_id": prompt.call_id, "session_id": prompt.session_id}
+        try:
+            async with asyncio.timeout(self.call_timeout) as deadline:
+                async for item in self.model.stream(request):
+                    if isinstance(item, ModelResponse):
+                        final = item
+                    elif prompt.stream:
+                        await self._send_delta(prompt, reply, item, seq)
+                        seq += 1
+        except asyncio.CancelledError:
+            if self._stop.is_set():
+                # Draining ran out of time: answer so the caller retries elsewhere.
+                return self._error(
+                    prompt, "overloaded", f"model worker {self.worker_id} is shutting down"
+                )
+            raise
+        except ModelError as exc:
+            logger.warning("model %s failed: %s", self.model.name, exc, extra=extra)
+            code = "overloaded" if exc.retryable else "internal"
+            return self._error(prompt, code, f"model {self.model.name} failed: {exc}")
+        except TimeoutError as exc:
+            why = (
+                f"did not answer within {self.call_timeout:g} s"
+                if deadline.expired()
+                else f"timed out: {exc or type(exc).__name__}"
+            )
+            logger.warning("model %s %s", self.model.name, why, extra=extra)
+            return self._error(prompt, "timeout", f"model {self.model.name} {why}")
+        except ConnectionError as exc:
+            logger.warning("model %s unreachable: %s", self.model.name, exc, extra=extra)
+            return self._error(prompt, "overloaded", f"model {self.model.name} unreachable: {exc}")
+        except Exception as exc:  # a bug in the adapter must not take the worker down
+            logger.exception("model %s raised", self.model.name, extra=extra)
+            return self._error(
+                prompt,
+                "internal",
+                f"model {self.model.name} raised {type(exc).__name__}: {exc}",
+            )
+        if final is None:
+            return self._error(
+                prompt, "internal", f"model {self.model.name} ended its stream without a response"
+            )
+        if final.usage is not None:
+            spent.tokens = final.usage.input_tokens + final.usage.output_tokens
+        return LlmResponse(
+            sender=self.worker_id,
+            session_id=prompt.session_id,
+            call_id=prompt.call_id,
+            model=final.model or self.model.name,
+            thought=final.thinking or None,
+            content=list(final.content),
+            usage=final.usage,
+            finish_reason=final.finish_reason,
+        )
+
+    async def _send_delta(
+        self, prompt: LlmPrompt, reply: str, item: TextDelta | ThinkingDelta, seq: int
+    ) -> None:
+        if isinstance(item, TextDelta):
+            name, data = "text_delta", {"text": item.text}
+        else:
+            name, data = "thinking_delta", {"thinking": item.thinking}
+        event = Event(
+            sender=self.worker_id,
+            session_id=prompt.session_id,
+            call_id=prompt.call_id,
+            event=name,
+            data=data,
+            seq=seq,
+        )
+        try:
+            await self.bus.publish(reply, event)
+        except BusError as exc:
+            # The final response carries the whole answer; a lost delta is not fatal.
+            logger.warning("delta not sent: %s", exc, extra={"call_id": prompt.call_id})
+
+    def _error(self, about: Message, code: str, text: str) -> ErrorMessage:
+        return ErrorMessage(
+            sender=self.worker_id,
+            session_id=about.session_id,
+            call_id=about.call_id,
+            code=code,
+            message=text,
+            source_component=self.worker_id,
+        )
