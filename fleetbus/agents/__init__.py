@@ -2,6 +2,8 @@
 permissions, middleware, events, state — and agents on the bus: the agent
 service, sessions in JetStream, remote agents, group conversations."""
 
+from typing import TYPE_CHECKING, Any
+
 from fleetbus.agents._reply import FINISH_TOOL
 from fleetbus.agents.agent import Agent, ReplyInput
 from fleetbus.agents.bus_model import BusChatModel
@@ -35,6 +37,19 @@ from fleetbus.agents.sessions import SessionRecord, SessionStore
 from fleetbus.agents.state import AgentState, PendingCall, ReplyState
 from fleetbus.agents.tools import ToolSource
 
+if TYPE_CHECKING:
+    from fleetbus.agents.openai_model import OpenAIChatModel, OpenAIConfig
+
+
+def __getattr__(name: str) -> Any:
+    # The OpenAI adapter imports the openai SDK (~0.7 s): only when asked for.
+    if name in ("OpenAIChatModel", "OpenAIConfig"):
+        from fleetbus.agents import openai_model
+
+        return getattr(openai_model, name)
+    raise AttributeError(f"module 'fleetbus.agents' has no attribute {name!r}")
+
+
 __all__ = [
     "FINISH_TOOL",
     "Agent",
@@ -59,6 +74,8 @@ __all__ = [
     "ObjectStoreOffloader",
     "OfflineModel",
     "Offloader",
+    "OpenAIChatModel",
+    "OpenAIConfig",
     "Participant",
     "PendingCall",
     "PermissionRule",
