@@ -16,6 +16,7 @@ from rich.table import Table
 from fleetbus.agents.sessions import SessionStore
 from fleetbus.bus import Bus
 from fleetbus.cli._common import console
+from fleetbus.cli.demo_fleet import describe_model
 from fleetbus.cli.fleet import stream_reply
 from fleetbus.cli.render import ReplyPrinter
 from fleetbus.errors import FleetbusError
@@ -67,8 +68,7 @@ async def converse_with_fleet(bus: Bus, url: str, run_dir: Path) -> int:
             await _wait_for_agent(bus)
         console.print(
             f"agent [bold]{AGENT}[/]: 2 replica processes in queue group agent.{AGENT}, "
-            "sessions in JetStream KV; model: [bold]built-in offline model[/] "
-            "(deterministic, no network)"
+            f"sessions in JetStream KV; model: [bold]{describe_model()}[/]"
         )
         return await _conversation(bus)
     finally:

@@ -1,39 +1,22 @@
 """Multi-agent conversations: the hub lets the others hear a speaker,
-pipelines chain and fan out replies; a RemoteAgent builds the messages of
-the agent-inbox contract.
+pipelines chain and fan out replies.
 
-RemoteAgent against a served agent is tested with the server
-(integration); here a recording stand-in for the bus checks what it sends.
+RemoteAgent, and a hub mixing local and remote agents, are tested against a
+served agent on a real server: tests/integration/test_remote_agent.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest
 
 from fleetbus.agents import Agent, ModelRequest
 from fleetbus.agents.hub import MsgHub, fanout_pipeline, sequential_pipeline, to_agent_message
 from fleetbus.agents.model import ModelStreamItem
-from fleetbus.agents.remote import RemoteAgent
-from fleetbus.bus import Subjects
-from fleetbus.errors import CallTimeoutError, ConfigError, RemoteError, UnexpectedMessageError
-from fleetbus.protocol import (
-    AgentMessage,
-    AnyMessage,
-    Cancel,
-    ChatMessage,
-    ConfirmResult,
-    ContentBlock,
-    ErrorMessage,
-    Event,
-    ExternalResult,
-    FinalAnswer,
-    Message,
-    TextBlock,
-    UserRequest,
-)
+from fleetbus.errors import ConfigError
+from fleetbus.protocol import AgentMessage, ChatMessage, ContentBlock, FinalAnswer, TextBlock
 from fleetbus.testing import ScriptedModel
 
 
@@ -199,205 +182,3 @@ async def test_fanout_without_concurrency_replies_one_after_another() -> None:
     answers = await fanout_pipeline([a, b], "go", concurrent=False)
     assert [x.content for x in answers] == ["A", "B"]
     assert log == ["start ma", "end ma", "start mb", "end mb"]
-
-
-# --- RemoteAgent -----------------------------------------------------------
-
-
-Responder = Callable[[Message], AnyMessage]
-
-
-def contract(message: Message) -> AnyMessage:
-    """What the served agent answers, by the inbox contract."""
-    if isinstance(message, AgentMessage) and not message.reply:
-        return Event(sender="agent.writer", session_id=message.session_id, event="observed")
-    text = message.content if isinstance(message, UserRequest | AgentMessage) else "resumed"
-    return FinalAnswer(
-        sender="writer", session_id=message.session_id, call_id=message.call_id, content=str(text)
-    )
-
-
-class RecordingBus:
-    """Stands in for a Bus: records what is sent, answers with ``responder``."""
-
-    def __init__(self, responder: Responder = contract) -> None:
-        self.subjects = Subjects("fleet")
-        self.client_name = "tester"
-        self.responder = responder
-        self.requests: list[tuple[str, Message]] = []
-        self.published: list[tuple[str, Message]] = []
-        self.options: list[tuple[float, int]] = []
-
-    async def request(
-        self, subject: str, message: Message, *, timeout: float, attempts: int
-    ) -> AnyMessage:
-        self.requests.append((subject, message))
-        self.options.append((timeout, attempts))
-        return self.responder(message)
-
-    async def publish(self, subject: str, message: Message) -> None:
-        self.published.append((subject, message))
-
-    @property
-    def sent(self) -> list[Message]:
-        return [message for _, message in self.requests]
-
-
-async def test_replies_are_user_requests_to_the_inbox_in_one_session() -> None:
-    bus = RecordingBus()
-    writer = RemoteAgent(bus, "writer", timeout=12.5)
-    first = await writer.reply("Draft it.")
-    second = await writer.reply([TextBlock(text="Shorter.")])
-    assert first.content == "Draft it."
-    assert isinstance(second, FinalAnswer)
-    assert [subject for subject, _ in bus.requests] == ["fleet.agent.writer.inbox"] * 2
-    assert bus.options == [(12.5, 1), (12.5, 1)]
-    one, two = bus.sent
-    assert isinstance(one, UserRequest)
-    assert isinstance(two, UserRequest)
-    assert one.content == "Draft it."
-    assert two.content == [TextBlock(text="Shorter.")]
-    assert one.session_id == two.session_id == writer.session_id
-    assert one.call_id
-    assert two.call_id
-    assert one.call_id != two.call_id
-    assert one.sender == "tester"
-
-
-async def test_a_session_can_be_given_for_the_instance_or_one_call() -> None:
-    bus = RecordingBus()
-    writer = RemoteAgent(bus, "writer", session_id="s-1", sender="cli")
-    await writer.reply("a")
-    await writer.reply("b", session_id="s-2")
-    await writer.reply()
-    assert [m.session_id for m in bus.sent] == ["s-1", "s-2", "s-1"]
-    assert [m.sender for m in bus.sent] == ["cli"] * 3
-    empty = bus.sent[2]
-    assert isinstance(empty, UserRequest)
-    assert empty.content == []
-
-
-async def test_an_agent_message_is_sent_as_it_is_asking_for_a_reply() -> None:
-    bus = RecordingBus()
-    writer = RemoteAgent(bus, "writer", session_id="s-1")
-    original = AgentMessage(
-        sender="editor", name="editor", content=[TextBlock(text="Fix it.")], reply=False
-    )
-    await writer.reply(original)
-    (sent,) = bus.sent
-    assert isinstance(sent, AgentMessage)
-    assert sent.reply is True
-    assert (sent.sender, sent.name, sent.content) == ("editor", "editor", original.content)
-    assert sent.session_id == "s-1"
-    assert sent.call_id is not None
-
-
-async def test_an_error_reply_raises_remote_error() -> None:
-    def refuse(message: Message) -> AnyMessage:
-        return ErrorMessage(
-            code="overloaded",
-            message="too busy",
-            source_component="agent.writer",
-            call_id=message.call_id,
-        )
-
-    bus = RecordingBus(refuse)
-    writer = RemoteAgent(bus, "writer")
-    with pytest.raises(RemoteError, match="overloaded: too busy") as caught:
-        await writer.reply("hi")
-    assert caught.value.code == "overloaded"
-    assert caught.value.source_component == "agent.writer"
-    assert caught.value.call_id == bus.sent[0].call_id
-    with pytest.raises(RemoteError):
-        await writer.observe("noted?")
-
-
-async def test_a_reply_of_another_type_is_unexpected() -> None:
-    bus = RecordingBus(lambda m: Event(event="reply_start", session_id=m.session_id))
-    writer = RemoteAgent(bus, "writer")
-    with pytest.raises(UnexpectedMessageError, match="final_answer"):
-        await writer.reply("hi")
-    bus.responder = lambda m: FinalAnswer(content="not an ack")
-    with pytest.raises(UnexpectedMessageError, match="observed"):
-        await writer.observe("noted?")
-
-
-async def test_a_timeout_of_the_bus_goes_through() -> None:
-    def silent(message: Message) -> AnyMessage:
-        raise CallTimeoutError("no reply", subject="fleet.agent.writer.inbox")
-
-    with pytest.raises(CallTimeoutError):
-        await RemoteAgent(RecordingBus(silent), "writer").reply("hi")
-
-
-async def test_observed_messages_are_sent_one_by_one_without_a_reply() -> None:
-    bus = RecordingBus()
-    writer = RemoteAgent(bus, "writer", session_id="s-1")
-    asking = AgentMessage(sender="editor", name="editor", content=[TextBlock(text="b")])
-    await writer.observe("a")
-    await writer.observe([asking, "c"])
-    assert all(isinstance(m, AgentMessage) for m in bus.sent)
-    messages = [m for m in bus.sent if isinstance(m, AgentMessage)]
-    assert [m.content for m in messages] == [[TextBlock(text=t)] for t in "abc"]
-    assert [m.reply for m in messages] == [False] * 3
-    assert [m.sender for m in messages] == ["tester", "editor", "tester"]
-    assert {m.session_id for m in messages} == {"s-1"}
-    assert len({m.call_id for m in messages}) == 3
-
-
-async def test_cancel_is_published_on_the_control_subject() -> None:
-    bus = RecordingBus()
-    writer = RemoteAgent(bus, "writer", session_id="s-1")
-    await writer.cancel("changed my mind")
-    ((subject, message),) = bus.published
-    assert subject == "fleet.agent.writer.control"
-    assert isinstance(message, Cancel)
-    assert (message.session_id, message.reason) == ("s-1", "changed my mind")
-    assert bus.requests == []
-
-
-async def test_confirmations_and_external_results_resume_the_session() -> None:
-    bus = RecordingBus()
-    writer = RemoteAgent(bus, "writer", session_id="s-1")
-    resumed = await writer.confirm("c-7", allow=True, always=True)
-    assert resumed.content == "resumed"
-    await writer.external_result("c-8", {"rows": 3})
-    await writer.external_result("c-9", "disk full", status="error")
-    confirm, done, failed = bus.sent
-    assert isinstance(confirm, ConfirmResult)
-    assert [(c.call_id, c.confirmed, c.always) for c in confirm.confirmations] == [
-        ("c-7", True, True)
-    ]
-    assert isinstance(done, ExternalResult)
-    assert isinstance(failed, ExternalResult)
-    assert [(r.call_id, r.status, r.content) for r in done.results] == [
-        ("c-8", "success", {"rows": 3})
-    ]
-    (output,) = failed.results
-    assert (output.call_id, output.status, output.content) == ("c-9", "error", None)
-    assert output.error_detail is not None
-    assert (output.error_detail.code, output.error_detail.message) == ("tool_error", "disk full")
-    assert {m.session_id for m in bus.sent} == {"s-1"}
-    assert [s for s, _ in bus.requests] == ["fleet.agent.writer.inbox"] * 3
-
-
-def test_an_agent_name_that_is_no_subject_token_is_refused() -> None:
-    with pytest.raises(ConfigError, match="invalid agent name"):
-        RemoteAgent(RecordingBus(), "two words")
-
-
-async def test_a_remote_agent_takes_part_in_a_hub() -> None:
-    bus = RecordingBus()
-    remote = RemoteAgent(bus, "writer", session_id="s-1")
-    (local, _) = agent("host", "Welcome, writer.")
-    async with MsgHub([local, remote], announcement="Start.") as hub:
-        await hub.speak(local)
-        answer = await hub.speak(remote, "Say hi.")
-    assert answer.content == "Say hi."
-    heard = [m for m in bus.sent if isinstance(m, AgentMessage)]
-    assert [(m.name, m.content, m.reply) for m in heard] == [
-        ("", [TextBlock(text="Start.")], False),
-        ("host", [TextBlock(text="Welcome, writer.")], False),
-    ]
-    assert local.memory[-1].name == "writer"
-    assert local.memory[-1].text == "Say hi."
