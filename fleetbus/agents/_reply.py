@@ -630,6 +630,7 @@ class ReplyRun:
             for p in self.reply.pending
         }
         results: dict[str, ToolResultBlock] = {}
+        matched = False
         if isinstance(resume, ConfirmResult):
             for decision in resume.confirmations:
                 waiting = pending.get(decision.call_id)
@@ -638,6 +639,7 @@ class ReplyRun:
                         "%s: nothing waits to confirm %s", self.agent.name, decision.call_id
                     )
                     continue
+                matched = True
                 if decision.always:
                     self._remember_decision(waiting, decision.confirmed)
                 del pending[decision.call_id]
@@ -656,6 +658,7 @@ class ReplyRun:
                 if waiting is None or waiting.kind != "external":
                     logger.warning("%s: no external call %s waits", self.agent.name, output.call_id)
                     continue
+                matched = True
                 del pending[output.call_id]
                 use = uses[output.call_id]
                 if output.status == "success":
@@ -666,8 +669,8 @@ class ReplyRun:
                     results[use.id] = _result(use, output.status, text)
         self.reply.pending = list(pending.values())
         if not results and self.reply.pending:
-            # Nothing matched: still paused, on the same calls.
-            logger.warning("%s: the resume message matched no pending call", self.agent.name)
+            if not matched:
+                logger.warning("%s: the resume message matched no pending call", self.agent.name)
             return self._pause(self.reply.pending)
         ordered = [uses[c] for c in uses if c in results]
         ended = self._record(ordered, results)

@@ -361,11 +361,13 @@ class Agent:
         state = self._state
         if isinstance(inputs, ConfirmResult | ExternalResult):
             if state.reply is None or not state.reply.pending:
-                what = "confirmation" if isinstance(inputs, ConfirmResult) else "external result"
+                what = (
+                    "a confirmation" if isinstance(inputs, ConfirmResult) else "an external result"
+                )
                 return FinalAnswer(
                     sender=self.name,
                     session_id=session_id or inputs.session_id,
-                    content=f"Nothing is waiting for a {what}.",
+                    content=f"Nothing is waiting for {what}.",
                     finished_reason="error",
                 )
             return state.reply, inputs

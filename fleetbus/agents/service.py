@@ -64,17 +64,10 @@ from fleetbus.protocol import (
     to_builtins,
 )
 
-__all__ = ["AGENT_TOOL_SCHEMA", "AgentService"]
+__all__ = ["AgentService"]
 
 logger = logging.getLogger(__name__)
 
-AGENT_TOOL_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"request": {"type": "string", "description": "What to ask the agent."}},
-    "required": ["request"],
-    "additionalProperties": False,
-}
-"""The parameters of an agent called as a tool."""
 
 _STATUS: dict[str, SessionStatus] = {
     "completed": "done",
@@ -329,6 +322,10 @@ class AgentService:
 
     async def _observe(self, message: AgentMessage) -> Message:
         session = message.session_id or "main"
+        try:
+            check_name(session, what="session id")
+        except InvalidSubjectError as exc:
+            return self._error(message, "malformed", str(exc))
         assert self.store is not None
         async with self._session_lock(session):
             try:

@@ -21,7 +21,7 @@ from nats.aio.subscription import Subscription
 from fleetbus.errors import BusError, ConnectionClosedError, PayloadTooLargeError, ProtocolError
 from fleetbus.protocol import AnyMessage, ErrorMessage, Message, decode, encode
 
-__all__ = ["Handler", "Request", "ServeLoop"]
+__all__ = ["Handler", "Request", "ServeLoop", "settle"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,17 @@ class Request:
 
 Handler = Callable[[Request], Awaitable[Message | None]]
 """Handles a request; the message it returns (if any) is the reply."""
+
+
+async def settle(nc: NATS, timeout: float = 5.0) -> None:
+    """Wait until the server has every subscription made so far.
+
+    nats-py writes a flush's PING straight to the socket, ahead of commands
+    still in its buffer (a SUB just made), so one round trip can end before
+    the server has the subscription; the second PING follows them.
+    """
+    await nc.flush(timeout=timeout)  # type: ignore[arg-type]
+    await nc.flush(timeout=timeout)  # type: ignore[arg-type]
 
 
 class ServeLoop:
@@ -88,7 +99,7 @@ class ServeLoop:
         """Serve until ``stop`` is set, then drain (see :meth:`Bus.serve`)."""
         try:
             sub = await self._nc.subscribe(self._subject, queue=queue or "", cb=self._dispatch)
-            await self._nc.flush(timeout=5)
+            await settle(self._nc)
         except nats.errors.ConnectionClosedError as exc:
             raise ConnectionClosedError(f"cannot serve {self._subject}: connection closed") from exc
         except (nats.errors.Error, TimeoutError) as exc:

@@ -21,7 +21,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
-from fleetbus.bus._serve import Handler, Request, ServeLoop
+from fleetbus.bus._serve import Handler, Request, ServeLoop, settle
 from fleetbus.bus.settings import ConnectOptions
 from fleetbus.bus.subjects import Subjects
 from fleetbus.errors import (
@@ -358,7 +358,7 @@ class Bus:
         """
         self._check_open()
         try:
-            await self._nc.flush(timeout=timeout)  # type: ignore[arg-type]
+            await settle(self._nc, timeout)
         except nats.errors.TimeoutError as exc:
             raise CallTimeoutError("flush timed out", subject="") from exc
         except nats.errors.Error as exc:

@@ -24,6 +24,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.nuid import NUID
 
+from fleetbus.bus._serve import settle
 from fleetbus.bus.connection import Bus
 from fleetbus.errors import BusError, ConnectionClosedError
 
@@ -180,7 +181,7 @@ class MicroService:
                     f"$SRV.{verb}.{self.name}.{self.id}",
                 ):
                     subs.append(await nc.subscribe(subject))
-            await nc.flush(timeout=5)
+            await settle(nc)
         except (nats.errors.Error, TimeoutError) as exc:
             raise ConnectionClosedError(f"cannot register service {self.name}: {exc}") from exc
         if ready is not None:

@@ -96,8 +96,12 @@ class ToolClient:
         session_id: str | None = None,
         timeout: float | None = None,
         attempts: int | None = None,
+        agent: bool = False,
     ) -> ToolResult:
         """Call a tool and return its ``tool_result``.
+
+        With ``agent=True`` the "tool" is an agent: the call goes to its inbox
+        (``<prefix>.agent.<tool_name>.inbox``) with ``{"request": "…"}``.
 
         ``timeout`` is how long the tool may run (sent with the call); when
         ``None`` the worker applies the tool's own timeout, or its default,
@@ -126,8 +130,9 @@ class ToolClient:
             parameters=parameters or {},
             timeout=timeout,
         )
+        subjects = self._bus.subjects
         reply = await self._bus.request(
-            self._bus.subjects.tool(tool_name),
+            subjects.agent_inbox(tool_name) if agent else subjects.tool(tool_name),
             call,
             timeout=(self.timeout if timeout is None else timeout) + self.reply_grace,
             attempts=self.attempts if attempts is None else attempts,

@@ -171,6 +171,8 @@ class _Watcher:
         return True
 
     def receive(self, msg: _Msg) -> None:
+        if msg.subject.startswith("$"):
+            return  # JetStream or service traffic delivered to an inbox ($KV.…, $JS.…)
         inbox = msg.subject.startswith("_INBOX.")
         if inbox and msg.subject not in self.replies:
             return  # a reply to someone else's request: another fleet, discovery, JetStream

@@ -20,6 +20,7 @@ from fleetbus.protocol.content import (
     ToolUseBlock,
 )
 from fleetbus.protocol.messages import (
+    AGENT_TOOL_PARAMETERS,
     ERROR_CODES,
     FINISHED_REASONS,
     PROTOCOL_VERSION,
@@ -52,6 +53,7 @@ from fleetbus.protocol.messages import (
 from fleetbus.protocol.schema import message_schemas, render_schemas
 
 __all__ = [
+    "AGENT_TOOL_PARAMETERS",
     "ERROR_CODES",
     "FINISHED_REASONS",
     "MESSAGE_TYPES",

@@ -16,6 +16,7 @@ import msgspec
 from fleetbus.protocol.content import ContentBlock
 
 __all__ = [
+    "AGENT_TOOL_PARAMETERS",
     "ERROR_CODES",
     "FINISHED_REASONS",
     "PROTOCOL_VERSION",
@@ -71,6 +72,16 @@ FinishedReason = Literal[
     "completed", "exceed_max_iters", "repeated_action", "paused", "interrupted", "error"
 ]
 FINISHED_REASONS: tuple[str, ...] = get_args(FinishedReason)
+
+
+AGENT_TOOL_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"request": {"type": "string", "description": "What to ask the agent."}},
+    "required": ["request"],
+    "additionalProperties": False,
+}
+"""JSON Schema of a ``tool_call``'s parameters when the tool is an agent
+(the call goes to the agent's inbox)."""
 
 
 def new_id() -> str:

@@ -5,13 +5,14 @@ name and group; :class:`ToolWorker` serves a toolkit on the bus. The built-in
 tools are in :mod:`fleetbus.tools_workers.builtin`.
 """
 
-from fleetbus.tools_workers.remote import RemoteToolProxy
+from fleetbus.tools_workers.remote import AgentTool, RemoteToolProxy
 from fleetbus.tools_workers.tool import DEFAULT_GROUP, Tool, ToolOutcome, tool
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike, load_toolkit
 from fleetbus.tools_workers.worker import ToolWorker
 
 __all__ = [
     "DEFAULT_GROUP",
+    "AgentTool",
     "RemoteToolProxy",
     "Tool",
     "ToolLike",

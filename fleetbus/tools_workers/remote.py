@@ -6,10 +6,10 @@ from typing import Any
 
 from fleetbus.bus import RemoteTool, ToolClient
 from fleetbus.errors import BusError, FleetbusError
-from fleetbus.protocol import ToolSpec
+from fleetbus.protocol import AGENT_TOOL_PARAMETERS, ToolSpec
 from fleetbus.tools_workers.tool import ToolOutcome
 
-__all__ = ["RemoteToolProxy"]
+__all__ = ["AgentTool", "RemoteToolProxy"]
 
 
 class RemoteToolProxy:
@@ -71,6 +71,80 @@ class RemoteToolProxy:
                 return ToolOutcome.failure("timeout", "timeout", message)
             return ToolOutcome.failure("error", "tool_error", message)
         except FleetbusError as exc:  # a reply that is not a valid tool_result
+            return ToolOutcome.failure("error", "tool_error", f"{self.name}: {exc}")
+        return ToolOutcome(
+            status=result.status, content=result.content, error_detail=result.error_detail
+        )
+
+
+class AgentTool:
+    """Another agent, served on the bus, used as a tool.
+
+    The call is a ``tool_call`` with ``{"request": "…"}`` sent to the agent's
+    inbox; the agent runs a reply in a session of that call and answers a
+    ``tool_result`` with its final answer. A retry of the call (same
+    ``call_id``) is answered from that session instead of replying again.
+
+    Args:
+        client: the client that calls it (its ``sender`` identifies the caller).
+        agent_name: the agent to ask.
+        description: what to tell the model about the agent.
+        timeout: seconds the agent may take to answer.
+    """
+
+    def __init__(
+        self,
+        client: ToolClient,
+        agent_name: str,
+        *,
+        description: str = "",
+        timeout: float = 300.0,
+        group: str = "agents",
+    ) -> None:
+        self.client = client
+        self.name = agent_name
+        self.description = description or f"Ask the agent {agent_name!r}; it answers in text."
+        self.parameters: dict[str, Any] = AGENT_TOOL_PARAMETERS
+        self.timeout: float | None = timeout
+        self.concurrency_safe = True
+        self.external = False
+        self.group = group
+
+    def __repr__(self) -> str:
+        return f"AgentTool({self.name!r})"
+
+    def spec(self) -> ToolSpec:
+        """The agent as a tool offered to a model."""
+        return ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
+
+    async def run(
+        self,
+        parameters: Any,
+        *,
+        timeout: float | None = None,
+        call_id: str | None = None,
+        session_id: str | None = None,
+    ) -> ToolOutcome:
+        """Ask the agent and say how it ended; never raises for what happens to the call."""
+        request = parameters.get("request") if isinstance(parameters, dict) else None
+        if not isinstance(request, str) or not request.strip():
+            return ToolOutcome.failure(
+                "error", "invalid_parameters", "'request' must be a non-empty string"
+            )
+        try:
+            result = await self.client.call(
+                self.name,
+                {"request": request},
+                call_id=call_id,
+                timeout=timeout if timeout is not None else self.timeout,
+                agent=True,
+            )
+        except BusError as exc:
+            message = f"the agent {self.name} could not be asked: {exc}"
+            if isinstance(exc, TimeoutError):
+                return ToolOutcome.failure("timeout", "timeout", message)
+            return ToolOutcome.failure("error", "tool_error", message)
+        except FleetbusError as exc:
             return ToolOutcome.failure("error", "tool_error", f"{self.name}: {exc}")
         return ToolOutcome(
             status=result.status, content=result.content, error_detail=result.error_detail

@@ -3,6 +3,7 @@ local ones: discovered into its Toolkit, called with the tool call's id."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -90,3 +91,30 @@ async def test_a_remote_tool_whose_workers_are_gone_is_an_error_result(
 async def test_adding_a_tool_nobody_serves_is_refused(bus: Bus) -> None:
     with pytest.raises(UnknownToolError, match="unknown tool 'ghost'"):
         await Toolkit().add_remote(ToolClient(bus), ["ghost"], timeout=0.2)
+
+
+async def test_an_agent_calls_another_agent_as_a_tool(bus: Bus) -> None:
+    from fleetbus.agents import AgentService
+    from fleetbus.tools_workers import AgentTool
+    from tests.integration.agent_specs import echo
+
+    service = AgentService(bus, echo(), replica_id="echo-1")
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(service.run())
+        await service.wait_ready()
+        toolkit = Toolkit([AgentTool(ToolClient(bus, sender="agent.boss"), "echo")])
+        model = ScriptedModel(
+            [
+                ScriptedModel.call("echo", {"request": "brief me"}, call_id="a1"),
+                ScriptedModel.text("ok"),
+            ]
+        )
+        boss = Agent("boss", "", model, toolkit=toolkit)
+        final = await boss.reply("go")
+        service.stop()
+    assert final.content == "ok"
+    assert model.requests[0].tools[0].parameters["required"] == ["request"]
+    result = model.requests[1].messages[-1].content[0]
+    assert isinstance(result, ToolResultBlock)
+    assert result.state == "success"
+    assert str(result.output).startswith("echo brief me from")

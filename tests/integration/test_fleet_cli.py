@@ -17,8 +17,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
-
 from fleetbus.agents.sessions import SessionStore
 from fleetbus.bus import Bus, EmbeddedServer
 from fleetbus.protocol import AgentMessage, Event, FinalAnswer, TextBlock, UserRequest, decode
@@ -381,12 +379,6 @@ async def test_mistakes_are_one_clear_line(nats_server: EmbeddedServer, prefix: 
         assert len(out.strip().splitlines()) <= 2, (args, out)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="watch.py _Watcher.receive: JetStream deliveries to another client's _INBOX "
-    "arrive on the watch's _INBOX.> subscription with their $KV subject, are taken for "
-    "fleet traffic and counted as undecodable",
-)
 async def test_watch_counts_no_undecodable_message_when_sessions_are_listed(
     nats_server: EmbeddedServer, bus: Bus
 ) -> None:

@@ -1,0 +1,63 @@
+"""Agents for `fleetbus agent` from module:factory specs and TOML files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fleetbus.agents import OfflineModel
+from fleetbus.cli.fleet import load_agents
+from fleetbus.errors import ConfigError
+
+
+def test_a_toml_file_defines_agents(tmp_path: Path) -> None:
+    spec = tmp_path / "agents.toml"
+    spec.write_text(
+        """
+[agent.assistant]
+system_prompt = "You help."
+tools = ["fleetbus.tools_workers.builtin"]
+ask = ["write_file"]
+max_iters = 4
+
+[agent.listener]
+plan = true
+"""
+    )
+    assistant, listener = load_agents(str(spec))
+    assert (assistant.name, assistant.system_prompt, assistant.max_iters) == (
+        "assistant",
+        "You help.",
+        4,
+    )
+    assert isinstance(assistant.model, OfflineModel)
+    assert assistant.toolkit is not None
+    assert "calculator" in assistant.toolkit
+    assert [str(r) for r in assistant.state.permissions.rules] == ["write_file"]
+    assert listener.state.plan is not None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[nothing]\n", r"has no \[agent.NAME\] table"),
+        ('[agent."bad name"]\n', "invalid agent name"),
+        ('[agent.a]\nmodel = "no.such:model"\n', "cannot load the model"),
+        ("not toml = = =\n", "cannot read"),
+    ],
+)
+def test_bad_toml_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    spec = tmp_path / "agents.toml"
+    spec.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_agents(str(spec))
+
+
+def test_module_specs() -> None:
+    (agent,) = load_agents("fleetbus.cli.demo_fleet:agents")
+    assert agent.name == "assistant"
+    with pytest.raises(ConfigError, match="cannot import"):
+        load_agents("no_such_module:agents")
+    with pytest.raises(ConfigError, match="is not an Agent"):
+        load_agents("fleetbus.cli.demo_fleet:SYSTEM_PROMPT")
