@@ -51,7 +51,15 @@ from fleetbus.agents.model import (
 )
 from fleetbus.bus import Bus, EndpointInfo, MicroService, Request, check_name
 from fleetbus.errors import BusError, ConfigError
-from fleetbus.protocol import ErrorMessage, Event, LlmPrompt, LlmResponse, Message
+from fleetbus.protocol import (
+    ErrorCode,
+    ErrorMessage,
+    Event,
+    LlmPrompt,
+    LlmResponse,
+    Message,
+    error_reply,
+)
 
 __all__ = ["MODEL_SERVICE_NAME", "ModelWorker"]
 
@@ -327,7 +335,7 @@ class ModelWorker:
             raise
         except ModelError as exc:
             logger.warning("model %s failed: %s", self.model.name, exc, extra=extra)
-            code = "overloaded" if exc.retryable else "internal"
+            code: ErrorCode = "overloaded" if exc.retryable else "internal"
             return self._error(prompt, code, f"model {self.model.name} failed: {exc}")
         except TimeoutError as exc:
             why = (
@@ -385,12 +393,5 @@ class ModelWorker:
             # The final response carries the whole answer; a lost delta is not fatal.
             logger.warning("delta not sent: %s", exc, extra={"call_id": prompt.call_id})
 
-    def _error(self, about: Message, code: str, text: str) -> ErrorMessage:
-        return ErrorMessage(
-            sender=self.worker_id,
-            session_id=about.session_id,
-            call_id=about.call_id,
-            code=code,
-            message=text,
-            source_component=self.worker_id,
-        )
+    def _error(self, about: Message, code: ErrorCode, text: str) -> ErrorMessage:
+        return error_reply(about, code, text, source=self.worker_id)

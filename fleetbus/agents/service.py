@@ -51,6 +51,7 @@ from fleetbus.protocol import (
     AnyMessage,
     Cancel,
     ConfirmResult,
+    ErrorCode,
     ErrorDetail,
     ErrorMessage,
     Event,
@@ -60,6 +61,7 @@ from fleetbus.protocol import (
     ToolCall,
     ToolResult,
     UserRequest,
+    error_reply,
     new_id,
     to_builtins,
 )
@@ -450,15 +452,8 @@ class AgentService:
                 # The original requester may still wait on its inbox.
                 await self._publish(reply_to, final)
 
-    def _error(self, about: AnyMessage, code: str, text: str) -> ErrorMessage:
-        return ErrorMessage(
-            sender=self.replica_id,
-            session_id=about.session_id,
-            call_id=about.call_id,
-            code=code,
-            message=text,
-            source_component=self.replica_id,
-        )
+    def _error(self, about: AnyMessage, code: ErrorCode, text: str) -> ErrorMessage:
+        return error_reply(about, code, text, source=self.replica_id)
 
 
 def _text_blocks(text: str) -> list[Any]:

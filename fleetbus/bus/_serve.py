@@ -19,7 +19,15 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from fleetbus.errors import BusError, ConnectionClosedError, PayloadTooLargeError, ProtocolError
-from fleetbus.protocol import AnyMessage, ErrorMessage, Message, decode, encode
+from fleetbus.protocol import (
+    AnyMessage,
+    ErrorCode,
+    ErrorMessage,
+    Message,
+    decode,
+    encode,
+    error_reply,
+)
 
 __all__ = ["Handler", "Request", "ServeLoop", "settle"]
 
@@ -189,7 +197,7 @@ class ServeLoop:
             logger.warning(
                 "bad request on %s: %s", msg.subject, exc, extra={"call_id": exc.call_id}
             )
-            return ErrorMessage(
+            return ErrorMessage(  # the request did not decode: its ids come from the error
                 sender=self._source,
                 session_id=exc.session_id,
                 call_id=exc.call_id,
@@ -209,12 +217,5 @@ class ServeLoop:
             )
             return self._error(message, "internal", f"internal error: {type(exc).__name__}: {exc}")
 
-    def _error(self, about: Message, code: str, text: str) -> ErrorMessage:
-        return ErrorMessage(
-            sender=self._source,
-            session_id=about.session_id,
-            call_id=about.call_id,
-            code=code,
-            message=text,
-            source_component=self._source,
-        )
+    def _error(self, about: Message, code: ErrorCode, text: str) -> ErrorMessage:
+        return error_reply(about, code, text, source=self._source)

@@ -47,6 +47,7 @@ from fleetbus.protocol.messages import (
     ToolStatus,
     Usage,
     UserRequest,
+    error_reply,
     new_id,
     utc_now,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "decode",
     "decode_as",
     "encode",
+    "error_reply",
     "message_schemas",
     "new_id",
     "render_schemas",

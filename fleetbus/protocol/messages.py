@@ -43,6 +43,7 @@ __all__ = [
     "ToolStatus",
     "Usage",
     "UserRequest",
+    "error_reply",
     "new_id",
     "utc_now",
 ]
@@ -227,6 +228,19 @@ class ErrorMessage(Message, frozen=True, kw_only=True, tag="error"):
     message: str
     source_component: str = ""
     """Who could not handle it (``worker.calc-1``, ``agent.planner``…)."""
+
+
+def error_reply(about: Message | None, code: ErrorCode, text: str, *, source: str) -> ErrorMessage:
+    """The ``error`` message answering ``about`` (its session and call ids),
+    sent and signed by ``source``."""
+    return ErrorMessage(
+        sender=source,
+        session_id=about.session_id if about is not None else None,
+        call_id=about.call_id if about is not None else None,
+        code=code,
+        message=text,
+        source_component=source,
+    )
 
 
 class AgentMessage(Message, frozen=True, kw_only=True, tag="agent_message"):

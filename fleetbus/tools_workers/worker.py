@@ -29,7 +29,7 @@ from collections import OrderedDict
 
 from fleetbus._version import __version__
 from fleetbus.bus import SERVICE_NAME, Bus, EndpointInfo, Handler, MicroService, Request
-from fleetbus.protocol import ErrorMessage, Message, ToolCall, ToolResult
+from fleetbus.protocol import ErrorMessage, Message, ToolCall, ToolResult, error_reply
 from fleetbus.tools_workers.tool import ToolOutcome
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike
 
@@ -178,14 +178,17 @@ class ToolWorker:
     async def _answer(self, served: ToolLike, request: Request) -> Message:
         call = request.message
         if not isinstance(call, ToolCall):
-            return self._error(
-                call.call_id,
-                call.session_id,
+            return error_reply(
+                call,
+                "malformed",
                 f"expected a 'tool_call' message on {request.subject}, "
                 f"got {type(call).__struct_config__.tag!r}",
+                source=self.worker_id,
             )
         if not call.call_id:
-            return self._error(None, call.session_id, "a tool_call needs a call_id")
+            return error_reply(
+                call, "malformed", "a tool_call needs a call_id", source=self.worker_id
+            )
         if call.tool_name != served.name:
             return self._result(
                 call,
@@ -266,16 +269,6 @@ class ToolWorker:
             status=outcome.status,
             content=outcome.content,
             error_detail=outcome.error_detail,
-        )
-
-    def _error(self, call_id: str | None, session_id: str | None, message: str) -> ErrorMessage:
-        return ErrorMessage(
-            sender=self.worker_id,
-            session_id=session_id,
-            call_id=call_id,
-            code="malformed",
-            message=message,
-            source_component=self.worker_id,
         )
 
     def _recorded(self, key: tuple[str, str, str]) -> ToolResult | None:
