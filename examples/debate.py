@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import signal
 import sys
 import threading
@@ -36,7 +35,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fleetbus import Agent, AgentService, Bus, EmbeddedServer, MsgHub, RemoteAgent
-from fleetbus.agents import OfflineModel, Participant
+from fleetbus.agents import Participant, default_model, describe_default_model
 from fleetbus.protocol import AgentMessage, ContentBlock, TextBlock
 
 DEFAULT_TOPIC = "AI assistants will make software engineers more productive"
@@ -67,18 +66,12 @@ def system_prompts(topic: str) -> dict[str, str]:
 
 def build_agent(name: str, topic: str) -> Agent:
     """One debater, reasoning with the offline model."""
-    return Agent(name, system_prompts(topic)[name], OfflineModel(), max_iters=3)
+    return Agent(name, system_prompts(topic)[name], default_model(), max_iters=3)
 
 
 def model_note() -> None:
-    """Say which model answers (the offline one, whatever the environment has)."""
-    if os.environ.get("OPENAI_API_KEY"):
-        console.print(
-            "[yellow]OPENAI_API_KEY is set, but the OpenAI adapter comes with a later "
-            "release; this example uses the offline model.[/]"
-        )
-    else:
-        console.print("[dim]model: the offline model (deterministic, no network)[/]")
+    """Say which model answers."""
+    console.print(f"[dim]model: {describe_default_model()}[/]")
 
 
 def text_of(content: str | list[ContentBlock]) -> str:

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import re
 import sys
 import tempfile
@@ -50,7 +49,7 @@ from fleetbus import (
     Toolkit,
     ToolWorker,
 )
-from fleetbus.agents import OfflineModel, SessionStore
+from fleetbus.agents import SessionStore, default_model, describe_default_model
 from fleetbus.protocol import ContentBlock, FinalAnswer, TextBlock
 from fleetbus.tools_workers.builtin import builtin_toolkit
 
@@ -125,14 +124,8 @@ def text_of(content: str | list[ContentBlock]) -> str:
 
 
 def model_note() -> None:
-    """Say which model answers (the offline one, whatever the environment has)."""
-    if os.environ.get("OPENAI_API_KEY"):
-        console.print(
-            "[yellow]OPENAI_API_KEY is set, but the OpenAI adapter comes with a later "
-            "release; this example uses the offline model.[/]"
-        )
-    else:
-        console.print("[dim]model: the offline model (deterministic, no network)[/]")
+    """Say which model answers."""
+    console.print(f"[dim]model: {describe_default_model()}[/]")
 
 
 # -- the fleet ----------------------------------------------------------------------------
@@ -155,7 +148,7 @@ async def fleet(bus: Bus, files_root: Path) -> AsyncIterator[None]:
                     ask=["write_file"] if name == "clerk" else []
                 )
                 agent = Agent(
-                    name, prompt, OfflineModel(), toolkit=toolkit, permissions=permissions
+                    name, prompt, default_model(), toolkit=toolkit, permissions=permissions
                 )
                 services.append(AgentService(bus, agent, drain_timeout=5.0))
                 group.create_task(services[-1].run())

@@ -14,6 +14,7 @@ from fleetbus.agents.compression import (
     Summary,
     TokenCounter,
 )
+from fleetbus.agents.defaults import default_model, describe_default_model
 from fleetbus.agents.hub import MsgHub, Participant, fanout_pipeline, sequential_pipeline
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import BudgetLimit, Middleware, ReplyContext, StepLogger, StopReply
@@ -96,6 +97,8 @@ __all__ = [
     "ThinkingDelta",
     "TokenCounter",
     "ToolSource",
+    "default_model",
+    "describe_default_model",
     "fanout_pipeline",
     "sequential_pipeline",
 ]
