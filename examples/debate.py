@@ -14,9 +14,11 @@ process::
     python examples/debate.py --local
     python examples/debate.py --processes
 
-The agents reason with the built-in offline model: deterministic, no network,
-no API key. It argues the stance its system prompt gives it ("You argue that
-…") and answers the last speaker by name.
+The agents reason with the configured OpenAI-compatible model
+(``FLEETBUS_MODEL`` with ``OPENAI_API_KEY`` or ``OPENAI_BASE_URL``), else with
+the built-in offline model: deterministic, no network, no API key, which
+argues the stance its system prompt gives it ("You argue that …") and answers
+the last speaker by name.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def system_prompts(topic: str) -> dict[str, str]:
 
 
 def build_agent(name: str, topic: str) -> Agent:
-    """One debater, reasoning with the offline model."""
+    """One debater, reasoning with the default model (see the module docstring)."""
     return Agent(name, system_prompts(topic)[name], default_model(), max_iters=3)
 
 

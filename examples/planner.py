@@ -17,8 +17,9 @@ clerk's paused file write, and prints the merged report::
     python examples/planner.py
     python examples/planner.py "What is 2**10, and what time is it in Lisbon?"
 
-The agents reason with the built-in offline model: deterministic, no network,
-no API key.
+The agents reason with the configured OpenAI-compatible model
+(``FLEETBUS_MODEL`` with ``OPENAI_API_KEY`` or ``OPENAI_BASE_URL``), else with
+the built-in offline model: deterministic, no network, no API key.
 """
 
 from __future__ import annotations
