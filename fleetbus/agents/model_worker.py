@@ -49,7 +49,7 @@ from fleetbus.agents.model import (
     TextDelta,
     ThinkingDelta,
 )
-from fleetbus.bus import Bus, EndpointInfo, MicroService, Request, check_name
+from fleetbus.bus import Bus, EndpointInfo, Lifecycle, MicroService, Request, check_name
 from fleetbus.errors import BusError, ConfigError
 from fleetbus.protocol import (
     ErrorCode,
@@ -129,7 +129,7 @@ def _secs(seconds: float) -> str:
     return f"{max(1, round(seconds))} s"
 
 
-class ModelWorker:
+class ModelWorker(Lifecycle):
     """Serves one model on the bus, within its concurrency and rate limits.
 
     Args:
@@ -180,8 +180,7 @@ class ModelWorker:
         self.call_timeout = call_timeout
         self._budget = _Budget(requests_per_minute, tokens_per_minute)
         self._running = 0
-        self._stop = asyncio.Event()
-        self._ready = asyncio.Event()
+        super().__init__()
         limits = {"concurrency": str(concurrency)}
         if requests_per_minute is not None:
             limits["requests_per_minute"] = str(requests_per_minute)
@@ -222,15 +221,6 @@ class ModelWorker:
         """Model calls in progress."""
         return self._running
 
-    async def wait_ready(self, timeout: float = 10.0) -> None:
-        """Wait until the subscription and the service registration are live."""
-        async with asyncio.timeout(timeout):
-            await self._ready.wait()
-
-    def stop(self) -> None:
-        """Ask :meth:`run` to drain and return (safe from a signal handler)."""
-        self._stop.set()
-
     async def run(self) -> None:
         """Serve until :meth:`stop`; then finish in-flight calls and return.
 
@@ -260,11 +250,6 @@ class ModelWorker:
             self.calls,
             self.refused,
         )
-
-    async def _announce_ready(self, *events: asyncio.Event) -> None:
-        for event in events:
-            await event.wait()
-        self._ready.set()
 
     async def _handle(self, request: Request) -> Message | None:
         started = time.perf_counter_ns()

@@ -37,7 +37,7 @@ from typing import Any
 from fleetbus.agents.agent import Agent
 from fleetbus.agents.sessions import Lease, SessionStatus, SessionStore
 from fleetbus.agents.state import AgentState
-from fleetbus.bus import Bus, Request
+from fleetbus.bus import Bus, Lifecycle, Request
 from fleetbus.bus.subjects import check_name
 from fleetbus.errors import (
     BusError,
@@ -81,7 +81,7 @@ _STATUS: dict[str, SessionStatus] = {
 }
 
 
-class AgentService:
+class AgentService(Lifecycle):
     """Serves one agent on the bus.
 
     Args:
@@ -123,22 +123,12 @@ class AgentService:
         self.recover_interval = recover_interval
         self.drain_timeout = drain_timeout
         self.store: SessionStore | None = None
-        self._stop = asyncio.Event()
-        self._ready = asyncio.Event()
+        super().__init__()
         self._running: dict[str, Agent] = {}
         # One reply at a time per session in this replica; the lease does the
         # same across replicas.
         self._session_locks: dict[str, asyncio.Lock] = {}
         self._lock_users: dict[str, int] = {}
-
-    def stop(self) -> None:
-        """Stop taking messages, finish the replies running, then return from run()."""
-        self._stop.set()
-
-    async def wait_ready(self, timeout: float = 10.0) -> None:
-        """Wait until the inbox and control subscriptions are live."""
-        async with asyncio.timeout(timeout):
-            await self._ready.wait()
 
     async def run(self) -> None:
         """Serve until :meth:`stop`.

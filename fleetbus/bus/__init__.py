@@ -6,6 +6,7 @@ The only package that imports ``nats``.
 """
 
 from fleetbus.bus.connection import Bus, Handler, Observation, Request
+from fleetbus.bus.lifecycle import Lifecycle
 from fleetbus.bus.micro import EndpointInfo, EndpointStats, MicroService, ServiceInfo, discover
 from fleetbus.bus.server import EmbeddedServer, find_server_binary
 from fleetbus.bus.settings import DEFAULT_URL, ConnectOptions
@@ -32,6 +33,7 @@ __all__ = [
     "Entry",
     "Handler",
     "KeyValueStore",
+    "Lifecycle",
     "MicroService",
     "ObjectStore",
     "ObjectSummary",

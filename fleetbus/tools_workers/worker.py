@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 
 from fleetbus._version import __version__
-from fleetbus.bus import SERVICE_NAME, Bus, EndpointInfo, Handler, MicroService, Request
+from fleetbus.bus import SERVICE_NAME, Bus, EndpointInfo, Handler, Lifecycle, MicroService, Request
 from fleetbus.protocol import ErrorMessage, Message, ToolCall, ToolResult, error_reply
 from fleetbus.tools_workers.tool import ToolOutcome
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike
@@ -38,7 +38,7 @@ __all__ = ["ToolWorker"]
 logger = logging.getLogger(__name__)
 
 
-class ToolWorker:
+class ToolWorker(Lifecycle):
     """Serves the tools of a toolkit on the bus.
 
     Args:
@@ -82,8 +82,7 @@ class ToolWorker:
         self.dedup_size = dedup_size
         self.dedup_ttl = dedup_ttl
         self.drain_timeout = drain_timeout
-        self._stop = asyncio.Event()
-        self._ready = asyncio.Event()
+        super().__init__()
         self._answered: OrderedDict[tuple[str, str, str], tuple[float, ToolResult]] = OrderedDict()
         self._running: dict[tuple[str, str, str], asyncio.Future[ToolResult]] = {}
         self.service = MicroService(
@@ -116,15 +115,6 @@ class ToolWorker:
             metadata=metadata,
         )
 
-    async def wait_ready(self, timeout: float = 10.0) -> None:
-        """Wait until every tool subscription and the service registration are live."""
-        async with asyncio.timeout(timeout):
-            await self._ready.wait()
-
-    def stop(self) -> None:
-        """Ask :meth:`run` to drain and return (safe from a signal handler)."""
-        self._stop.set()
-
     async def run(self) -> None:
         """Serve until :meth:`stop`; then drain in-flight calls and return.
 
@@ -151,15 +141,8 @@ class ToolWorker:
                     )
                 )
             tg.create_task(self.service.run(self._stop, ready=service_ready))
-            tg.create_task(self._announce_ready([*loops_ready, service_ready]))
+            tg.create_task(self._announce_ready(*loops_ready, service_ready))
         logger.info("worker %s stopped after %d call(s)", self.worker_id, self.executed)
-
-    async def _announce_ready(self, events: list[asyncio.Event]) -> None:
-        # Every loop sets its event once subscribed, even when stopped early.
-        for event in events:
-            await event.wait()
-        self._ready.set()
-        logger.info("worker %s ready", self.worker_id)
 
     def _handler(self, served: ToolLike) -> Handler:
         async def handle(request: Request) -> Message:
