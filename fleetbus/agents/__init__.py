@@ -32,9 +32,7 @@ from fleetbus.agents.offline import OfflineModel
 from fleetbus.agents.offload import DirectoryOffloader, ObjectStoreOffloader, Offloader
 from fleetbus.agents.permissions import Decision, PermissionRule, Permissions
 from fleetbus.agents.plan import Plan, PlanNotebook, SubTask
-from fleetbus.agents.remote import RemoteAgent
-from fleetbus.agents.service import AgentService
-from fleetbus.agents.sessions import SessionRecord, SessionStore
+from fleetbus.agents.serving import AgentService, RemoteAgent, SessionRecord, SessionStore
 from fleetbus.agents.state import AgentState, PendingCall, ReplyState
 from fleetbus.agents.tools import ToolSource
 

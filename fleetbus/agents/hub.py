@@ -2,7 +2,7 @@
 pipelines that chain or fan out replies.
 
 Participants are anything with a ``name``, ``reply`` and ``observe``: a local
-:class:`~fleetbus.agents.Agent` or a :class:`~fleetbus.agents.remote.RemoteAgent`
+:class:`~fleetbus.agents.Agent` or a :class:`~fleetbus.agents.serving.remote.RemoteAgent`
 alike::
 
     async with MsgHub([alice, bob, carol], announcement="Plan the offsite.") as hub:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from fleetbus.agents.sessions import SessionStore
+from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus
 from fleetbus.cli._common import console
 from fleetbus.cli.demo_fleet import describe_model

@@ -20,8 +20,8 @@ from typing import Any
 from rich.table import Table
 
 from fleetbus.agents import Agent, Permissions
-from fleetbus.agents.service import AgentService
-from fleetbus.agents.sessions import SessionRecord, SessionStore
+from fleetbus.agents.serving.service import AgentService
+from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.bus.subjects import check_name
 from fleetbus.cli._common import connect, console, err_console, fail, on_stop_signals, run

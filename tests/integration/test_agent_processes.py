@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetbus.agents.sessions import SessionStore
+from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus, EmbeddedServer
 from fleetbus.protocol import (
     AgentMessage,

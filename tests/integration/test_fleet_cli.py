@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from fleetbus.agents.sessions import SessionStore
+from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus, EmbeddedServer
 from fleetbus.protocol import AgentMessage, Event, FinalAnswer, TextBlock, UserRequest, decode
 from tests.helpers import spawn, stop, wait_for_workers, workers

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from fleetbus.agents import Agent, AgentService, MsgHub, Permissions, RemoteAgent
-from fleetbus.agents.sessions import SessionRecord, SessionStore
+from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.agents.state import PendingCall
 from fleetbus.bus import Bus, EmbeddedServer, Observation, Request
 from fleetbus.errors import (

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fleetbus.agents.agent import Agent
-from fleetbus.agents.sessions import Lease, SessionStatus, SessionStore
+from fleetbus.agents.serving.sessions import Lease, SessionStatus, SessionStore
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus, Lifecycle, Request
 from fleetbus.bus.subjects import check_name
