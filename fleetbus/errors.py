@@ -28,11 +28,15 @@ it (``CallTimeoutError`` is a ``TimeoutError``)::
     │       ├── PortInUseError (OSError)
     │       └── ServerStartError
     ├── SessionError                         an agent session on the bus
-    │   ├── SessionBusyError                 another replica runs it (lease held)
-    │   └── SessionLostError                 another replica took it over
+    │   └── SessionBusyError                 another replica runs it (lease held)
     └── ToolError                            defining or looking up tools
         ├── ToolDefinitionError (TypeError)  a function that cannot become a tool
         └── UnknownToolError (KeyError)
+
+Control-flow signals are not errors and derive from ``BaseException``, so no
+``except Exception`` catch-all turns them into an answer::
+
+    SessionLost                              this replica no longer owns the session
 
 A tool that fails while running is not an exception: it is a ``tool_result``
 with ``status="error"``. Exceptions never cross the wire.
@@ -62,7 +66,7 @@ __all__ = [
     "ServerStartError",
     "SessionBusyError",
     "SessionError",
-    "SessionLostError",
+    "SessionLost",
     "StoreError",
     "ToolDefinitionError",
     "ToolError",
@@ -291,9 +295,21 @@ class SessionBusyError(SessionError):
     """Another replica holds the session's lease and is running it."""
 
 
-class SessionLostError(SessionError):
-    """The session was written by someone else since it was read: this
-    replica no longer owns it (its lease expired and another took over)."""
+class SessionLost(BaseException):
+    """Control flow, not an error: this replica no longer owns the session
+    (another took it over after its lease lapsed, or the store could not be
+    written for longer than the lease lasts). The replica stops the reply
+    quietly; the session's owner answers.
+
+    Attributes:
+        agent: the agent's name.
+        session_id: the session.
+    """
+
+    def __init__(self, message: str, *, agent: str, session_id: str) -> None:
+        super().__init__(message)
+        self.agent = agent
+        self.session_id = session_id
 
 
 class ToolError(FleetbusError):

@@ -88,6 +88,9 @@ class ReplyRun:
         reply: the reply in progress (already in ``agent.state.reply``).
         structured_model: the pydantic model of a structured answer, if any.
         emit: receives every event as it happens.
+        demand: awaited before each model call and each tool call; returns
+            once whoever reads the events has read them all and waits for
+            more (a reader that left stops the reply from starting anything).
     """
 
     def __init__(
@@ -97,13 +100,17 @@ class ReplyRun:
         *,
         structured_model: type[pydantic.BaseModel] | None,
         emit: Callable[[Event], None],
+        demand: Callable[[], Awaitable[Any]] | None = None,
     ) -> None:
         self.agent = agent
         self.state = agent.state
         self.reply = reply
         self.structured_model = structured_model
         self._emit = emit
+        self._demand = demand
         self.events = ev.EventFactory(agent.name, reply.reply_id, reply.session_id)
+        self._started: set[str] = set()
+        """Tool calls this run started (a call cut short ran, in part)."""
         self.ctx = ReplyContext(
             agent_name=agent.name,
             reply_id=reply.reply_id,
@@ -208,6 +215,9 @@ class ReplyRun:
                     await self.agent.checkpoint()
                     continue
                 return self.finish("completed", message.text)
+            # Write-ahead: the calls (and their ids) are durable before they are
+            # sent, so a take-over sends them again with the same call_id.
+            await self.agent.checkpoint()
             ended = await self._act(uses)
             if ended is not None:
                 return ended
@@ -256,7 +266,13 @@ class ReplyRun:
         messages.extend(m.to_chat() for m in extra)
         return messages
 
+    async def _wait_for_reader(self) -> None:
+        if self._demand is not None:
+            await self._demand()
+
     async def _reason(self) -> Msg:
+        await self._wait_for_reader()
+
         async def step() -> Msg:
             request = ModelRequest(
                 messages=self._prompt(),
@@ -404,7 +420,11 @@ class ReplyRun:
         pending: list[PendingCall] = []
         runnable: list[ToolUseBlock] = []
         structured: dict[str, Any] | None = None
+        arrived = {b.id: b for m in self.reply.arrived for b in m.tool_results}
         for use in uses:
+            if use.id in arrived:  # ran before a take-over; its result is stored
+                results[use.id] = arrived[use.id]
+                continue
             self.event(ev.TOOL_CALL, call_id=use.id, tool_name=use.name, parameters=use.input)
             checked = self._check(use)
             if isinstance(checked, ToolResultBlock):
@@ -454,11 +474,11 @@ class ReplyRun:
         """Run calls, putting each result in ``results`` as soon as it exists."""
         if not parallel:
             for use in uses:
-                results[use.id] = await self._run_tool(use)
+                results[use.id] = await self._arrive(use, await self._run_tool(use))
             return
 
         async def one(use: ToolUseBlock) -> None:
-            results[use.id] = await self._run_tool(use)
+            results[use.id] = await self._arrive(use, await self._run_tool(use))
 
         try:
             async with asyncio.TaskGroup() as tg:
@@ -466,6 +486,12 @@ class ReplyRun:
                     tg.create_task(one(use))
         except* StopReply as group:
             raise group.exceptions[0] from None
+
+    async def _arrive(self, use: ToolUseBlock, block: ToolResultBlock) -> ToolResultBlock:
+        """Make a result durable as it arrives (before the step's other calls end)."""
+        self.reply.arrived.append(Msg(role="tool", name=use.name, content=[block]))
+        await self.agent.checkpoint()
+        return block
 
     def _check(self, use: ToolUseBlock) -> ToolResultBlock | PendingCall | None:
         """What happens to a call before it runs: a result now, a pause, or None (run it)."""
@@ -523,7 +549,10 @@ class ReplyRun:
         return _result(use, "success", "Answer recorded."), value
 
     async def _run_tool(self, use: ToolUseBlock) -> ToolResultBlock:
+        await self._wait_for_reader()
+
         async def execute(call: ToolUseBlock) -> ToolResultBlock:
+            self._started.add(call.id)
             self.ctx.tool_calls += 1
             self.reply.tool_calls = self.ctx.tool_calls
             return await self._execute(call)
@@ -574,6 +603,11 @@ class ReplyRun:
     ) -> FinalAnswer | None:
         """Put results in memory (the model's order), emit them, watch for repeats."""
         ended: FinalAnswer | None = None
+        recorded = {use.id for use in uses}
+        if self.reply.arrived:
+            self.reply.arrived = [
+                m for m in self.reply.arrived if not recorded & {b.id for b in m.tool_results}
+            ]
         for use in uses:
             block = results[use.id]
             self.state.memory.append(Msg(role="tool", name=use.name, content=[block]))
@@ -717,14 +751,30 @@ class ReplyRun:
         return []
 
     def _close_open_calls(self, state: ToolStatus, text: str) -> None:
-        """Give every unanswered tool call a result, so memory stays consistent."""
-        for use in self._unanswered_uses():
-            self.state.memory.append(
-                Msg(role="tool", name=use.name, content=[_result(use, state, text)])
-            )
+        """Give every unanswered tool call a result, so memory stays consistent
+        and tells what happened: a call that finished keeps its result, a call
+        cut short while running says so, a call never started is ``text``."""
+        open_uses = self._unanswered_uses()
+        arrived = {b.id: b for m in self.reply.arrived for b in m.tool_results}
+        self.reply.arrived = []
+        for use in open_uses:
+            block = arrived.get(use.id)
+            if block is None:
+                output = text
+                if use.id in self._started:
+                    output = (
+                        f"{state}: the call was stopped while it ran ({text.split(': ', 1)[-1]}); "
+                        "it may have had effects"
+                    )
+                block = _result(use, state, output)
+            self.state.memory.append(Msg(role="tool", name=use.name, content=[block]))
             self.reply.answered.append(use.id)
             self.event(
-                ev.TOOL_RESULT, call_id=use.id, tool_name=use.name, status=state, output=text
+                ev.TOOL_RESULT,
+                call_id=use.id,
+                tool_name=use.name,
+                status=block.state,
+                output=block.output,
             )
 
 

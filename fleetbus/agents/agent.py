@@ -158,8 +158,10 @@ class Agent:
         self._initial_permissions = (permissions or Permissions()).model_copy(deep=True)
         self._plan_enabled = plan is not False
         self._lock = asyncio.Lock()
-        self._running: asyncio.Task[FinalAnswer] | None = None
+        self._running: asyncio.Task[Any] | None = None
         self._interrupted = False
+        self._stalled = False
+        """The running reply waits for a reader that has not read its events."""
 
     def clone(
         self,
@@ -242,8 +244,11 @@ class Agent:
             return result
 
     def interrupt(self) -> None:
-        """Stop the reply in progress; it ends with ``finished_reason="interrupted"``."""
-        if self._running is not None and not self._running.done():
+        """Stop the reply in progress; it ends with ``finished_reason="interrupted"``.
+
+        Idempotent: once the reply is being interrupted, further calls do
+        nothing (they must not cut short the saving of its end)."""
+        if self._running is not None and not self._running.done() and not self._interrupted:
             self._interrupted = True
             self._running.cancel()
 
@@ -283,35 +288,64 @@ class Agent:
     ) -> AsyncGenerator[Event | FinalAnswer, None]:
         """Reply, yielding each event as it happens and the final message last.
 
-        Leaving the iteration early interrupts the reply (memory stays
-        consistent). Replies of one agent run one at a time.
+        Leaving the iteration early (``break``) interrupts the reply: it starts
+        no model call and no tool call until its events are read, so nothing
+        new happens after the reader left; closing the stream (``aclose()``,
+        ``contextlib.aclosing``, or the stream being garbage collected, at
+        once for ``async for … in agent.reply_stream(…)``) ends it
+        ``interrupted`` with memory consistent. Replies of one agent run one
+        at a time.
         """
-        async with self._lock:
-            queue: asyncio.Queue[Event | FinalAnswer | None] = asyncio.Queue()
-            self._interrupted = False
-            task = asyncio.get_running_loop().create_task(
-                self._reply(inputs, structured_model, session_id, queue.put_nowait)
-            )
-            # The end of the task, however it ends, wakes the reader.
-            task.add_done_callback(lambda _: queue.put_nowait(None))
-            self._running = task
+        queue: asyncio.Queue[Event | FinalAnswer | None] = asyncio.Queue()
+        reading = asyncio.Event()
+
+        async def demand() -> None:
+            if reading.is_set():
+                return
+            self._stalled = True
             try:
-                while True:
-                    item = await queue.get()
-                    if item is None:
-                        break
-                    yield item
-                    if isinstance(item, FinalAnswer):
-                        return
-                task.result()  # re-raises whatever ended the reply without an answer
-                raise RuntimeError("the reply ended without a final answer")
+                await reading.wait()
             finally:
-                if not task.done():
+                self._stalled = False
+
+        async def run() -> FinalAnswer:
+            if self._lock.locked() and self._stalled:
+                self.interrupt()  # the previous reply's reader left: end it
+            # The task holds the lock, not the generator: a reply that ends
+            # frees the agent even while its abandoned stream is not closed.
+            async with self._lock:
+                self._interrupted = False
+                self._running = asyncio.current_task()
+                try:
+                    return await self._reply(
+                        inputs, structured_model, session_id, queue.put_nowait, demand
+                    )
+                finally:
+                    self._running = None
+
+        task = asyncio.get_running_loop().create_task(run())
+        # The end of the task, however it ends, wakes the reader.
+        task.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while True:
+                if queue.empty():
+                    reading.set()  # the reader has read everything and waits
+                item = await queue.get()
+                reading.clear()
+                if item is None:
+                    break
+                yield item
+                if isinstance(item, FinalAnswer):
+                    return
+            task.result()  # re-raises whatever ended the reply without an answer
+            raise RuntimeError("the reply ended without a final answer")
+        finally:
+            if not task.done():
+                if self._running is task:
                     self._interrupted = True
-                    task.cancel()
-                # Our own task: wait for it without letting its end cancel us.
-                await asyncio.wait({task})
-                self._running = None
+                task.cancel()
+            # Our own task: wait for it without letting its end cancel us.
+            await asyncio.wait({task})
 
     async def _reply(
         self,
@@ -319,6 +353,7 @@ class Agent:
         structured_model: type[pydantic.BaseModel] | None,
         session_id: str | None,
         emit: Callable[[Event | FinalAnswer], None],
+        demand: Callable[[], Awaitable[Any]] | None = None,
     ) -> FinalAnswer:
         run: ReplyRun | None = None
         try:
@@ -327,8 +362,10 @@ class Agent:
                 emit(prepared)
                 return prepared
             reply, resume = prepared
-            run = ReplyRun(self, reply, structured_model=structured_model, emit=emit)
+            run = ReplyRun(self, reply, structured_model=structured_model, emit=emit, demand=demand)
             if resume is None and reply.iteration == 0 and not reply.answered:
+                # Write-ahead: the input is durable before any work starts.
+                await self.checkpoint()
                 run.event("reply_start", reply_id=reply.reply_id)
             final = await run.run(resume)
         except asyncio.CancelledError:

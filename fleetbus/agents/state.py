@@ -57,6 +57,10 @@ class ReplyState(BaseModel):
     tool_calls: int = 0
     answered: list[str] = Field(default_factory=list)
     """The ``call_id`` of every tool call already answered in this reply."""
+    arrived: list[Msg] = Field(default_factory=list)
+    """Results of the current step's tool calls that arrived and are not yet in
+    memory (memory gets them in the model's order once the step's calls are
+    done); saved as each arrives, so no call is run again after its result."""
 
 
 class AgentState(BaseModel):

@@ -20,6 +20,7 @@ from fleetbus.bus.store import (
 )
 from fleetbus.bus.subjects import DEFAULT_PREFIX, Subjects, check_name, check_prefix
 from fleetbus.bus.tools import SERVICE_NAME, RemoteTool, ToolClient
+from fleetbus.bus.watch import KeyUpdates
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -32,6 +33,7 @@ __all__ = [
     "EndpointStats",
     "Entry",
     "Handler",
+    "KeyUpdates",
     "KeyValueStore",
     "Lifecycle",
     "MicroService",

@@ -18,6 +18,7 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore as _NatsObjectStore
 
 from fleetbus.bus.connection import Bus
+from fleetbus.bus.subjects import Subjects
 from fleetbus.errors import (
     ConnectionClosedError,
     KeyNotFoundError,
@@ -28,6 +29,9 @@ from fleetbus.errors import (
 __all__ = ["Entry", "KeyValueStore", "ObjectStore", "ObjectSummary", "key_value", "object_store"]
 
 logger = logging.getLogger(__name__)
+
+# JetStream's "wrong last sequence" API error codes (a compare-and-set lost).
+_WRONG_LAST_SEQUENCE = (10071, 10164)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,8 +97,9 @@ class KeyValueStore:
     Keys are strings of letters, digits and ``-_/=.``; values are bytes.
     """
 
-    def __init__(self, kv: KeyValue, bucket: str) -> None:
+    def __init__(self, kv: KeyValue, bucket: str, js: JetStreamContext | None = None) -> None:
         self._kv = kv
+        self._js: JetStreamContext = js if js is not None else kv._js
         self.bucket = bucket
 
     async def get(self, key: str) -> Entry:
@@ -168,29 +173,62 @@ class KeyValueStore:
         except (nats.errors.Error, TimeoutError) as exc:
             raise _store_error(exc, f"update {key!r}") from exc
 
-    async def delete(self, key: str) -> None:
-        """Delete ``key`` (a no-op if it does not exist).
+    async def delete(self, key: str, *, revision: int | None = None) -> None:
+        """Delete ``key`` (a no-op if it does not exist); with ``revision``,
+        only if the key is still at that revision (compare-and-delete).
 
         Raises:
+            RevisionMismatchError: ``revision`` was given and someone else
+                wrote the key since.
             StoreError: the delete failed.
         """
         try:
-            await self._kv.delete(key)
+            await self._kv.delete(key, last=revision)
+        except nats.js.errors.APIError as exc:
+            if revision is not None and exc.err_code in _WRONG_LAST_SEQUENCE:
+                raise RevisionMismatchError(
+                    f"key {key!r} in bucket {self.bucket} is no longer at revision {revision}",
+                    key=key,
+                    expected=revision,
+                ) from None
+            raise _store_error(exc, f"delete {key!r}") from exc
         except (nats.errors.Error, TimeoutError) as exc:
             raise _store_error(exc, f"delete {key!r}") from exc
 
-    async def keys(self) -> list[str]:
-        """Every live key of the bucket, sorted.
+    async def subjects(self, pattern: str = ">") -> list[str]:
+        """The keys matching ``pattern`` (``*`` and ``>`` wildcards) that hold a
+        value or a deletion marker, sorted; without reading any value.
+
+        One stream-info request: it creates no consumer on the server, unlike
+        nats-py's ``keys()``, whose watcher outlives the listing for minutes
+        (listings every few seconds exhausted the server's consumer limit).
 
         Raises:
             StoreError: the listing failed.
         """
+        prefix = Subjects.kv_keys(self.bucket, "")
         try:
-            return sorted(await self._kv.keys())
-        except nats.js.errors.NoKeysError:
-            return []
+            info = await self._js.stream_info(
+                Subjects.kv_stream(self.bucket),
+                subjects_filter=Subjects.kv_keys(self.bucket, pattern),
+            )
         except (nats.errors.Error, TimeoutError) as exc:
             raise _store_error(exc, "list keys") from exc
+        return sorted(s[len(prefix) :] for s in (info.state.subjects or {}))
+
+    async def keys(self, pattern: str = ">") -> list[str]:
+        """Every live key matching ``pattern``, sorted: one listing (no
+        consumer), then one read per key to leave deleted ones out.
+
+        Raises:
+            StoreError: the listing failed.
+        """
+        live = []
+        for key in await self.subjects(pattern):
+            entry = await self.get_or_none(key)
+            if entry is not None and entry.value:
+                live.append(key)
+        return live
 
 
 async def object_store(bus: Bus, name: str, *, create: bool = True) -> ObjectStore:

@@ -6,6 +6,7 @@ tenants, environments — share one NATS server without seeing each other::
     subjects = Subjects("fleet")
     subjects.tool("calculator")         # 'fleet.tool.calculator'
     subjects.tool_queue("calculator")   # 'tool.calculator'
+    subjects.tool_control("calculator") # 'fleet.tool.calculator.control'
 """
 
 from __future__ import annotations
@@ -71,6 +72,14 @@ class Subjects:
         """Request/reply subject of a tool: ``<prefix>.tool.<tool_name>``."""
         return f"{self.prefix}.tool.{check_name(tool_name, what='tool name')}"
 
+    def tool_control(self, tool_name: str) -> str:
+        """Control messages (``cancel``) for every worker of a tool:
+        ``<prefix>.tool.<tool_name>.control``, no queue group.
+
+        One token longer than :meth:`tool`, so :meth:`all_tools` (``*``)
+        does not match it."""
+        return f"{self.prefix}.tool.{check_name(tool_name, what='tool name')}.control"
+
     def tool_queue(self, tool_name: str) -> str:
         """Queue group shared by the workers of a tool: ``tool.<tool_name>``."""
         return f"tool.{check_name(tool_name, what='tool name')}"
@@ -119,6 +128,17 @@ class Subjects:
     def all_tools(self) -> str:
         """Wildcard over every tool subject of the fleet."""
         return f"{self.prefix}.tool.*"
+
+    @staticmethod
+    def kv_keys(bucket: str, keys: str) -> str:
+        """The subject JetStream stores a KV bucket's ``keys`` under (a key, or
+        a pattern with ``*`` / ``>``): ``$KV.<bucket>.<keys>``."""
+        return f"$KV.{bucket}.{keys}"
+
+    @staticmethod
+    def kv_stream(bucket: str) -> str:
+        """The JetStream stream behind a KV bucket: ``KV_<bucket>``."""
+        return f"KV_{bucket}"
 
     def kv_bucket(self, name: str) -> str:
         """A JetStream bucket name of this fleet (bucket names allow no dots)."""

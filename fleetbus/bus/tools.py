@@ -3,26 +3,74 @@
 This is the client side of the tool protocol; the serving side is
 ``fleetbus.tools_workers.ToolWorker``. Agents and programs in any language
 reach tools the same way: a ``tool_call`` request on ``<prefix>.tool.<name>``.
+
+Two things cross from the caller to the worker besides the call itself: a
+``cancel`` on ``<prefix>.tool.<name>.control`` when the caller stops waiting,
+and results too large for one message, which travel through the fleet's
+object store (:class:`ResultStore`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
+
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.micro import EndpointInfo, discover
-from fleetbus.errors import ConfigError, RemoteError, UnexpectedMessageError
-from fleetbus.protocol import ErrorMessage, ToolCall, ToolResult, ToolSpec, new_id
+from fleetbus.bus.store import ObjectStore, object_store
+from fleetbus.errors import (
+    BusError,
+    ConfigError,
+    KeyNotFoundError,
+    ProtocolError,
+    RemoteError,
+    StoreError,
+    UnexpectedMessageError,
+)
+from fleetbus.protocol import (
+    Cancel,
+    DataBlock,
+    ErrorDetail,
+    ErrorMessage,
+    ToolCall,
+    ToolResult,
+    ToolSpec,
+    by_reference,
+    content_reference,
+    decode_content,
+    encode_content,
+    new_id,
+)
 
-__all__ = ["SERVICE_NAME", "RemoteTool", "ToolClient"]
+__all__ = [
+    "RESULTS_STORE",
+    "RESULT_HEADROOM",
+    "SERVICE_NAME",
+    "RemoteTool",
+    "ResultStore",
+    "ToolClient",
+]
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "fleetbus"
 """The NATS micro service name tool workers register under."""
+
+RESULTS_STORE = "tool_results"
+"""The object store of tool results too large for one message (the bucket
+is ``<prefix with _ for .>_tool_results``)."""
+
+RESULT_HEADROOM = 16 * 1024
+"""Bytes a ``tool_result`` keeps free below the server's ``max_payload`` (for
+headers); a larger one goes by reference."""
+
+_CANCELLED_REASON = "the caller stopped waiting for the result"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +101,131 @@ class RemoteTool:
         return ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
 
 
+class ResultStore:
+    """Tool results too large for one message, in the fleet's object store.
+
+    A worker stores the JSON of what the tool returned under a name derived
+    from the call (tool, caller and ``call_id``, hashed) and answers a
+    ``tool_result`` whose content is a ``data`` block referring to it
+    (``content_by_reference``); the caller reads the object back. A retry of
+    the call is answered with the same reference.
+
+    Args:
+        bus: the connection.
+        timeout: seconds one store or read may take.
+    """
+
+    def __init__(self, bus: Bus, *, timeout: float = 30.0) -> None:
+        self._bus = bus
+        self.timeout = timeout
+        self.bucket = bus.subjects.kv_bucket(RESULTS_STORE)
+        self._store: ObjectStore | None = None
+
+    @staticmethod
+    def object_name(tool_name: str, sender: str, call_id: str) -> str:
+        """The object that holds the result of ``sender``'s call ``call_id``
+        of ``tool_name``: ``<tool_name>-<32 hex digits>``."""
+        key = "\x00".join((tool_name, sender, call_id)).encode()
+        return f"{tool_name}-{hashlib.sha256(key).hexdigest()[:32]}"
+
+    def url(self, name: str) -> str:
+        """The reference to an object of this store: ``nats-object://<bucket>/<name>``."""
+        return f"nats-object://{self.bucket}/{name}"
+
+    async def _open(self, *, create: bool) -> ObjectStore:
+        if self._store is None:
+            self._store = await object_store(self._bus, RESULTS_STORE, create=create)
+        return self._store
+
+    async def offload(self, result: ToolResult, *, sender: str) -> ToolResult:
+        """Store the content of ``result`` (the answer to ``sender``'s call)
+        and return the result that refers to it.
+
+        Raises:
+            StoreError: the content could not be stored in time.
+            InvalidFieldError: the content is not JSON-serializable.
+        """
+        data = encode_content(result.content)
+        name = self.object_name(result.tool_name, sender, result.call_id or "")
+        try:
+            async with asyncio.timeout(self.timeout):
+                store = await self._open(create=True)
+                summary = await store.put(name, data)
+        except TimeoutError as exc:
+            raise StoreError(
+                f"storing {len(data)} bytes in {self.bucket} took more than {self.timeout:g}s"
+            ) from exc
+        reference = DataBlock(
+            url=self.url(name),
+            media_type="application/json",
+            name=f"{result.tool_name} result",
+            size=summary.size,
+        )
+        return by_reference(result, reference)
+
+    async def resolve(self, result: ToolResult) -> ToolResult:
+        """``result`` with the content it refers to read back (``result``
+        itself when its content is inline).
+
+        Never raises for the reference: one that cannot be read (the object
+        expired or was deleted, another store, a bad block) gives an
+        ``error`` result with code ``tool_error`` saying why.
+        """
+        try:
+            reference = content_reference(result)
+        except ProtocolError as exc:
+            return _unreadable(result, str(exc))
+        if reference is None:
+            return result
+        prefix = self.url("")
+        if not reference.url.startswith(prefix) or reference.url == prefix:
+            return _unreadable(
+                result, f"the result refers to {reference.url!r}, not to an object in {prefix}"
+            )
+        name = reference.url.removeprefix(prefix)
+        try:
+            async with asyncio.timeout(self.timeout):
+                store = await self._open(create=False)
+                data = await store.get(name)
+        except KeyNotFoundError:
+            return _unreadable(
+                result,
+                f"the result was stored at {reference.url}, but that object is missing "
+                "(expired or deleted); call the tool again with a new call_id",
+            )
+        except BusError as exc:
+            return _unreadable(
+                result, f"the result stored at {reference.url} cannot be read: {exc}"
+            )
+        except TimeoutError:
+            return _unreadable(
+                result,
+                f"reading the result stored at {reference.url} took more than {self.timeout:g}s",
+            )
+        if reference.size is not None and len(data) != reference.size:
+            return _unreadable(
+                result,
+                f"the object at {reference.url} is {len(data)} bytes; "
+                f"the result said {reference.size}",
+            )
+        try:
+            content = decode_content(data)
+        except ProtocolError as exc:
+            return _unreadable(result, f"the object at {reference.url}: {exc}")
+        return msgspec.structs.replace(result, content=content, content_by_reference=False)
+
+
+def _unreadable(result: ToolResult, why: str) -> ToolResult:
+    logger.warning("%s: %s", result.tool_name, why, extra={"call_id": result.call_id})
+    return msgspec.structs.replace(
+        result,
+        status="error",
+        content=None,
+        content_by_reference=False,
+        error_detail=ErrorDetail(code="tool_error", message=f"{result.tool_name}: {why}"),
+    )
+
+
 class ToolClient:
     """Calls tools served by workers on the bus, with retries.
 
@@ -60,6 +233,11 @@ class ToolClient:
     network dropped it) or finds no worker is sent again with the same
     ``call_id``; a worker that already answered it returns its record instead
     of running the tool twice.
+
+    A call whose caller is cancelled while it waits is cancelled on the
+    worker too: a ``cancel`` goes to the tool's control subject. A result
+    stored by reference (too large for one message) is read back, so the
+    caller gets the whole content either way.
 
     Args:
         bus: the connection.
@@ -70,6 +248,8 @@ class ToolClient:
         attempts: how many times a call is sent at most.
         reply_grace: seconds added to the tool's timeout to wait for the reply
             (the worker needs a moment to answer a timeout itself).
+        cancel_timeout: seconds sending a ``cancel`` may take.
+        store_timeout: seconds reading a result stored by reference may take.
     """
 
     def __init__(
@@ -80,12 +260,16 @@ class ToolClient:
         timeout: float = 30.0,
         attempts: int = 3,
         reply_grace: float = 1.0,
+        cancel_timeout: float = 1.0,
+        store_timeout: float = 30.0,
     ) -> None:
         self._bus = bus
         self.sender = sender or bus.client_name
         self.timeout = timeout
         self.attempts = attempts
         self.reply_grace = reply_grace
+        self.cancel_timeout = cancel_timeout
+        self.results = ResultStore(bus, timeout=store_timeout)
 
     async def call(
         self,
@@ -108,7 +292,13 @@ class ToolClient:
         and the reply is awaited for the client's ``timeout``.
 
         A tool that fails, times out or rejects its parameters is a result
-        with that ``status``, not an exception.
+        with that ``status``, not an exception. So is a result stored by
+        reference that cannot be read back (``tool_error``).
+
+        Cancelling the awaiting task sends a ``cancel`` for the call to the
+        tool's workers (best effort, within ``cancel_timeout``; a failure is
+        logged), then lets the ``CancelledError`` through. Not for
+        ``agent=True``.
 
         Raises:
             CallTimeoutError: no worker answered any attempt in time.
@@ -131,12 +321,17 @@ class ToolClient:
             timeout=timeout,
         )
         subjects = self._bus.subjects
-        reply = await self._bus.request(
-            subjects.agent_inbox(tool_name) if agent else subjects.tool(tool_name),
-            call,
-            timeout=(self.timeout if timeout is None else timeout) + self.reply_grace,
-            attempts=self.attempts if attempts is None else attempts,
-        )
+        try:
+            reply = await self._bus.request(
+                subjects.agent_inbox(tool_name) if agent else subjects.tool(tool_name),
+                call,
+                timeout=(self.timeout if timeout is None else timeout) + self.reply_grace,
+                attempts=self.attempts if attempts is None else attempts,
+            )
+        except asyncio.CancelledError as exc:
+            if not agent:
+                await self._cancel(call, str(exc) or _CANCELLED_REASON)
+            raise
         if isinstance(reply, ErrorMessage):
             raise RemoteError(
                 f"{reply.source_component or 'worker'} could not handle the call: "
@@ -156,7 +351,34 @@ class ToolClient:
                 call_id=call.call_id,
                 message_type="tool_result",
             )
+        if reply.content_by_reference:
+            return await self.results.resolve(reply)
         return reply
+
+    async def _cancel(self, call: ToolCall, reason: str) -> None:
+        """Tell the tool's workers to stop ``call``; log, never raise, if that fails."""
+        cancel = Cancel(
+            sender=call.sender, session_id=call.session_id, call_id=call.call_id, reason=reason
+        )
+        try:
+            async with asyncio.timeout(self.cancel_timeout):
+                await self._bus.publish(self._bus.subjects.tool_control(call.tool_name), cancel)
+                await self._bus.flush(self.cancel_timeout)
+        except (BusError, TimeoutError) as exc:
+            logger.warning(
+                "cancel of call %s to %s not sent: %s",
+                call.call_id,
+                call.tool_name,
+                exc or type(exc).__name__,
+                extra={"call_id": call.call_id, "session_id": call.session_id},
+            )
+        else:
+            logger.debug(
+                "sent cancel of call %s to %s",
+                call.call_id,
+                call.tool_name,
+                extra={"call_id": call.call_id, "session_id": call.session_id},
+            )
 
     async def discover(self, *, timeout: float = 0.5) -> dict[str, RemoteTool]:
         """The tools served in this fleet, by name, with their worker counts.

@@ -6,9 +6,13 @@ Pure: no I/O, no NATS, no asyncio. See ``docs/protocol.md``.
 from fleetbus.protocol.codec import (
     MESSAGE_TYPES,
     AnyMessage,
+    by_reference,
+    content_reference,
     decode,
     decode_as,
+    decode_content,
     encode,
+    encode_content,
     to_builtins,
 )
 from fleetbus.protocol.content import (
@@ -89,9 +93,13 @@ __all__ = [
     "ToolUseBlock",
     "Usage",
     "UserRequest",
+    "by_reference",
+    "content_reference",
     "decode",
     "decode_as",
+    "decode_content",
     "encode",
+    "encode_content",
     "error_reply",
     "message_schemas",
     "new_id",

@@ -19,6 +19,7 @@ from fleetbus.errors import (
     UnknownMessageTypeError,
     UnsupportedVersionError,
 )
+from fleetbus.protocol.content import DataBlock
 from fleetbus.protocol.messages import (
     PROTOCOL_VERSION,
     AgentMessage,
@@ -36,7 +37,18 @@ from fleetbus.protocol.messages import (
     UserRequest,
 )
 
-__all__ = ["MESSAGE_TYPES", "AnyMessage", "decode", "decode_as", "encode", "to_builtins"]
+__all__ = [
+    "MESSAGE_TYPES",
+    "AnyMessage",
+    "by_reference",
+    "content_reference",
+    "decode",
+    "decode_as",
+    "decode_content",
+    "encode",
+    "encode_content",
+    "to_builtins",
+]
 
 AnyMessage = (
     UserRequest
@@ -89,6 +101,7 @@ class _Envelope(msgspec.Struct):
 
 
 _envelope_decoder = msgspec.json.Decoder(_Envelope)
+_content_decoder = msgspec.json.Decoder()
 
 
 def encode(message: Message) -> bytes:
@@ -156,6 +169,60 @@ def decode_as(data: bytes | bytearray | memoryview | str, cls: type[M]) -> M:
             message_type=got,  # type: ignore[arg-type]
         )
     return message
+
+
+def encode_content(content: Any) -> bytes:
+    """Encode what a tool returned (any JSON value) as UTF-8 JSON: the bytes
+    of a result stored by reference.
+
+    Raises:
+        InvalidFieldError: the value is not JSON-serializable.
+    """
+    try:
+        return _encoder.encode(content)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise InvalidFieldError(f"cannot encode the content: {exc}") from exc
+
+
+def decode_content(data: bytes | bytearray | memoryview | str) -> Any:
+    """Decode what :func:`encode_content` made.
+
+    Raises:
+        MalformedMessageError: not valid JSON.
+    """
+    try:
+        return _content_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise MalformedMessageError(f"stored content is not valid JSON: {exc}") from exc
+
+
+def by_reference(result: ToolResult, reference: DataBlock) -> ToolResult:
+    """``result`` with its content replaced by ``reference``, the ``data``
+    block of the object that holds it (``content_by_reference`` set)."""
+    return msgspec.structs.replace(
+        result, content=msgspec.to_builtins(reference), content_by_reference=True
+    )
+
+
+def content_reference(result: ToolResult) -> DataBlock | None:
+    """The ``data`` block a result's content is stored at, or ``None`` when
+    the content is in the result itself.
+
+    Raises:
+        InvalidFieldError: ``content_by_reference`` is set but ``content`` is
+            not a ``data`` block.
+    """
+    if not result.content_by_reference:
+        return None
+    try:
+        return msgspec.convert(result.content, DataBlock)
+    except msgspec.ValidationError as exc:
+        raise InvalidFieldError(
+            f"a tool_result with content_by_reference needs a 'data' block as content: {exc}",
+            call_id=result.call_id,
+            session_id=result.session_id,
+            message_type="tool_result",
+        ) from exc
 
 
 def _explain(data: bytes | bytearray | memoryview | str, exc: Exception) -> Exception:

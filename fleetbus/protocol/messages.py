@@ -201,9 +201,14 @@ class ToolResult(Message, frozen=True, kw_only=True, tag="tool_result"):
     tool_name: str
     status: ToolStatus
     content: Any = None
-    """What the tool returned (any JSON value); ``null`` unless ``success``."""
+    """What the tool returned (any JSON value); ``null`` unless ``success``.
+    With ``content_by_reference``, a ``data`` content block instead."""
     error_detail: ErrorDetail | None = None
     """Set on every status but ``success``."""
+    content_by_reference: bool = False
+    """``content`` is a ``data`` block (``nats-object://bucket/name``) whose
+    object holds the JSON of what the tool returned: the result was too large
+    for one message."""
 
     @property
     def ok(self) -> bool:
@@ -264,7 +269,12 @@ class Event(Message, frozen=True, kw_only=True, tag="event"):
 
 
 class Cancel(Message, frozen=True, kw_only=True, tag="cancel"):
-    """Interrupt the reply running in ``session_id`` (it ends ``interrupted``)."""
+    """Stop work in progress: a reply (by ``session_id``) or a tool call (by ``call_id``).
+
+    On an agent's inbox or control subject it interrupts the reply running in
+    ``session_id`` (it ends ``interrupted``); on a tool's control subject it
+    cancels the call ``call_id`` that ``sender`` made.
+    """
 
     reason: str = ""
     """Why, for the logs and the final answer."""

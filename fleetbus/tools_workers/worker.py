@@ -13,6 +13,12 @@ Guarantees:
   status ``error`` / ``timeout`` and an ``error_detail``;
 - a ``call_id`` seen before (a retry) gets the recorded result; one still
   running is joined; the tool does not run twice;
+- a ``cancel`` on ``<prefix>.tool.<name>.control`` (every worker hears it)
+  stops the call it names if it runs here: the call is answered, and
+  recorded, as ``cancelled``; a cancel for a call not running here is
+  ignored;
+- a result too large for one message goes to the fleet's object store, and
+  the answer refers to it (see :class:`~fleetbus.bus.tools.ResultStore`);
 - on stop (SIGTERM/SIGINT in the CLI) the worker takes no new calls, finishes
   those in flight, and returns.
 """
@@ -26,16 +32,42 @@ import os
 import socket
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from fleetbus._version import __version__
 from fleetbus.bus import SERVICE_NAME, Bus, EndpointInfo, Handler, Lifecycle, MicroService, Request
-from fleetbus.protocol import ErrorMessage, Message, ToolCall, ToolResult, error_reply
+from fleetbus.bus.tools import RESULT_HEADROOM, ResultStore
+from fleetbus.errors import ProtocolError, StoreError
+from fleetbus.protocol import (
+    Cancel,
+    ErrorMessage,
+    Message,
+    ToolCall,
+    ToolResult,
+    encode,
+    error_reply,
+)
 from fleetbus.tools_workers.tool import ToolOutcome
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike
 
 __all__ = ["ToolWorker"]
 
 logger = logging.getLogger(__name__)
+
+_Key = tuple[str, str, str]
+"""A call: (tool name, caller's ``sender``, ``call_id``)."""
+
+
+@dataclass(slots=True)
+class _Running:
+    """A call running on this worker."""
+
+    done: asyncio.Future[ToolResult]
+    """Its result, for retries that join it."""
+    task: asyncio.Task[object] | None
+    """The task running the tool; ``None`` once the tool has returned."""
+    cancel_reason: str | None = None
+    """Set when the caller cancelled the call."""
 
 
 class ToolWorker(Lifecycle):
@@ -54,6 +86,10 @@ class ToolWorker(Lifecycle):
         dedup_size: how many answered ``call_id`` results are remembered.
         dedup_ttl: seconds an answered result is remembered.
         drain_timeout: seconds in-flight calls get to finish on stop.
+        max_result_bytes: a ``tool_result`` larger than this (encoded) is
+            stored in the object store and answered by reference; the
+            server's ``max_payload`` less ``RESULT_HEADROOM`` by default.
+        store_timeout: seconds storing one large result may take.
     """
 
     def __init__(
@@ -69,6 +105,8 @@ class ToolWorker(Lifecycle):
         dedup_size: int = 10_000,
         dedup_ttl: float = 600.0,
         drain_timeout: float = 30.0,
+        max_result_bytes: int | None = None,
+        store_timeout: float = 30.0,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -82,9 +120,11 @@ class ToolWorker(Lifecycle):
         self.dedup_size = dedup_size
         self.dedup_ttl = dedup_ttl
         self.drain_timeout = drain_timeout
+        self.max_result_bytes = max_result_bytes
         super().__init__()
-        self._answered: OrderedDict[tuple[str, str, str], tuple[float, ToolResult]] = OrderedDict()
-        self._running: dict[tuple[str, str, str], asyncio.Future[ToolResult]] = {}
+        self.results = ResultStore(bus, timeout=store_timeout)
+        self._answered: OrderedDict[_Key, tuple[float, ToolResult]] = OrderedDict()
+        self._running: dict[_Key, _Running] = {}
         self.service = MicroService(
             bus,
             name=SERVICE_NAME,
@@ -99,6 +139,8 @@ class ToolWorker(Lifecycle):
         )
         self.executed = 0
         """How many times this worker ran a tool (not counting replays)."""
+        self.cancelled = 0
+        """How many calls running here their callers cancelled."""
 
     def _endpoint(self, t: ToolLike) -> EndpointInfo:
         metadata = {
@@ -124,24 +166,45 @@ class ToolWorker(Lifecycle):
         limiter = asyncio.Semaphore(self.concurrency)
         names = self.toolkit.names
         loops_ready = [asyncio.Event() for _ in names]
+        controls_ready = [asyncio.Event() for _ in names]
         service_ready = asyncio.Event()
+        # The control loops outlive the call loops, so a cancel still reaches
+        # a call that runs on during the drain.
+        controls_stop = asyncio.Event()
         logger.info("worker %s serving %s", self.worker_id, ", ".join(names))
         async with asyncio.TaskGroup() as tg:
-            for name, ready in zip(names, loops_ready, strict=True):
+            calls = []
+            for name, ready, control_ready in zip(names, loops_ready, controls_ready, strict=True):
+                served = self.toolkit.get(name)
+                calls.append(
+                    tg.create_task(
+                        self.bus.serve(
+                            self.bus.subjects.tool(name),
+                            self._handler(served),
+                            stop=self._stop,
+                            queue=self.bus.subjects.tool_queue(name),
+                            limiter=limiter,
+                            drain_timeout=self.drain_timeout,
+                            ready=ready,
+                            component=self.worker_id,
+                        )
+                    )
+                )
                 tg.create_task(
                     self.bus.serve(
-                        self.bus.subjects.tool(name),
-                        self._handler(self.toolkit.get(name)),
-                        stop=self._stop,
-                        queue=self.bus.subjects.tool_queue(name),
-                        limiter=limiter,
-                        drain_timeout=self.drain_timeout,
-                        ready=ready,
+                        self.bus.subjects.tool_control(name),
+                        self._control(served),
+                        stop=controls_stop,
+                        # Its own limiter: a worker busy with calls still hears cancels.
+                        limiter=asyncio.Semaphore(16),
+                        drain_timeout=1.0,
+                        ready=control_ready,
                         component=self.worker_id,
                     )
                 )
             tg.create_task(self.service.run(self._stop, ready=service_ready))
-            tg.create_task(self._announce_ready(*loops_ready, service_ready))
+            tg.create_task(self._announce_ready(*loops_ready, *controls_ready, service_ready))
+            tg.create_task(_set_after(calls, controls_stop))
         logger.info("worker %s stopped after %d call(s)", self.worker_id, self.executed)
 
     def _handler(self, served: ToolLike) -> Handler:
@@ -157,6 +220,44 @@ class ToolWorker(Lifecycle):
             return reply
 
         return handle
+
+    def _control(self, served: ToolLike) -> Handler:
+        async def handle(request: Request) -> None:
+            message = request.message
+            if isinstance(message, Cancel) and message.call_id:
+                self._cancel(served.name, message)
+            else:
+                logger.info(
+                    "ignored a %s on %s: only 'cancel' with a call_id is understood",
+                    type(message).__struct_config__.tag,
+                    request.subject,
+                    extra={"call_id": message.call_id},
+                )
+
+        return handle
+
+    def _cancel(self, tool_name: str, cancel: Cancel) -> None:
+        """Stop the call ``cancel`` names if it runs here; else do nothing
+        (another worker may run it, or it is over)."""
+        assert cancel.call_id is not None
+        running = self._running.get((tool_name, cancel.sender, cancel.call_id))
+        if running is None or running.task is None or running.cancel_reason is not None:
+            logger.debug(
+                "cancel of call %s: not running here",
+                cancel.call_id,
+                extra={"call_id": cancel.call_id},
+            )
+            return
+        logger.info(
+            "cancelling call %s of %s for %s: %s",
+            cancel.call_id,
+            tool_name,
+            cancel.sender,
+            cancel.reason or "no reason given",
+            extra={"call_id": cancel.call_id, "session_id": cancel.session_id},
+        )
+        running.cancel_reason = cancel.reason or "no reason given"
+        running.task.cancel()
 
     async def _answer(self, served: ToolLike, request: Request) -> Message:
         call = request.message
@@ -211,37 +312,100 @@ class ToolWorker(Lifecycle):
             return recorded
         running = self._running.get(key)
         if running is not None:
-            return await asyncio.shield(running)
-        future: asyncio.Future[ToolResult] = asyncio.get_running_loop().create_future()
-        self._running[key] = future
+            return await asyncio.shield(running.done)
+        current = _Running(
+            done=asyncio.get_running_loop().create_future(), task=asyncio.current_task()
+        )
+        self._running[key] = current
         try:
-            result = await self._execute(served, call, min(timeout, self.max_timeout))
+            result, record = await self._execute(
+                served, call, min(timeout, self.max_timeout), current
+            )
+            if record:
+                result, record = await self._fit(call, result)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
-                future.cancel()
+                current.done.cancel()
             else:
-                future.set_exception(exc)
+                current.done.set_exception(exc)
             raise
         else:
-            future.set_result(result)
-            self._remember(key, result)
+            current.done.set_result(result)
+            if record:
+                self._remember(key, result)
             return result
         finally:
             del self._running[key]
 
-    async def _execute(self, served: ToolLike, call: ToolCall, timeout: float) -> ToolResult:
+    async def _execute(
+        self, served: ToolLike, call: ToolCall, timeout: float, running: _Running
+    ) -> tuple[ToolResult, bool]:
+        """Run the tool; the result, and whether a retry should get it."""
         self.executed += 1
         try:
             outcome = await served.run(call.parameters, timeout=timeout)
         except asyncio.CancelledError:
+            if running.cancel_reason is not None and _uncancel(running.task) == 0:
+                # Only the caller's cancel: it is the call's answer.
+                self.cancelled += 1
+                return self._cancelled(call, running.cancel_reason), True
             if self._stop.is_set():
-                # Draining ran out of time: answer so the caller need not wait.
+                # Draining ran out of time: answer so the caller need not wait,
+                # but a retry on another worker should run the call.
                 return self._result(
                     call,
                     ToolOutcome.failure("cancelled", "cancelled", "the worker is shutting down"),
-                )
+                ), False
             raise
-        return self._result(call, outcome)
+        finally:
+            task, running.task = running.task, None
+        if running.cancel_reason is not None:
+            _uncancel(task)  # the tool swallowed the cancel and returned: that is what happened
+        return self._result(call, outcome), True
+
+    def _cancelled(self, call: ToolCall, reason: str) -> ToolResult:
+        return self._result(
+            call,
+            ToolOutcome.failure("cancelled", "cancelled", f"cancelled by the caller: {reason}"),
+        )
+
+    async def _fit(self, call: ToolCall, result: ToolResult) -> tuple[ToolResult, bool]:
+        """``result`` as it can travel: by reference when too large for one
+        message; and whether a retry should get it."""
+        limit = self.max_result_bytes or self.bus.max_payload - RESULT_HEADROOM
+        try:
+            size = len(encode(result))
+        except ProtocolError:
+            return result, True  # the serving loop answers what cannot be encoded
+        if size <= limit:
+            return result, True
+        if not result.ok:
+            return result, True  # only content goes by reference; the serving loop refuses it
+        try:
+            stored = await self.results.offload(result, sender=call.sender)
+        except (StoreError, ProtocolError) as exc:
+            logger.warning(
+                "result of call %s (%d bytes) not stored: %s",
+                call.call_id,
+                size,
+                exc,
+                extra={"call_id": call.call_id, "session_id": call.session_id},
+            )
+            failed = ToolOutcome.failure(
+                "error",
+                "tool_error",
+                f"the result is {size} bytes, more than one message carries ({limit}), "
+                f"and it could not be stored: {exc}",
+            )
+            # Not recorded: a retry runs the call again and may store it.
+            return self._result(call, failed), False
+        logger.info(
+            "result of call %s (%d bytes) stored by reference",
+            call.call_id,
+            size,
+            extra={"call_id": call.call_id, "session_id": call.session_id},
+        )
+        return stored, True
 
     def _result(self, call: ToolCall, outcome: ToolOutcome) -> ToolResult:
         return ToolResult(
@@ -254,7 +418,7 @@ class ToolWorker(Lifecycle):
             error_detail=outcome.error_detail,
         )
 
-    def _recorded(self, key: tuple[str, str, str]) -> ToolResult | None:
+    def _recorded(self, key: _Key) -> ToolResult | None:
         entry = self._answered.get(key)
         if entry is None:
             return None
@@ -264,10 +428,22 @@ class ToolWorker(Lifecycle):
             return None
         return result
 
-    def _remember(self, key: tuple[str, str, str], result: ToolResult) -> None:
-        if result.status == "cancelled":
-            return  # not an answer: a retry should run the call again
+    def _remember(self, key: _Key, result: ToolResult) -> None:
         self._answered[key] = (time.monotonic() + self.dedup_ttl, result)
         self._answered.move_to_end(key)
         while len(self._answered) > self.dedup_size:
             self._answered.popitem(last=False)
+
+
+def _uncancel(task: asyncio.Task[object] | None) -> int:
+    """Withdraw one cancellation request of ``task``; how many remain."""
+    return task.uncancel() if task is not None else 0
+
+
+async def _set_after(tasks: list[asyncio.Task[None]], event: asyncio.Event) -> None:
+    """Set ``event`` once every task in ``tasks`` is done (or this is cancelled)."""
+    try:
+        if tasks:
+            await asyncio.wait(tasks)
+    finally:
+        event.set()

@@ -22,6 +22,29 @@ def test_subjects_follow_the_design() -> None:
     assert s.events("planner", "s-42") == "fleet.events.planner.s-42"
     assert s.all_events() == "fleet.events.>"
     assert s.all_events("planner") == "fleet.events.planner.*"
+    assert s.tool_control("calculator") == "fleet.tool.calculator.control"
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` is one token, ``>`` one or more at the end."""
+    want, got = pattern.split("."), subject.split(".")
+    for i, token in enumerate(want):
+        if token == ">":
+            return len(got) > i
+        if i >= len(got) or token not in ("*", got[i]):
+            return False
+    return len(want) == len(got)
+
+
+def test_the_tool_control_subject_is_outside_the_tool_wildcard() -> None:
+    s = Subjects("acme.prod")
+    assert _matches(s.all_tools(), s.tool("control"))
+    assert _matches(s.all_tools(), s.tool("search"))
+    assert not _matches(s.all_tools(), s.tool_control("search"))
+    assert s.tool_control("search") != s.tool("control")
+    assert not s.tool_control("search").startswith("$SRV")
+    with pytest.raises(InvalidSubjectError, match="invalid tool name"):
+        s.tool_control("a.b")
 
 
 def test_the_prefix_separates_fleets() -> None:

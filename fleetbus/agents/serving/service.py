@@ -31,8 +31,12 @@ import hashlib
 import logging
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from fleetbus.agents.agent import Agent
 from fleetbus.agents.serving.sessions import Lease, SessionStatus, SessionStore
@@ -41,10 +45,11 @@ from fleetbus.bus import Bus, Lifecycle, Request
 from fleetbus.bus.subjects import check_name
 from fleetbus.errors import (
     BusError,
-    FleetbusError,
     InvalidSubjectError,
+    ProtocolError,
     SessionBusyError,
-    SessionLostError,
+    SessionLost,
+    StoreError,
 )
 from fleetbus.protocol import (
     AgentMessage,
@@ -61,6 +66,7 @@ from fleetbus.protocol import (
     ToolCall,
     ToolResult,
     UserRequest,
+    decode,
     error_reply,
     new_id,
     to_builtins,
@@ -125,6 +131,8 @@ class AgentService(Lifecycle):
         self.store: SessionStore | None = None
         super().__init__()
         self._running: dict[str, Agent] = {}
+        self._runs: dict[str, _Run] = {}
+        self._limiter = asyncio.Semaphore(concurrency)
         # One reply at a time per session in this replica; the lease does the
         # same across replicas.
         self._session_locks: dict[str, asyncio.Lock] = {}
@@ -140,8 +148,11 @@ class AgentService(Lifecycle):
         self.store = await SessionStore.open(
             self.bus, owner=self.replica_id, lease_ttl=self.lease_ttl
         )
+        recovery = self.store.recovery(self.name, self._take_over, interval=self.recover_interval)
+        await recovery.start()
         subjects = self.bus.subjects
         limiter = asyncio.Semaphore(self.concurrency)
+        self._limiter = limiter
         ready = [asyncio.Event() for _ in range(2 + len(self.topics))]
         async with asyncio.TaskGroup() as tg:
             tg.create_task(
@@ -181,7 +192,7 @@ class AgentService(Lifecycle):
                 await event.wait()
             self._ready.set()
             logger.info("agent %s serving as %s", self.name, self.replica_id)
-            tg.create_task(self._recover_forever(limiter))
+            tg.create_task(recovery.run(self._stop))
 
     # -- the inbox -------------------------------------------------------------------
 
@@ -206,30 +217,37 @@ class AgentService(Lifecycle):
 
     async def _converse(
         self, message: AnyMessage, session_id: str | None, request: Request | None
-    ) -> Message:
+    ) -> Message | None:
+        """Serve a message that wants a reply. ``None`` (no answer from this
+        replica) when the session was lost meanwhile: its new owner answers."""
         session = session_id or new_id()
         try:
             check_name(session, what="session id")
         except InvalidSubjectError as exc:
             return self._error(message, "malformed", str(exc))
         assert self.store is not None
-        async with self._session_lock(session):
-            try:
-                lease = await self.store.acquire(
-                    self.name,
-                    session,
-                    fresh=self.agent.clone().state,
-                    reply_to=request.reply if request is not None else None,
-                    wait=self.busy_wait,
-                )
-            except SessionBusyError as exc:
-                return self._error(message, "overloaded", str(exc))
-            final = await self._run_reply(lease, message, session)
-        if final is None:
-            return self._error(
-                message, "internal", f"session {session} was taken over by another replica"
-            )
-        return final
+        run = self._runs.setdefault(session, _Run())
+        run.users += 1
+        try:
+            async with self._session_lock(session):
+                try:
+                    lease = await self.store.acquire(
+                        self.name,
+                        session,
+                        fresh=self.agent.clone().state,
+                        reply_to=request.reply if request is not None else None,
+                        pending_input=to_builtins(message),
+                        wait=self.busy_wait,
+                    )
+                except SessionBusyError as exc:
+                    return self._error(message, "overloaded", str(exc))
+                except StoreError as exc:
+                    return self._error(message, "internal", f"the session store failed: {exc}")
+                return await self._run_reply(lease, message, session, run)
+        finally:
+            run.users -= 1
+            if not run.users:
+                self._runs.pop(session, None)
 
     @contextlib.asynccontextmanager
     async def _session_lock(self, session: str) -> AsyncIterator[None]:
@@ -246,65 +264,136 @@ class AgentService(Lifecycle):
                 del self._lock_users[session]
                 del self._session_locks[session]
 
-    async def _run_reply(self, lease: Lease, inputs: Any, session: str) -> FinalAnswer | None:
-        """Run (or continue, with ``inputs=None``) a reply holding ``lease``;
-        store and publish its end. ``None`` if the session was lost."""
-        assert self.store is not None
-        store = self.store
+    async def _run_reply(
+        self, lease: Lease, inputs: AnyMessage | None, session: str, run: _Run
+    ) -> FinalAnswer | None:
+        """Serve ``inputs`` (``None``: a take-over) holding ``lease``: first what
+        a dead owner left — the reply it was running, the request it had not
+        recorded — then ``inputs``; store and publish each end, release the
+        lease. ``None`` if the session was lost meanwhile (one log line: the
+        new owner answers)."""
+        record = lease.record
+        if inputs is None:  # a take-over: the request being served is in the head
+            orphan, orphan_to = record.pending_input, record.reply_to
+        else:
+            orphan, orphan_to = lease.orphan_input, lease.orphan_reply_to
+        recording = [False]
+        deadline = self.lease_ttl
 
         async def checkpoint(state: AgentState) -> None:
-            await store.save(lease, state=state, status="running")
+            await self._save(lease, deadline, state=state, input_recorded=recording[0])
 
-        agent = self.agent.clone(state=lease.record.state, checkpoint=checkpoint)
+        agent = self.agent.clone(state=record.state, checkpoint=checkpoint)
+        # (input, who waits for its answer, whether it is the pending input)
+        phases: list[tuple[Any, str | None, bool]] = []
+        orphan_message = _decode_input(orphan)
+        if agent.state.reply is not None and not agent.state.paused:
+            phases.append((None, orphan_to if orphan_message is None else None, False))
+        if orphan_message is not None:
+            phases.append((orphan_message, orphan_to, inputs is None))
+        if inputs is not None:
+            phases.append((inputs, None, True))
         events = self.bus.subjects.events(self.name, session)
         self._running[session] = agent
         final: FinalAnswer | None = None
         lost = False
-        unfinished = inputs is not None and agent.state.reply is not None and not agent.state.paused
         try:
             async with asyncio.TaskGroup() as tg:
                 renewing = tg.create_task(self._renew(lease))
                 try:
-                    if unfinished:
-                        # A reply cut short by a crash: finish it before the new input.
-                        earlier = await self._stream(agent, None, session, events)
-                        if lease.record.reply_to and earlier is not None:
-                            await self._publish(lease.record.reply_to, earlier)
-                    final = await self._stream(agent, inputs, session, events)
+                    for phase_input, answer_to, pending in phases:
+                        recording[0] = pending
+                        if isinstance(phase_input, AgentMessage) and not phase_input.reply:
+                            await agent.observe(phase_input)
+                            continue
+                        final = await self._stream(agent, phase_input, session, events, run)
+                        if answer_to and final is not None:
+                            await self._publish(answer_to, final)
                 finally:
                     renewing.cancel()
-        except* SessionLostError:
-            logger.warning("%s: session %s was taken over; stopping", self.name, session)
+        except* SessionLost:
             lost = True
         finally:
             self._running.pop(session, None)
-        if lost or final is None:
-            return None
-        status = _STATUS.get(final.finished_reason, "done")
-        try:
-            await store.save(
-                lease, state=agent.state, status=status, final=to_builtins(final), release=True
+        if lost:
+            run.cancelled = False
+            logger.warning(
+                "%s: session %s was lost to another replica; stopping", self.name, session
             )
-        except SessionLostError:
-            logger.warning("%s: session %s was taken over at its end", self.name, session)
             return None
+        if final is None:
+            status: SessionStatus = "paused" if agent.state.paused else "idle"
+        else:
+            status = _STATUS.get(final.finished_reason, "done")
+        try:
+            await self._save(
+                lease,
+                deadline,
+                state=agent.state,
+                status=status,
+                final=to_builtins(final) if final is not None else None,
+                release=True,
+            )
+        except SessionLost:
+            logger.warning("%s: session %s was lost at its end", self.name, session)
+            return None
+        finally:
+            run.cancelled = False  # a cancel ends the reply it found, not later ones
         return final
 
+    async def _save(self, lease: Lease, deadline: float, **what: Any) -> None:
+        """Save, retrying a failing store for up to ``deadline`` seconds; past
+        that this replica cannot vouch for the session any more: it stops."""
+        assert self.store is not None
+        delay = 0.05
+        started = time.monotonic()
+        while True:
+            try:
+                await self.store.save(lease, **what)
+                return
+            except StoreError as exc:
+                if time.monotonic() - started >= deadline:
+                    record = lease.record
+                    raise SessionLost(
+                        f"session {record.session_id} could not be saved for {deadline:g} s: {exc}",
+                        agent=record.agent,
+                        session_id=record.session_id,
+                    ) from exc
+                logger.warning("%s: saving session failed, retrying: %s", self.name, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
     async def _stream(
-        self, agent: Agent, inputs: Any, session: str, events: str
+        self, agent: Agent, inputs: Any, session: str, events: str, run: _Run
     ) -> FinalAnswer | None:
         final: FinalAnswer | None = None
-        async for item in agent.reply_stream(inputs, session_id=session):
-            if isinstance(item, FinalAnswer):
-                final = item
-            await self._publish(events, item)
+        stream = agent.reply_stream(inputs, session_id=session)
+        try:
+            async for item in stream:
+                if run.cancelled:
+                    agent.interrupt()  # a cancel that came before the reply ran (idempotent)
+                if isinstance(item, FinalAnswer):
+                    final = item
+                await self._publish(events, item)
+        finally:
+            await stream.aclose()
         return final
 
     async def _renew(self, lease: Lease) -> None:
         assert self.store is not None
         while True:
             await asyncio.sleep(self.lease_ttl / 3)
-            await self.store.renew(lease)
+            try:
+                await self.store.renew(lease)
+            except StoreError as exc:
+                if time.monotonic() - lease.renewed_at >= self.lease_ttl:
+                    record = lease.record
+                    raise SessionLost(
+                        f"the lease of session {record.session_id} could not be renewed: {exc}",
+                        agent=record.agent,
+                        session_id=record.session_id,
+                    ) from exc
+                logger.warning("%s: lease renewal failed, retrying: %s", self.name, exc)
 
     async def _publish(self, subject: str, message: Message) -> None:
         try:
@@ -320,12 +409,31 @@ class AgentService(Lifecycle):
             return self._error(message, "malformed", str(exc))
         assert self.store is not None
         async with self._session_lock(session):
-            try:
-                lease = await self.store.acquire(
-                    self.name, session, fresh=self.agent.clone().state, wait=self.busy_wait
+            while True:
+                try:
+                    lease = await self.store.acquire(
+                        self.name,
+                        session,
+                        fresh=self.agent.clone().state,
+                        pending_input=to_builtins(message),
+                        wait=self.busy_wait,
+                    )
+                except SessionBusyError as exc:
+                    return self._error(message, "overloaded", str(exc))
+                except StoreError as exc:
+                    return self._error(message, "internal", f"the session store failed: {exc}")
+                state = lease.record.state
+                if lease.orphan_input is None and (state.reply is None or state.paused):
+                    break
+                # A dead owner left work in this session: finish it, then observe.
+                lease.record = lease.record.model_copy(
+                    update={
+                        "pending_input": lease.orphan_input,
+                        "reply_to": lease.orphan_reply_to,
+                    }
                 )
-            except SessionBusyError as exc:
-                return self._error(message, "overloaded", str(exc))
+                if await self._run_reply(lease, None, session, _Run()) is None:
+                    return self._error(message, "internal", f"session {session} was lost")
             agent = self.agent.clone(state=lease.record.state)
             await agent.observe(message)
             previous = lease.previous
@@ -333,8 +441,10 @@ class AgentService(Lifecycle):
                 "paused" if agent.state.paused else "idle" if previous == "running" else previous
             )
             try:
-                await self.store.save(lease, state=agent.state, status=status, release=True)
-            except SessionLostError as exc:
+                await self._save(
+                    lease, self.lease_ttl, state=agent.state, status=status, release=True
+                )
+            except SessionLost as exc:
                 return self._error(message, "internal", str(exc))
         return Event(
             sender=self.replica_id,
@@ -363,7 +473,7 @@ class AgentService(Lifecycle):
         await self._observe(observed)
         return None
 
-    async def _as_tool(self, call: ToolCall) -> Message:
+    async def _as_tool(self, call: ToolCall) -> Message | None:
         text = call.parameters.get("request")
         if not isinstance(text, str) or not text.strip():
             return _tool_result(
@@ -395,12 +505,17 @@ class AgentService(Lifecycle):
                 None if ok else "tool_error",
                 None if ok else f"{answer.finished_reason}: {answer.content}",
             )
+        if answer is None:  # lost to another replica: the caller's retry finds its answer
+            return None
         assert isinstance(answer, ErrorMessage)
         return _tool_result(call, self.replica_id, "error", None, "tool_error", answer.message)
 
     async def _control(self, request: Request) -> Message | None:
         message = request.message
         if isinstance(message, Cancel) and message.session_id:
+            run = self._runs.get(message.session_id)
+            if run is not None:
+                run.cancelled = True
             agent = self._running.get(message.session_id)
             if agent is not None:
                 logger.info("%s: cancelling session %s", self.name, message.session_id)
@@ -409,41 +524,53 @@ class AgentService(Lifecycle):
 
     # -- taking sessions over ---------------------------------------------------------
 
-    async def _recover_forever(self, limiter: asyncio.Semaphore) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.recover_interval):
-                    await self._stop.wait()
-            if self._stop.is_set():
-                return
-            try:
-                await self._recover_once(limiter)
-            except FleetbusError as exc:
-                logger.warning("%s: recovery scan failed: %s", self.name, exc)
-
-    async def _recover_once(self, limiter: asyncio.Semaphore) -> None:
+    async def _take_over(self, session: str, lease_revision: int) -> None:
+        """Recovery found ``session`` left running by a dead owner."""
         assert self.store is not None
-        for record in await self.store.stale(self.name):
+        async with self._session_lock(session):
             try:
-                lease = await self.store.acquire(self.name, record.session_id, take_over=True)
+                lease = await self.store.acquire(
+                    self.name, session, take_over=True, lease_revision=lease_revision
+                )
             except SessionBusyError:
-                continue  # another replica was faster
+                return  # another replica was faster, or it ended meanwhile
             logger.warning(
                 "%s: taking over session %s from %s at step %d",
                 self.name,
-                record.session_id,
-                record.owner,
-                record.step,
+                session,
+                lease.record.owner,
+                lease.record.step,
             )
-            async with limiter:
-                reply_to = record.reply_to
-                final = await self._run_reply(lease, None, record.session_id)
-            if final is not None and reply_to:
-                # The original requester may still wait on its inbox.
-                await self._publish(reply_to, final)
+            run = self._runs.setdefault(session, _Run())
+            run.users += 1
+            try:
+                async with self._limiter:
+                    await self._run_reply(lease, None, session, run)
+            finally:
+                run.users -= 1
+                if not run.users:
+                    self._runs.pop(session, None)
 
     def _error(self, about: AnyMessage, code: ErrorCode, text: str) -> ErrorMessage:
         return error_reply(about, code, text, source=self.replica_id)
+
+
+@dataclass
+class _Run:
+    """The requests of one session in this replica, and whether a cancel came."""
+
+    users: int = 0
+    cancelled: bool = False
+
+
+def _decode_input(data: dict[str, Any] | None) -> AnyMessage | None:
+    if data is None:
+        return None
+    try:
+        return decode(orjson.dumps(data))
+    except ProtocolError as exc:
+        logger.warning("a recorded request is unreadable, dropped: %s", exc)
+        return None
 
 
 def _text_blocks(text: str) -> list[Any]:

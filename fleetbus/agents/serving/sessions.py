@@ -1,13 +1,33 @@
-"""Agent sessions in a JetStream KV bucket: state, status, and a lease.
+"""Agent sessions in JetStream: state written ahead, a lease apart, recovery
+without scans.
 
-Each session of each agent is one key, ``<agent>.<session_id>``, holding a
-:class:`SessionRecord`: the :class:`AgentState`, a status (``idle``,
-``running``, ``paused``, ``done``, ``error``), the final answer of the last
-reply, and a lease (owner and expiry). Every write is a compare-and-set on
-the revision last read, so two replicas never both advance one session: the
-one whose write fails has lost it. A lease whose owner died expires after
-``lease_ttl`` seconds, and another replica can take the session over from its
-last saved step.
+Three KV buckets and an object store hold the sessions of a fleet's agents:
+
+``<prefix>_sessions`` — the *head* of each session, key ``<agent>.<session_id>``:
+    status (``idle``, ``running``, ``paused``, ``done``, ``error``), the last
+    final answer, the request being served (its reply subject and, until the
+    reply has recorded it, the input itself), the state without its memory
+    (summary, plan, permissions, the reply in progress), the newest messages
+    (the *tail*), and the list of sealed memory chunks. Every write is a
+    compare-and-set on the revision last read.
+``<prefix>_session_chunks`` — older memory, key ``<agent>.<session>.<epoch>.<n>``:
+    when the tail passes :data:`CHUNK_BYTES` it is sealed into a chunk, written
+    once and never again. A step therefore writes what it added plus the head
+    (bounded), whatever the length of the conversation; compression, which
+    rewrites memory, starts a new set of chunks.
+``<prefix>_session_leases`` — the lease, key ``<agent>.<session_id>``: a small
+    record renewed by compare-and-set without touching the state. Its revision
+    at acquisition is the owner's *epoch*, part of every chunk key, so an old
+    owner that has not noticed its loss can never overwrite what the new owner
+    references.
+``<prefix>_session_blobs`` — any head or chunk larger than the server's
+    ``max_payload`` allows is stored here and referenced, transparently: no
+    session size is limited by ``max_payload``.
+
+Recovery finds sessions whose owner stopped renewing without listing the
+store: :class:`Recovery` follows lease writes through a plain subscription
+(no JetStream consumer), keeps a timer per running session, and confirms a
+silent lease by reading it before taking the session over.
 """
 
 from __future__ import annotations
@@ -15,29 +35,55 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, Field
 
 from fleetbus.agents.state import AgentState
-from fleetbus.bus import Bus, KeyValueStore, key_value
+from fleetbus.bus import Bus, KeyUpdates, KeyValueStore, ObjectStore, key_value, object_store
 from fleetbus.errors import (
+    FleetbusError,
     KeyNotFoundError,
     RevisionMismatchError,
     SessionBusyError,
-    SessionLostError,
+    SessionLost,
+    StoreError,
 )
-from fleetbus.protocol import utc_now
+from fleetbus.protocol import new_id, utc_now
 
-__all__ = ["Lease", "SessionRecord", "SessionStatus", "SessionStore"]
+__all__ = [
+    "CHUNK_BYTES",
+    "Lease",
+    "Recovery",
+    "SessionRecord",
+    "SessionStatus",
+    "SessionStore",
+]
 
 logger = logging.getLogger(__name__)
 
 SessionStatus = Literal["idle", "running", "paused", "done", "error"]
 
-_BUCKET = "sessions"
+CHUNK_BYTES = 16 * 1024
+"""The tail of memory kept in the head is sealed into a chunk past this size."""
+
+_HEADS = "sessions"
+_CHUNKS = "session_chunks"
+_LEASES = "session_leases"
+_BLOBS = "session_blobs"
+_FORMAT = 2
+_BLOB_REF = b'{"$blob":'
+_LEASE_KEEP = 24 * 3600.0
+"""Seconds the lease bucket keeps a record (renewals keep live ones fresh);
+a session left running while no replica of its agent ran for longer than
+this is resumed by its next message instead of by recovery."""
+_HEADROOM = 16 * 1024
+"""Bytes kept free below ``max_payload`` for headers and framing."""
 
 
 class SessionRecord(BaseModel):
@@ -48,15 +94,17 @@ class SessionRecord(BaseModel):
     status: SessionStatus = "idle"
     state: AgentState
     owner: str | None = None
-    """The replica holding the lease."""
-    lease_until: float | None = None
-    """Unix time the lease expires."""
+    """The replica holding (or last holding) the lease."""
     created_at: datetime = Field(default_factory=utc_now)
     updated_at: datetime = Field(default_factory=utc_now)
     final: dict[str, Any] | None = None
     """The ``final_answer`` of the last reply, as JSON."""
     reply_to: str | None = None
     """Where the request being served wants its answer (for a take-over)."""
+    pending_input: dict[str, Any] | None = None
+    """The request being served, as JSON, until the reply has recorded it."""
+    messages: int = 0
+    """How many messages memory holds."""
 
     @property
     def step(self) -> int:
@@ -64,61 +112,229 @@ class SessionRecord(BaseModel):
         reply = self.state.reply
         return reply.iteration if reply is not None else 0
 
-    def leased(self, now: float | None = None) -> bool:
-        """Whether some replica holds a lease that has not expired."""
-        now = time.time() if now is None else now
-        return self.owner is not None and (self.lease_until or 0.0) > now
-
 
 @dataclass
 class Lease:
-    """A session held by this replica: the record and the revision to write on."""
+    """A session held by this replica: the record, the revisions to write on,
+    and what of memory is already stored."""
 
     record: SessionRecord
     revision: int
+    """The head's revision."""
+    lease_revision: int
+    epoch: int
+    """The lease's revision when it was taken: this owner's epoch."""
     previous: SessionStatus = "idle"
     """The status before this lease was taken."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    persisted: list[str] = field(default_factory=list)
+    """``msg_id`` of every stored message, in order."""
+    tail: list[dict[str, Any]] = field(default_factory=list)
+    tail_bytes: int = 0
+    chunks: list[list[int]] = field(default_factory=list)
+    """Sealed chunks as ``[epoch, first, last]`` ranges."""
+    next_chunk: int = 0
+    seq: int = 0
+    """Head writes by this owner (recognises a write that landed unacknowledged)."""
+    blob: str | None = None
+    """The object holding the head, when it did not fit in a KV value."""
+    renewals: int = 0
+    renewed_at: float = field(default_factory=time.monotonic)
+    orphan_input: dict[str, Any] | None = None
+    """A request a dead owner had taken but not recorded (served first)."""
+    orphan_reply_to: str | None = None
+    """Where the request the dead owner was serving wants its answer."""
 
 
 def session_key(agent: str, session_id: str) -> str:
-    """The KV key of a session."""
+    """The KV key of a session (head and lease)."""
     return f"{agent}.{session_id}"
 
 
+def _chunk_key(key: str, epoch: int, n: int) -> str:
+    return f"{key}.{epoch}.{n}"
+
+
 class SessionStore:
-    """Sessions of the fleet's agents, with compare-and-set and leases.
+    """Sessions of the fleet's agents: compare-and-set heads, chunked memory,
+    leases apart.
 
     Args:
-        kv: the bucket.
+        bus: the connection.
+        heads: the sessions bucket.
+        chunks: the memory chunks bucket.
+        leases: the leases bucket.
         owner: this replica's id (written into the leases it takes).
-        lease_ttl: seconds a lease lasts without renewal.
+        lease_ttl: seconds a lease may go unrenewed before another replica
+            may take the session over.
+        cache_size: sessions whose last stored state is kept in memory, so
+            that the next message of a session skips reading its chunks.
     """
 
-    def __init__(self, kv: KeyValueStore, *, owner: str, lease_ttl: float = 10.0) -> None:
-        self.kv = kv
+    def __init__(
+        self,
+        bus: Bus,
+        heads: KeyValueStore,
+        chunks: KeyValueStore,
+        leases: KeyValueStore,
+        *,
+        owner: str,
+        lease_ttl: float = 10.0,
+        cache_size: int = 256,
+    ) -> None:
+        self.bus = bus
+        self.heads = heads
+        self.chunks = chunks
+        self.leases = leases
         self.owner = owner
         self.lease_ttl = lease_ttl
+        self._cache: OrderedDict[str, tuple[int, Lease]] = OrderedDict()
+        self._cache_size = cache_size
+        self._blobs: ObjectStore | None = None
+        self._inline_limit = max(4096, bus.max_payload - _HEADROOM)
 
     @classmethod
     async def open(cls, bus: Bus, *, owner: str, lease_ttl: float = 10.0) -> SessionStore:
-        """The fleet's session bucket (created on first use).
+        """The fleet's session buckets (created on first use).
 
         Raises:
-            StoreError: JetStream is off or the bucket cannot be opened.
+            StoreError: JetStream is off or a bucket cannot be opened.
         """
-        return cls(await key_value(bus, _BUCKET), owner=owner, lease_ttl=lease_ttl)
+        heads = await key_value(bus, _HEADS)
+        chunks = await key_value(bus, _CHUNKS)
+        leases = await key_value(bus, _LEASES, ttl=_LEASE_KEEP)
+        return cls(bus, heads, chunks, leases, owner=owner, lease_ttl=lease_ttl)
+
+    # -- values that may not fit in one message ------------------------------------
+
+    async def _blob_store(self) -> ObjectStore:
+        if self._blobs is None:
+            self._blobs = await object_store(self.bus, _BLOBS)
+        return self._blobs
+
+    async def _pack(self, key: str, data: bytes) -> tuple[bytes, str | None]:
+        """``data`` as a KV value: itself, or a reference to a new object."""
+        if len(data) <= self._inline_limit:
+            return data, None
+        name = f"{key}.{new_id()}"
+        await (await self._blob_store()).put(name, data)
+        return orjson.dumps({"$blob": name}), name
+
+    async def _unpack(self, value: bytes) -> tuple[bytes, str | None]:
+        if not value.startswith(_BLOB_REF):
+            return value, None
+        name = str(orjson.loads(value)["$blob"])
+        try:
+            return await (await self._blob_store()).get(name), name
+        except KeyNotFoundError:
+            raise StoreError(f"session data {name} is missing from the object store") from None
+
+    async def _drop_blob(self, name: str | None) -> None:
+        if name is None:
+            return
+        try:
+            await (await self._blob_store()).delete(name)
+        except (KeyNotFoundError, StoreError) as exc:
+            logger.debug("blob %s not deleted: %s", name, exc)
+
+    # -- reading -------------------------------------------------------------------
+
+    async def _read_head(self, key: str) -> tuple[int, dict[str, Any], str | None] | None:
+        entry = await self.heads.get_or_none(key)
+        if entry is None or not entry.value:
+            return None
+        data, blob = await self._unpack(entry.value)
+        head: dict[str, Any] = orjson.loads(data)
+        return entry.revision, head, blob
+
+    async def _load(self, key: str, revision: int, head: dict[str, Any], blob: str | None) -> Lease:
+        """The record of a head, memory read from its chunks (or the cache)."""
+        cached = self._cache.get(key)
+        if cached is not None and cached[0] == revision:
+            self._cache.move_to_end(key)
+            return _copy_lease(cached[1])
+        if "format" not in head:  # a session stored whole, before chunks existed
+            record = SessionRecord.model_validate(head)
+            return Lease(record, revision, 0, 0, persisted=[])
+        ranges: list[list[int]] = head.get("chunks", [])
+        keys = [_chunk_key(key, e, n) for e, first, last in ranges for n in range(first, last + 1)]
+        parts = await asyncio.gather(*(self._read_chunk(k) for k in keys))
+        memory: list[Any] = [m for part in parts for m in part]
+        tail: list[dict[str, Any]] = head.get("tail", [])
+        memory.extend(tail)
+        state = AgentState.model_validate({**head["state"], "memory": memory})
+        record = SessionRecord(
+            agent=head["agent"],
+            session_id=head["session_id"],
+            status=head["status"],
+            state=state,
+            owner=head.get("owner"),
+            created_at=head["created_at"],
+            updated_at=head["updated_at"],
+            final=head.get("final"),
+            reply_to=head.get("reply_to"),
+            pending_input=head.get("pending_input"),
+            messages=len(memory),
+        )
+        return Lease(
+            record,
+            revision,
+            0,
+            int(head.get("epoch", 0)),
+            persisted=[m.msg_id for m in state.memory],
+            tail=tail,
+            tail_bytes=len(orjson.dumps(tail)),
+            chunks=ranges,
+            seq=int(head.get("seq", 0)),
+            blob=blob,
+        )
+
+    async def _read_chunk(self, key: str) -> list[Any]:
+        entry = await self.chunks.get_or_none(key)
+        if entry is None:
+            raise StoreError(f"memory chunk {key} of a session is missing")
+        data, _ = await self._unpack(entry.value)
+        part: list[Any] = orjson.loads(data)
+        return part
 
     async def get(self, agent: str, session_id: str) -> SessionRecord | None:
-        """A session as stored, or ``None``.
+        """A session as stored (memory and all), or ``None``.
 
         Raises:
             StoreError: the read failed.
         """
-        entry = await self.kv.get_or_none(session_key(agent, session_id))
-        if entry is None:
+        key = session_key(agent, session_id)
+        read = await self._read_head(key)
+        if read is None:
             return None
-        return SessionRecord.model_validate_json(entry.value)
+        return (await self._load(key, *read)).record
+
+    async def records(self, agent: str | None = None) -> list[SessionRecord]:
+        """Every session (of one agent), most recently updated first.
+
+        One listing that creates no consumer on the server, then one read
+        per session (and its chunks). For people and tools, not for loops.
+
+        Raises:
+            StoreError: the bucket failed.
+        """
+        records = []
+        pattern = f"{agent}.*" if agent is not None else ">"
+        for key in await self.heads.subjects(pattern):
+            try:
+                read = await self._read_head(key)
+                if read is not None:
+                    records.append((await self._load(key, *read)).record)
+            except (ValueError, StoreError) as exc:
+                logger.warning("session %s is unreadable: %s", key, exc)
+        return sorted(records, key=lambda r: r.updated_at, reverse=True)
+
+    # -- the lease -------------------------------------------------------------------
+
+    def _lease_value(self, epoch: int, renewals: int) -> bytes:
+        return orjson.dumps(
+            {"owner": self.owner, "epoch": epoch, "renewals": renewals, "ttl": self.lease_ttl}
+        )
 
     async def acquire(
         self,
@@ -127,31 +343,102 @@ class SessionStore:
         *,
         fresh: AgentState | None = None,
         reply_to: str | None = None,
+        pending_input: dict[str, Any] | None = None,
         wait: float = 0.0,
         take_over: bool = False,
+        lease_revision: int | None = None,
     ) -> Lease:
-        """Take the session's lease (creating the session if it is new).
+        """Take the session's lease, then fence its head (creating the session
+        if it is new): from then on only this replica's writes land.
 
         Args:
             agent: the agent's name.
             session_id: the session.
             fresh: the state a new session starts with.
             reply_to: where the request being served wants its answer.
-            wait: seconds to wait for another replica's lease to end.
-            take_over: only take a session whose lease has expired while it
-                was running (recovery); never create one.
+            pending_input: the request being served (JSON), stored with the
+                lease so that a take-over can serve it if this replica dies
+                before the reply has recorded it.
+            wait: seconds to wait for another replica's lease to end. A lease
+                that goes unrenewed for longer than ``lease_ttl`` meanwhile is
+                taken (its owner died).
+            take_over: only take a session left running by a dead owner
+                (recovery); never create one.
+            lease_revision: with ``take_over``, the lease revision found
+                silent: the take-over happens only if it is still current.
 
         Raises:
-            SessionBusyError: another replica holds the lease after ``wait``.
-            StoreError: the bucket failed.
+            SessionBusyError: another replica holds the lease after ``wait``,
+                or (``take_over``) the session needs no take-over.
+            StoreError: a bucket failed.
         """
         key = session_key(agent, session_id)
         deadline = time.monotonic() + wait
         delay = 0.02
+        seen: tuple[int, float] | None = None
         while True:
-            entry = await self.kv.get_or_none(key)
-            now = time.time()
-            if entry is None:
+            entry = await self.leases.get_or_none(key)
+            holder = _lease_owner(entry.value) if entry is not None else None
+            if entry is not None and holder is not None and holder != self.owner:
+                if take_over:
+                    if entry.revision != lease_revision:
+                        raise SessionBusyError(
+                            f"session {session_id} of {agent} needs no take-over",
+                            agent=agent,
+                            session_id=session_id,
+                        )
+                else:
+                    now = time.monotonic()
+                    if seen is None or seen[0] != entry.revision:
+                        seen = (entry.revision, now)
+                    if now - seen[1] <= self.lease_ttl:  # alive; else its owner died
+                        if now >= deadline:
+                            raise SessionBusyError(
+                                f"session {session_id} of {agent} is being run by {holder}",
+                                agent=agent,
+                                session_id=session_id,
+                            )
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 0.25)
+                        continue
+            elif take_over and entry is not None and entry.revision != lease_revision:
+                raise SessionBusyError(
+                    f"session {session_id} of {agent} needs no take-over",
+                    agent=agent,
+                    session_id=session_id,
+                )
+            value = self._lease_value(0, 0)
+            try:
+                if entry is None:
+                    revision = await self.leases.create(key, value)
+                else:
+                    revision = await self.leases.update(key, value, revision=entry.revision)
+            except RevisionMismatchError:
+                continue  # someone else moved first: look again
+            try:
+                return await self._fence(
+                    key, agent, session_id, revision, fresh, reply_to, pending_input, take_over
+                )
+            except BaseException:
+                await self._drop_lease(key, revision)
+                raise
+
+    async def _fence(
+        self,
+        key: str,
+        agent: str,
+        session_id: str,
+        epoch: int,
+        fresh: AgentState | None,
+        reply_to: str | None,
+        pending_input: dict[str, Any] | None,
+        take_over: bool,
+    ) -> Lease:
+        """Write the head as this owner's (epoch), so that a previous owner's
+        late writes fail their compare-and-set."""
+        for _ in range(8):
+            read = await self._read_head(key)
+            if read is None:
                 if take_over:
                     raise SessionBusyError(
                         f"session {session_id} of {agent} no longer exists",
@@ -164,48 +451,78 @@ class SessionStore:
                     state=fresh or AgentState(agent_name=agent),
                     status="running",
                     owner=self.owner,
-                    lease_until=now + self.lease_ttl,
                     reply_to=reply_to,
+                    pending_input=pending_input,
                 )
+                lease = Lease(record, 0, epoch, epoch)
                 try:
-                    revision = await self.kv.create(key, record.model_dump_json().encode())
+                    await self._write_head(lease, record, record.state, create=True)
                 except RevisionMismatchError:
-                    continue  # created by someone else in between: read it
-                return Lease(record, revision)
-            record = SessionRecord.model_validate_json(entry.value)
-            busy = record.leased(now) and record.owner != self.owner
-            if take_over and (record.status != "running" or record.leased(now)):
+                    continue
+                return lease
+            lease = await self._load(key, *read)
+            record = lease.record
+            if take_over and record.status != "running":
                 raise SessionBusyError(
                     f"session {session_id} of {agent} needs no take-over",
                     agent=agent,
                     session_id=session_id,
                 )
-            if not busy:
-                previous = record.status
-                record = record.model_copy(
-                    update={
-                        "status": "running",
-                        "owner": self.owner,
-                        "lease_until": now + self.lease_ttl,
-                        "updated_at": utc_now(),
-                        "reply_to": record.reply_to if take_over else reply_to,
-                    }
-                )
-                try:
-                    revision = await self.kv.update(
-                        key, record.model_dump_json().encode(), revision=entry.revision
-                    )
-                except RevisionMismatchError:
-                    continue
-                return Lease(record, revision, previous)
-            if time.monotonic() >= deadline:
-                raise SessionBusyError(
-                    f"session {session_id} of {agent} is being run by {record.owner}",
-                    agent=agent,
-                    session_id=session_id,
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.25)
+            lease.previous = record.status
+            if not take_over and record.status == "running":  # its owner died
+                lease.orphan_input, lease.orphan_reply_to = record.pending_input, record.reply_to
+            lease.epoch = lease.lease_revision = epoch
+            lease.next_chunk = 0
+            lease.seq = 0
+            update: dict[str, Any] = {"status": "running", "owner": self.owner}
+            if not take_over:
+                update.update(reply_to=reply_to, pending_input=pending_input)
+            try:
+                await self._write_head(lease, record.model_copy(update=update), record.state)
+            except RevisionMismatchError:
+                continue
+            return lease
+        raise SessionBusyError(
+            f"session {session_id} of {agent} keeps changing under this replica",
+            agent=agent,
+            session_id=session_id,
+        )
+
+    async def renew(self, lease: Lease) -> None:
+        """Extend the lease (a small write; the state is not touched).
+
+        Raises:
+            SessionLost: the lease was taken over.
+            StoreError: the bucket failed (the lease may still be ours).
+        """
+        record = lease.record
+        key = session_key(record.agent, record.session_id)
+        value = self._lease_value(lease.epoch, lease.renewals + 1)
+        try:
+            lease.lease_revision = await self.leases.update(
+                key, value, revision=lease.lease_revision
+            )
+        except RevisionMismatchError:
+            entry = await self.leases.get_or_none(key)
+            if entry is None or entry.value != value:
+                raise SessionLost(
+                    f"session {record.session_id} of {record.agent} was taken over",
+                    agent=record.agent,
+                    session_id=record.session_id,
+                ) from None
+            lease.lease_revision = entry.revision  # our write landed, unacknowledged
+        lease.renewals += 1
+        lease.renewed_at = time.monotonic()
+
+    async def _drop_lease(self, key: str, revision: int) -> None:
+        try:
+            await self.leases.delete(key, revision=revision)
+        except RevisionMismatchError:
+            logger.info("lease of %s was taken over before its release", key)
+        except StoreError as exc:
+            logger.warning("lease of %s not released (it will lapse): %s", key, exc)
+
+    # -- writing -----------------------------------------------------------------------
 
     async def save(
         self,
@@ -215,78 +532,366 @@ class SessionStore:
         status: SessionStatus | None = None,
         final: dict[str, Any] | None = None,
         release: bool = False,
+        input_recorded: bool = False,
     ) -> None:
-        """Write the session (compare-and-set), renewing or releasing the lease.
+        """Write the session (compare-and-set): the memory added since the last
+        write, the rest of the state, and the status; maybe release the lease.
+
+        Args:
+            lease: the session held.
+            state: the state now (its memory is diffed against what is stored).
+            status: the new status.
+            final: the final answer of the reply that ended.
+            release: give the lease up (the reply is over).
+            input_recorded: the pending input is in ``state`` now.
 
         Raises:
-            SessionLostError: someone else wrote it since: this replica no
-                longer owns the session.
+            SessionLost: someone else wrote the session since: this replica no
+                longer owns it.
             StoreError: the bucket failed.
         """
         async with lease.lock:
-            record = lease.record
             update: dict[str, Any] = {"updated_at": utc_now()}
-            if state is not None:
-                update["state"] = state
             if status is not None:
                 update["status"] = status
             if final is not None:
                 update["final"] = final
             if release:
-                update.update(owner=None, lease_until=None, reply_to=None)
+                update.update(reply_to=None, pending_input=None)
+            if input_recorded:
+                update["pending_input"] = None
+            record = lease.record.model_copy(update=update)
+            await self._write_head(lease, record, state or lease.record.state)
+            if release:
+                key = session_key(record.agent, record.session_id)
+                await self._drop_lease(key, lease.lease_revision)
+                self._remember(key, lease, state)
+
+    async def _write_head(
+        self, lease: Lease, record: SessionRecord, state: AgentState, *, create: bool = False
+    ) -> None:
+        """Store memory added since the last write and the head; commit the
+        bookkeeping to ``lease`` only once the head write landed."""
+        key = session_key(record.agent, record.session_id)
+        memory = state.memory
+        persisted = lease.persisted
+        n = len(persisted)
+        obsolete: list[str] = []
+        tail, tail_bytes, chunks, next_chunk = (
+            lease.tail,
+            lease.tail_bytes,
+            lease.chunks,
+            lease.next_chunk,
+        )
+        if len(memory) >= n and all(memory[i].msg_id == persisted[i] for i in range(n)):
+            added = memory[n:]
+            ids = persisted
+        else:  # memory was rewritten (compression): store it anew
+            obsolete = [_chunk_key(key, e, i) for e, a, b in chunks for i in range(a, b + 1)]
+            added, ids, tail, tail_bytes, chunks = list(memory), [], [], 0, []
+        if added:
+            ids = [*ids, *(m.msg_id for m in added)]
+            dumps = [m.model_dump(mode="json") for m in added]
+            tail = [*tail, *dumps]
+            tail_bytes += sum(len(orjson.dumps(d)) for d in dumps)
+        if tail_bytes > CHUNK_BYTES:
+            await self._write_chunk(_chunk_key(key, lease.epoch, next_chunk), tail)
+            chunks = _add_range(chunks, lease.epoch, next_chunk)
+            next_chunk += 1
+            tail, tail_bytes = [], 0
+        head = {
+            "format": _FORMAT,
+            "agent": record.agent,
+            "session_id": record.session_id,
+            "status": record.status,
+            "owner": record.owner,
+            "epoch": lease.epoch,
+            "seq": lease.seq + 1,
+            "created_at": record.created_at.isoformat(),
+            "updated_at": record.updated_at.isoformat(),
+            "final": record.final,
+            "reply_to": record.reply_to,
+            "pending_input": record.pending_input,
+            "state": state.model_dump(mode="json", exclude={"memory"}),
+            "chunks": chunks,
+            "tail": tail,
+        }
+        value, blob = await self._pack(key, orjson.dumps(head))
+        try:
+            if create:
+                revision = await self.heads.create(key, value)
             else:
-                update["lease_until"] = time.time() + self.lease_ttl
-            record = record.model_copy(update=update)
-            key = session_key(record.agent, record.session_id)
-            try:
-                lease.revision = await self.kv.update(
-                    key, record.model_dump_json().encode(), revision=lease.revision
-                )
-            except RevisionMismatchError as exc:
-                raise SessionLostError(
-                    f"session {record.session_id} of {record.agent} was taken over",
-                    agent=record.agent,
-                    session_id=record.session_id,
-                ) from exc
-            lease.record = record
+                revision = await self._update_head(lease, key, value)
+        except BaseException:
+            await self._drop_blob(blob)
+            raise
+        await self._drop_blob(lease.blob)
+        for chunk in obsolete:
+            await self._drop_chunk(chunk)
+        lease.revision, lease.seq, lease.blob = revision, lease.seq + 1, blob
+        lease.persisted, lease.tail, lease.tail_bytes = ids, tail, tail_bytes
+        lease.chunks, lease.next_chunk = chunks, next_chunk
+        lease.record = record.model_copy(update={"messages": len(ids)})
+        if lease.record.state is not state:
+            lease.record.state = state
 
-    async def renew(self, lease: Lease) -> None:
-        """Extend the lease.
+    async def _update_head(self, lease: Lease, key: str, value: bytes) -> int:
+        record = lease.record
+        try:
+            return await self.heads.update(key, value, revision=lease.revision)
+        except RevisionMismatchError:
+            read = await self._read_head(key)
+            if read is not None and (read[1].get("epoch"), read[1].get("seq")) == (
+                lease.epoch,
+                lease.seq + 1,
+            ):
+                return read[0]  # our write landed, unacknowledged
+            raise SessionLost(
+                f"session {record.session_id} of {record.agent} was taken over",
+                agent=record.agent,
+                session_id=record.session_id,
+            ) from None
 
-        Raises:
-            SessionLostError: the session was taken over.
-        """
-        await self.save(lease)
+    async def _write_chunk(self, key: str, messages: list[dict[str, Any]]) -> None:
+        value, _ = await self._pack(key, orjson.dumps(messages))
+        await self.chunks.put(key, value)
 
-    async def records(self, agent: str | None = None) -> list[SessionRecord]:
-        """Every session (of one agent), most recently updated first.
+    async def _drop_chunk(self, key: str) -> None:
+        try:
+            entry = await self.chunks.get_or_none(key)
+            if entry is not None and entry.value.startswith(_BLOB_REF):
+                await self._drop_blob(str(orjson.loads(entry.value)["$blob"]))
+            await self.chunks.delete(key)
+        except StoreError as exc:
+            logger.warning("memory chunk %s not deleted: %s", key, exc)
 
-        Raises:
-            StoreError: the bucket failed.
-        """
-        records = []
-        for key in await self.kv.keys():
-            if agent is not None and not key.startswith(f"{agent}."):
-                continue
-            try:
-                entry = await self.kv.get(key)
-            except KeyNotFoundError:
-                continue  # deleted meanwhile
-            try:
-                records.append(SessionRecord.model_validate_json(entry.value))
-            except ValueError as exc:
-                logger.warning("session %s is unreadable: %s", key, exc)
-        return sorted(records, key=lambda r: r.updated_at, reverse=True)
-
-    async def stale(self, agent: str) -> list[SessionRecord]:
-        """Sessions of ``agent`` left running by a replica whose lease expired."""
-        now = time.time()
-        return [r for r in await self.records(agent) if r.status == "running" and not r.leased(now)]
+    def _remember(self, key: str, lease: Lease, state: AgentState | None) -> None:
+        """Keep the state as stored, for the next message of this session."""
+        if self._cache_size <= 0:
+            return
+        kept = _copy_lease(lease)
+        if state is not None:
+            kept.record = kept.record.model_copy(update={"state": _copy_state(state)})
+        self._cache[key] = (lease.revision, kept)
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
 
     async def delete(self, agent: str, session_id: str) -> None:
-        """Forget a session.
+        """Forget a session: head, memory chunks, lease.
+
+        Raises:
+            StoreError: a bucket failed.
+        """
+        key = session_key(agent, session_id)
+        read = await self._read_head(key)
+        await self.heads.delete(key)
+        for chunk in await self.chunks.subjects(f"{key}.>"):
+            await self._drop_chunk(chunk)
+        if read is not None:
+            await self._drop_blob(read[2])
+        await self.leases.delete(key)
+        self._cache.pop(key, None)
+
+    def recovery(
+        self,
+        agent: str,
+        take_over: Callable[[str, int], Awaitable[None]],
+        *,
+        interval: float = 2.0,
+        resync_interval: float = 30.0,
+    ) -> Recovery:
+        """The recovery machinery of one agent (see :class:`Recovery`)."""
+        return Recovery(
+            self,
+            agent,
+            take_over,
+            interval=interval,
+            resync_interval=resync_interval,
+        )
+
+
+@dataclass
+class _Watched:
+    revision: int | None
+    """The lease revision confirmed by a read (None: only heard of)."""
+    since: float
+    """Monotonic time of the last sign of life."""
+
+
+class Recovery:
+    """Finds the sessions of ``agent`` whose owner stopped renewing its lease,
+    and hands each to ``take_over(session_id, lease_revision)``.
+
+    Lease writes are followed through a plain subscription (no JetStream
+    consumer); each running session has a timer, restarted by every renewal
+    heard. A lease silent for longer than ``lease_ttl`` is read; if it is
+    still at the revision read before, its owner is dead. Only leases of
+    running sessions exist, so idle sessions cost nothing. Every
+    ``resync_interval`` seconds (and after a reconnection) the lease keys of
+    the agent are listed — one request, no consumer — to learn of leases
+    whose writes were missed.
+
+    Args:
+        store: the session store.
+        agent: the agent's name.
+        take_over: called for each session found dead.
+        interval: seconds between checks of the timers.
+        resync_interval: seconds between listings of the lease keys.
+    """
+
+    def __init__(
+        self,
+        store: SessionStore,
+        agent: str,
+        take_over: Callable[[str, int], Awaitable[None]],
+        *,
+        interval: float = 2.0,
+        resync_interval: float = 30.0,
+    ) -> None:
+        self.store = store
+        self.agent = agent
+        self._take_over = take_over
+        self.interval = interval
+        self.resync_interval = resync_interval
+        self.watched: dict[str, _Watched] = {}
+        self._gone: set[str] = set()
+        self._updates = KeyUpdates(store.bus, store.leases, f"{agent}.*", self._heard)
+        self._prefix = f"{agent}."
+        self._reconnects = -1
+        self._resynced = 0.0
+
+    def _heard(self, key: str, value: bytes | None) -> None:
+        session = key[len(self._prefix) :]
+        owner = _lease_owner(value) if value else None
+        if owner is None:
+            self.watched.pop(session, None)
+            self._gone.add(session)
+            return
+        self._gone.discard(session)
+        watched = self.watched.get(session)
+        if watched is None:
+            self.watched[session] = _Watched(None, time.monotonic())
+        else:
+            watched.since = time.monotonic()
+
+    async def start(self) -> None:
+        """Follow the lease writes and learn the current leases.
+
+        Raises:
+            BusError: the subscription failed.
+            StoreError: the listing failed.
+        """
+        await self._updates.start()
+        await self._resync()
+
+    async def close(self) -> None:
+        """Stop following (the subscription is removed)."""
+        await self._updates.close()
+
+    async def _resync(self) -> None:
+        reconnects = self._updates.reconnects
+        if reconnects != self._reconnects:
+            self._gone.clear()  # writes may have been missed while away
+            self._reconnects = reconnects
+        self._resynced = time.monotonic()
+        for key in await self.store.leases.subjects(f"{self.agent}.*"):
+            session = key[len(self._prefix) :]
+            if session in self.watched or session in self._gone:
+                continue
+            entry = await self.store.leases.get_or_none(key)
+            if entry is None or _lease_owner(entry.value) is None:
+                self._gone.add(session)
+                continue
+            self.watched[session] = _Watched(entry.revision, time.monotonic())
+
+    async def check(self) -> None:
+        """Look at the timers once: confirm silent leases, take over dead ones.
 
         Raises:
             StoreError: the bucket failed.
         """
-        await self.kv.delete(session_key(agent, session_id))
+        now = time.monotonic()
+        if (
+            now - self._resynced >= self.resync_interval
+            or self._updates.reconnects != self._reconnects
+        ):
+            await self._resync()
+        ttl = self.store.lease_ttl
+        for session, watched in list(self.watched.items()):
+            if now - watched.since <= ttl:
+                continue
+            key = session_key(self.agent, session)
+            entry = await self.store.leases.get_or_none(key)
+            if entry is None or _lease_owner(entry.value) is None:
+                self.watched.pop(session, None)
+                continue
+            if entry.revision != watched.revision:
+                watched.revision, watched.since = entry.revision, time.monotonic()
+                continue
+            self.watched.pop(session, None)
+            await self._take_over(session, entry.revision)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Check every ``interval`` seconds until ``stop`` is set."""
+        try:
+            while not stop.is_set():
+                try:
+                    async with asyncio.timeout(self.interval):
+                        await stop.wait()
+                except TimeoutError:
+                    pass
+                if stop.is_set():
+                    return
+                try:
+                    await self.check()
+                except FleetbusError as exc:
+                    logger.warning("%s: recovery check failed: %s", self.agent, exc)
+        finally:
+            await self.close()
+
+
+def _lease_owner(value: bytes | None) -> str | None:
+    if not value:
+        return None
+    try:
+        owner = orjson.loads(value).get("owner")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return owner if isinstance(owner, str) else None
+
+
+def _add_range(ranges: list[list[int]], epoch: int, n: int) -> list[list[int]]:
+    if ranges and ranges[-1][0] == epoch and ranges[-1][2] == n - 1:
+        return [*ranges[:-1], [epoch, ranges[-1][1], n]]
+    return [*ranges, [epoch, n, n]]
+
+
+def _copy_state(state: AgentState) -> AgentState:
+    """A copy whose later changes do not reach ``state`` (messages are shared:
+    memory is appended to, not edited in place)."""
+    return AgentState(
+        format_version=state.format_version,
+        agent_name=state.agent_name,
+        memory=list(state.memory),
+        summary=state.summary.model_copy(deep=True) if state.summary else None,
+        plan=state.plan.model_copy(deep=True) if state.plan else None,
+        permissions=state.permissions.model_copy(deep=True),
+        reply=state.reply.model_copy(deep=True) if state.reply else None,
+    )
+
+
+def _copy_lease(lease: Lease) -> Lease:
+    record = lease.record.model_copy(update={"state": _copy_state(lease.record.state)})
+    return Lease(
+        record,
+        lease.revision,
+        0,
+        lease.epoch,
+        persisted=list(lease.persisted),
+        tail=list(lease.tail),
+        tail_bytes=lease.tail_bytes,
+        chunks=[list(r) for r in lease.chunks],
+        seq=lease.seq,
+        blob=lease.blob,
+    )

@@ -1,0 +1,93 @@
+"""Hints of writes to KV keys, without a JetStream consumer.
+
+A KV write is a message published on ``$KV.<bucket>.<key>``; a plain (core
+NATS) subscription on that subject sees it as it is published. That costs
+the server one subscription and no consumer — a JetStream watcher, by
+contrast, is an ordered consumer per watch, and listings made with watchers
+every few seconds exhausted the server's consumer limit within minutes.
+
+What it sees are hints, not the truth: a write published while this client
+was disconnected is missed, and a compare-and-set write the stream rejected
+is seen all the same. Whoever acts on a hint confirms it by reading the key.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import nats.errors
+
+from fleetbus.bus.connection import Bus
+from fleetbus.bus.store import KeyValueStore
+from fleetbus.bus.subjects import Subjects
+from fleetbus.errors import BusError
+
+__all__ = ["KeyUpdates"]
+
+logger = logging.getLogger(__name__)
+
+_OPERATION = "KV-Operation"
+
+
+class KeyUpdates:
+    """Calls ``callback(key, value)`` for every write published to keys of
+    ``kv`` matching ``pattern``; ``value`` is ``None`` for a delete or purge.
+
+    Args:
+        bus: the connection.
+        kv: the bucket.
+        pattern: keys to follow (``*`` and ``>`` wildcards).
+        callback: called on the event loop for each write; must not raise.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        kv: KeyValueStore,
+        pattern: str,
+        callback: Callable[[str, bytes | None], None],
+    ) -> None:
+        self._bus = bus
+        self._prefix = Subjects.kv_keys(kv.bucket, "")
+        self._subject = Subjects.kv_keys(kv.bucket, pattern)
+        self._callback = callback
+        self._sub: Any = None
+
+    @property
+    def reconnects(self) -> int:
+        """How many times the connection was re-established: a change means
+        writes may have been missed."""
+        return int(self._bus.nc.stats.get("reconnects", 0))
+
+    async def start(self) -> None:
+        """Subscribe (and flush, so no later write is missed).
+
+        Raises:
+            BusError: the subscription failed.
+        """
+
+        async def deliver(msg: Any) -> None:
+            key = msg.subject[len(self._prefix) :]
+            headers = msg.headers or {}
+            value = None if headers.get(_OPERATION) in ("DEL", "PURGE") else bytes(msg.data)
+            try:
+                self._callback(key, value)
+            except Exception:  # a callback bug must not end the subscription
+                logger.exception("key update callback failed for %s", key)
+
+        try:
+            self._sub = await self._bus.nc.subscribe(self._subject, cb=deliver)
+        except nats.errors.Error as exc:
+            raise BusError(f"cannot follow {self._subject}: {exc}") from exc
+        await self._bus.flush()
+
+    async def close(self) -> None:
+        """Unsubscribe (idempotent)."""
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error as exc:
+                logger.debug("unsubscribe %s: %s", self._subject, exc)
