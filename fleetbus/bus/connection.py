@@ -51,15 +51,25 @@ class Bus:
         client_name: the ``sender`` of messages this bus makes up itself
             (error replies).
         drain_timeout: seconds :meth:`close` waits for pending work.
+        js_replicas: copies of each JetStream asset fleetbus creates;
+            ``None`` follows the server (see ``ConnectOptions.js_replicas``).
     """
 
     def __init__(
-        self, nc: NATS, *, subjects: Subjects, client_name: str, drain_timeout: float = 5.0
+        self,
+        nc: NATS,
+        *,
+        subjects: Subjects,
+        client_name: str,
+        drain_timeout: float = 5.0,
+        js_replicas: int | None = None,
     ) -> None:
         self._nc = nc
         self.subjects = subjects
         self.client_name = client_name
         self._drain_timeout = drain_timeout
+        self.js_replicas = js_replicas
+        """Copies of each KV bucket and object store; ``None``: the server's default."""
 
     @classmethod
     async def connect(
@@ -142,6 +152,7 @@ class Bus:
             subjects=Subjects(options.prefix),
             client_name=client_name,
             drain_timeout=options.drain_timeout,
+            js_replicas=options.js_replicas,
         )
 
     @property
@@ -158,6 +169,14 @@ class Bus:
     def max_payload(self) -> int:
         """The largest message the server accepts, in bytes."""
         return int(self._nc.max_payload)
+
+    @property
+    def server_info(self) -> dict[str, object]:
+        """The INFO the connected server sent (``server_name``, ``cluster``,
+        ``connect_urls``, ``jetstream``…), as of the last (re)connection."""
+        # nats-py keeps it but has no public accessor.
+        info = getattr(self._nc, "_server_info", None)
+        return dict(info) if isinstance(info, dict) else {}
 
     @property
     def is_connected(self) -> bool:

@@ -7,6 +7,16 @@ stops it cleanly::
 
     with EmbeddedServer() as server:
         bus = await Bus.connect(server.url)
+
+Durable means on disk: by default JetStream acknowledges a write once it is
+in the operating system's page cache and flushes its files to disk every two
+minutes, so an OS crash or a power failure loses writes it has already
+acknowledged (Jepsen's analysis of NATS 2.12.1, 2025). A single server has no
+replica to recover them from, so fleetbus starts it with
+``sync_interval: always``: every write is fsynced before it is acknowledged.
+``sync_interval=`` chooses a periodic flush instead. nats-server takes the
+option only from a configuration file, so the server gets a small one next to
+its command-line flags.
 """
 
 from __future__ import annotations
@@ -22,9 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Self
+from typing import IO, Literal, Self
 
 from fleetbus.errors import (
+    ConfigError,
     PortInUseError,
     ServerBinaryNotFoundError,
     ServerError,
@@ -74,6 +85,14 @@ class EmbeddedServer:
             :func:`find_server_binary` when ``None``.
         start_timeout: seconds to wait for the server to listen.
         extra_args: more command-line arguments for ``nats-server``.
+        sync_interval: when JetStream fsyncs its files: ``"always"`` (the
+            default: before acknowledging each write), or every so many
+            seconds (nats-server's own default is 120), trading the writes
+            acknowledged since the last flush on an OS crash or power loss
+            for write throughput.
+
+    Raises:
+        ConfigError: ``sync_interval`` is not ``"always"`` or a positive number.
     """
 
     def __init__(
@@ -86,7 +105,15 @@ class EmbeddedServer:
         binary: str | os.PathLike[str] | None = None,
         start_timeout: float = 10.0,
         extra_args: list[str] | None = None,
+        sync_interval: float | Literal["always"] = "always",
     ) -> None:
+        if sync_interval != "always" and not (
+            isinstance(sync_interval, int | float) and sync_interval >= 0.001
+        ):
+            raise ConfigError(
+                f"sync_interval is 'always' or seconds (at least 0.001), not {sync_interval!r}"
+            )
+        self._sync_interval = sync_interval
         self._port = port
         self._host = host
         self._state_dir = Path(state_dir) if state_dir is not None else None
@@ -131,6 +158,11 @@ class EmbeddedServer:
         return self._run_dir / "jetstream"
 
     @property
+    def sync_interval(self) -> float | Literal["always"]:
+        """When JetStream fsyncs: ``"always"``, or every so many seconds."""
+        return self._sync_interval
+
+    @property
     def running(self) -> bool:
         """Whether the process is alive."""
         return self._proc is not None and self._proc.poll() is None
@@ -165,7 +197,9 @@ class EmbeddedServer:
         if self._jetstream:
             state = self.state_dir
             state.mkdir(parents=True, exist_ok=True)
-            args += ["--jetstream", "--store_dir", str(state)]
+            config = run_dir / "server.conf"
+            config.write_text(_jetstream_config(self._sync_interval))
+            args += ["--config", str(config), "--jetstream", "--store_dir", str(state)]
         args += self._extra_args
         log_path = run_dir / "server.log"
         self._log = log_path.open("wb")
@@ -263,6 +297,12 @@ class EmbeddedServer:
 
     def __repr__(self) -> str:
         return f"EmbeddedServer(url={self._url!r})"
+
+
+def _jetstream_config(sync_interval: float | Literal["always"]) -> str:
+    """What only a configuration file can set; the flags set the rest."""
+    value = "always" if sync_interval == "always" else f"{round(sync_interval * 1000)}ms"
+    return f"# written by fleetbus\njetstream {{\n  sync_interval: {value}\n}}\n"
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -14,6 +14,9 @@ environment variable           meaning
 ``FLEETBUS_NATS_TLS_CERT``     client certificate (mutual TLS)
 ``FLEETBUS_NATS_TLS_KEY``      client key (mutual TLS)
 ``FLEETBUS_CONNECT_TIMEOUT``   seconds to keep trying the first connection
+``FLEETBUS_JS_REPLICAS``       copies of each KV bucket and object store
+                               (1-5); by default 3 on a JetStream cluster,
+                               1 on a single server
 =============================  ==========================================
 """
 
@@ -71,6 +74,11 @@ class ConnectOptions(BaseModel):
     max_outstanding_pings: int = 3
     drain_timeout: float = 5.0
     """Seconds :meth:`Bus.close` waits for pending work to drain."""
+    js_replicas: int | None = Field(default=None, ge=1, le=5)
+    """Copies JetStream keeps of each KV bucket and object store fleetbus
+    creates (1-5, JetStream's limit). ``None``: follow the server, 3 on a
+    cluster and 1 on a single server. An existing bucket with fewer copies is
+    raised to this count when opened."""
 
     @field_validator("servers")
     @classmethod
@@ -175,4 +183,5 @@ _ENV = {
     "tls_cert_file": "FLEETBUS_NATS_TLS_CERT",
     "tls_key_file": "FLEETBUS_NATS_TLS_KEY",
     "initial_connect_timeout": "FLEETBUS_CONNECT_TIMEOUT",
+    "js_replicas": "FLEETBUS_JS_REPLICAS",
 }

@@ -17,6 +17,13 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore as _NatsObjectStore
 
+from fleetbus.bus._replicas import (
+    ensure_replicas,
+    kv_stream_name,
+    object_stream_name,
+    placement_error,
+    wanted_replicas,
+)
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.subjects import Subjects
 from fleetbus.errors import (
@@ -61,9 +68,18 @@ def _store_error(exc: BaseException, what: str) -> StoreError | ConnectionClosed
 
 
 async def key_value(
-    bus: Bus, name: str, *, ttl: float | None = None, history: int = 1, create: bool = True
+    bus: Bus,
+    name: str,
+    *,
+    ttl: float | None = None,
+    history: int = 1,
+    create: bool = True,
+    replicas: int | None = None,
 ) -> KeyValueStore:
     """The fleet's KV bucket ``name``, created if missing (and ``create``).
+
+    An existing bucket with fewer replicas than wanted is updated to that
+    count, with a warning; if JetStream refuses, it is used as it is.
 
     Args:
         bus: the connection.
@@ -71,11 +87,17 @@ async def key_value(
         ttl: seconds a value lives; for ever when ``None``.
         history: revisions kept per key (1-64).
         create: create the bucket if it does not exist.
+        replicas: copies JetStream keeps (1-5); else ``bus.js_replicas``;
+            else 3 on a JetStream cluster and 1 on a single server.
 
     Raises:
-        StoreError: JetStream is off, or the bucket cannot be opened or made.
+        ConfigError: ``replicas`` is not between 1 and 5.
+        StoreError: JetStream is off, the bucket cannot be opened or made, or
+            the server cannot keep that many replicas.
     """
     bucket = bus.subjects.kv_bucket(name)
+    what = f"KV bucket {bucket}"
+    wanted = wanted_replicas(bus, replicas)
     js = bus.nc.jetstream()
     try:
         try:
@@ -83,11 +105,14 @@ async def key_value(
         except nats.js.errors.BucketNotFoundError:
             if not create:
                 raise StoreError(f"KV bucket {bucket} does not exist") from None
-            kv = await js.create_key_value(bucket=bucket, ttl=ttl, history=history)
+            kv = await js.create_key_value(bucket=bucket, ttl=ttl, history=history, replicas=wanted)
+        else:
+            await ensure_replicas(js, kv_stream_name(bucket), wanted, what=what)
     except StoreError:
         raise
     except (nats.errors.Error, TimeoutError) as exc:
-        raise _store_error(exc, f"opening KV bucket {bucket}") from exc
+        error = placement_error(exc, what=what, wanted=wanted, bus=bus)
+        raise error or _store_error(exc, f"opening {what}") from exc
     return KeyValueStore(kv, bucket)
 
 
@@ -231,13 +256,29 @@ class KeyValueStore:
         return live
 
 
-async def object_store(bus: Bus, name: str, *, create: bool = True) -> ObjectStore:
+async def object_store(
+    bus: Bus, name: str, *, create: bool = True, replicas: int | None = None
+) -> ObjectStore:
     """The fleet's object store bucket ``name``, created if missing.
 
+    An existing store with fewer replicas than wanted is updated to that
+    count, with a warning; if JetStream refuses, it is used as it is.
+
+    Args:
+        bus: the connection.
+        name: the bucket's short name (the fleet prefix is added).
+        create: create the bucket if it does not exist.
+        replicas: copies JetStream keeps (1-5); else ``bus.js_replicas``;
+            else 3 on a JetStream cluster and 1 on a single server.
+
     Raises:
-        StoreError: JetStream is off, or the bucket cannot be opened or made.
+        ConfigError: ``replicas`` is not between 1 and 5.
+        StoreError: JetStream is off, the bucket cannot be opened or made, or
+            the server cannot keep that many replicas.
     """
     bucket = bus.subjects.kv_bucket(name)
+    what = f"object store {bucket}"
+    wanted = wanted_replicas(bus, replicas)
     js: JetStreamContext = bus.nc.jetstream()
     try:
         try:
@@ -245,11 +286,14 @@ async def object_store(bus: Bus, name: str, *, create: bool = True) -> ObjectSto
         except nats.js.errors.BucketNotFoundError:
             if not create:
                 raise StoreError(f"object store {bucket} does not exist") from None
-            store = await js.create_object_store(bucket)
+            store = await js.create_object_store(bucket, replicas=wanted)
+        else:
+            await ensure_replicas(js, object_stream_name(bucket), wanted, what=what)
     except StoreError:
         raise
     except (nats.errors.Error, TimeoutError) as exc:
-        raise _store_error(exc, f"opening object store {bucket}") from exc
+        error = placement_error(exc, what=what, wanted=wanted, bus=bus)
+        raise error or _store_error(exc, f"opening {what}") from exc
     return ObjectStore(store, bucket)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -61,9 +62,48 @@ def guarded(command: Callable[[], int]) -> int:
         return 130
 
 
-async def connect(nats_url: str | None, prefix: str | None, name: str | None = None) -> Bus:
+def add_connection_options(parser: argparse.ArgumentParser) -> None:
+    """The options of every command that connects to NATS: ``--nats``,
+    ``--prefix`` and ``--js-replicas`` (``args.nats``, ``args.prefix``,
+    ``args.js_replicas``, each ``None`` when not given)."""
+    parser.add_argument(
+        "--nats",
+        metavar="URL",
+        help="NATS server URL(s), comma-separated (default: $FLEETBUS_NATS_URL "
+        "or nats://127.0.0.1:4222)",
+    )
+    parser.add_argument(
+        "--prefix", help="subject prefix of the fleet (default: $FLEETBUS_PREFIX or fleet)"
+    )
+    parser.add_argument(
+        "--js-replicas",
+        type=_replica_count,
+        metavar="N",
+        help="copies JetStream keeps of each KV bucket and object store, 1-5 (default: "
+        "$FLEETBUS_JS_REPLICAS, else 3 on a NATS cluster and 1 on a single server)",
+    )
+
+
+def _replica_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= 5:
+        raise argparse.ArgumentTypeError(f"a replica count is 1 to 5, not {text!r}")
+    return count
+
+
+async def connect(
+    nats_url: str | None,
+    prefix: str | None,
+    name: str | None = None,
+    *,
+    js_replicas: int | None = None,
+) -> Bus:
     """Connect with the command-line options, then the environment."""
-    return await Bus.connect(options=ConnectOptions.from_env(nats_url, prefix=prefix, name=name))
+    options = ConnectOptions.from_env(nats_url, prefix=prefix, name=name, js_replicas=js_replicas)
+    return await Bus.connect(options=options)
 
 
 def on_stop_signals(stop: Callable[[], None]) -> None:

@@ -1,14 +1,21 @@
-"""The embedded nats-server: start, stop, clear errors, kept state."""
+"""The embedded nats-server: start, stop, clear errors, kept state, fsync."""
 
 from __future__ import annotations
 
+import json
 import socket
+import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
+from ruamel.yaml import YAML
 
 from fleetbus.bus import Bus, EmbeddedServer, find_server_binary, key_value
-from fleetbus.errors import PortInUseError, ServerBinaryNotFoundError, ServerError
+from fleetbus.errors import ConfigError, PortInUseError, ServerBinaryNotFoundError, ServerError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_start_picks_a_free_port_and_stop_cleans_up() -> None:
@@ -59,3 +66,72 @@ async def test_state_survives_a_restart_in_the_same_state_dir(tmp_path: Path) ->
         bus = await Bus.connect(second.url)
         assert (await (await key_value(bus, "keep", create=False)).get("k")).value == b"v"
         await bus.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def jetstream_config(monitor_port: int) -> dict[str, Any]:
+    """The running server's JetStream settings, from its ``/varz``."""
+    url = f"http://127.0.0.1:{monitor_port}/varz"
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                config = json.loads(response.read())["jetstream"]["config"]
+                assert isinstance(config, dict)
+                return config
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def test_jetstream_fsyncs_every_write_by_default() -> None:
+    port = free_port()
+    with EmbeddedServer(extra_args=["--http_port", str(port)]) as server:
+        assert server.sync_interval == "always"
+        config = jetstream_config(port)
+        assert config["sync_always"] is True
+        assert config["store_dir"].startswith(str(server.state_dir))
+
+
+def test_a_periodic_sync_can_be_chosen() -> None:
+    port = free_port()
+    with EmbeddedServer(sync_interval=30, extra_args=["--http_port", str(port)]) as server:
+        assert server.sync_interval == 30
+        config = jetstream_config(port)
+        assert not config.get("sync_always", False)
+        assert config["sync_interval"] == 30 * 10**9  # nanoseconds
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "sometimes"])
+def test_a_bad_sync_interval_is_a_config_error(bad: Any) -> None:
+    with pytest.raises(ConfigError, match="sync_interval is 'always' or seconds"):
+        EmbeddedServer(sync_interval=bad)
+
+
+def test_the_compose_nats_service_fsyncs_every_write(tmp_path: Path) -> None:
+    """docker-compose.yml's nats command, run here: its config file and flags,
+    with the volume paths and the monitoring port made local."""
+    compose = YAML(typ="safe", pure=True).load((ROOT / "docker-compose.yml").read_text())
+    nats = compose["services"]["nats"]
+    mounts = {}
+    for volume in nats["volumes"]:
+        source, target = volume.split(":")[:2]
+        mounts[target] = ROOT / source if source.startswith(".") else tmp_path / source
+    port = free_port()
+    args = []
+    for word in nats["command"]:
+        if word in mounts:
+            word = str(mounts[word])
+        elif word == "8222":
+            word = str(port)
+        args.append(word)
+    with EmbeddedServer(jetstream=False, extra_args=args):
+        config = jetstream_config(port)
+    assert config["sync_always"] is True
+    assert config["store_dir"].startswith(str(tmp_path / "nats-data"))

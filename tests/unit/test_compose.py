@@ -30,6 +30,7 @@ from fleetbus.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
+CLUSTER_COMPOSE = ROOT / "deploy" / "nats-cluster" / "compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 PYPROJECT = ROOT / "pyproject.toml"
@@ -256,6 +257,48 @@ def test_nats_runs_jetstream_with_a_volume_and_a_healthcheck() -> None:
     assert test[0] == "CMD"
     assert any(f":{monitor_port}/healthz" in word for word in test)
     assert "alpine" in nats["image"], "the scratch nats image has no wget for the healthcheck"
+
+
+def mounted_file(service: dict[str, Any], target: str, base: Path) -> Path:
+    """The file of ``base``'s tree that ``service`` mounts at ``target``."""
+    for volume in service.get("volumes", []):
+        source, _, rest = volume.partition(":")
+        if rest.partition(":")[0] == target:
+            assert source.startswith("./"), f"{target} is not mounted from a file: {volume}"
+            return base / str(source)
+    raise AssertionError(f"nothing is mounted at {target}")
+
+
+def test_nats_fsyncs_every_write() -> None:
+    nats = services()["nats"]
+    command = nats["command"]
+    config = mounted_file(nats, command[command.index("-c") + 1], ROOT)
+    text = config.read_text(encoding="utf-8")
+    assert re.search(r"^jetstream\s*\{[^}]*^\s*sync_interval:\s*always\s*$", text, re.M | re.S)
+
+
+def test_the_cluster_compose_file_runs_the_shipped_node_configs() -> None:
+    data = YAML(typ="safe", pure=True).load(CLUSTER_COMPOSE.read_text(encoding="utf-8"))
+    assert schema_errors(data) == []
+    cluster = data["services"]
+    assert set(cluster) == {"nats-1", "nats-2", "nats-3"}
+    declared = set(data["volumes"])
+    for name, service in cluster.items():
+        assert service["image"] == services()["nats"]["image"], "one NATS version everywhere"
+        command = service["command"]
+        config = mounted_file(service, command[command.index("-c") + 1], CLUSTER_COMPOSE.parent)
+        assert config.name == f"node-{name.removeprefix('nats-')}.conf"
+        text = config.read_text(encoding="utf-8")
+        assert f"server_name: {name}\n" in text
+        routes = set(re.findall(r"nats-route://([^:\s]+):6222", text))
+        assert routes == set(cluster), f"{config.name} routes to {routes}"
+        store = re.search(r'store_dir:\s*"([^"]+)"', text)
+        assert store is not None
+        assert f"{name}-data:{store[1]}" in service["volumes"]
+        assert f"{name}-data" in declared
+        assert "http: 0.0.0.0:8222" in text
+        assert any(":8222/healthz" in word for word in service["healthcheck"]["test"])
+        assert "sync_interval: always" in text
 
 
 def test_tool_workers_scale_and_drain() -> None:

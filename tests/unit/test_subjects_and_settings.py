@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import ssl
 from pathlib import Path
 
 import pytest
 
 from fleetbus.bus import DEFAULT_URL, ConnectOptions, Subjects
+from fleetbus.cli._common import add_connection_options
 from fleetbus.errors import ConfigError, InvalidSubjectError
 
 
@@ -115,3 +117,27 @@ def test_tls_urls_get_a_context_and_missing_files_are_clear(tmp_path: Path) -> N
     missing = ConnectOptions.from_env(environ={}, tls_ca_file=str(tmp_path / "nope.pem"))
     with pytest.raises(ConfigError, match="cannot load TLS files"):
         missing.nats_kwargs()
+
+
+def test_the_replica_count_follows_the_server_unless_set() -> None:
+    assert ConnectOptions.from_env(environ={}).js_replicas is None
+    env = {"FLEETBUS_JS_REPLICAS": "3"}
+    assert ConnectOptions.from_env(environ=env).js_replicas == 3
+    assert ConnectOptions.from_env(environ=env, js_replicas=1).js_replicas == 1
+
+
+@pytest.mark.parametrize("bad", ["0", "6", "three", "-1"])
+def test_a_replica_count_outside_1_to_5_is_a_config_error(bad: str) -> None:
+    with pytest.raises(ConfigError, match="js_replicas"):
+        ConnectOptions.from_env(environ={"FLEETBUS_JS_REPLICAS": bad})
+
+
+def test_the_command_line_takes_the_replica_count(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="fleetbus")
+    add_connection_options(parser)
+    args = parser.parse_args(["--nats", "nats://a:4222", "--js-replicas", "3"])
+    assert (args.nats, args.prefix, args.js_replicas) == ("nats://a:4222", None, 3)
+    assert parser.parse_args([]).js_replicas is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--js-replicas", "7"])
+    assert "a replica count is 1 to 5, not '7'" in capsys.readouterr().err

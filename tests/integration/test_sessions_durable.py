@@ -1,0 +1,490 @@
+"""Sessions that hold: write-ahead state, take-over exactly where the dead owner
+stopped, recovery that leaves nothing behind on the server, state past
+``max_payload``, and a replica that loses its session staying quiet.
+
+A *ghost* owner stands for a replica killed at a chosen point: it takes a
+request like :class:`AgentService` does (the lease, with the request recorded),
+runs the reply with checkpoints that save to the store, and freezes — stops
+writing and renewing, like a SIGKILLed process — after a chosen number of
+saves. A real service of the same agent must then take the session over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from fleetbus.agents import Agent, AgentService, AgentState, ContextConfig, ModelRequest, Msg
+from fleetbus.agents.model import ModelResponse, ModelStreamItem
+from fleetbus.agents.serving.sessions import SessionStore, session_key
+from fleetbus.bus import Bus, EmbeddedServer, ToolClient
+from fleetbus.errors import SessionLost
+from fleetbus.protocol import (
+    AnyMessage,
+    Cancel,
+    FinalAnswer,
+    TextBlock,
+    ToolCall,
+    ToolResultBlock,
+    ToolUseBlock,
+    UserRequest,
+    decode,
+    to_builtins,
+)
+from fleetbus.tools_workers import Toolkit, ToolWorker, tool
+
+AGENT = "keeper"
+
+
+class StepModel:
+    """Calls ``step`` once per word of the user's last request (one call per
+    step, id ``s<n>``), then answers with the outputs: a pure function of the
+    conversation, so a taken-over reply must end exactly as an unbroken one."""
+
+    name = "step-model"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelStreamItem]:
+        self.calls += 1
+        last_user = max(i for i, m in enumerate(request.messages) if m.role == "user")
+        words = "".join(
+            b.text for b in request.messages[last_user].content if isinstance(b, TextBlock)
+        ).split()
+        done = [
+            b
+            for m in request.messages[last_user + 1 :]
+            for b in m.content
+            if isinstance(b, ToolResultBlock)
+        ]
+        if len(done) < len(words):
+            n = len(done)
+            yield ModelResponse(
+                content=[ToolUseBlock(id=f"s{n}", name="step", input={"word": words[n]})]
+            )
+            return
+        yield ModelResponse(
+            content=[TextBlock(text="answer: " + ",".join(str(b.output) for b in done))]
+        )
+
+
+def assert_consistent(memory: list[Msg]) -> None:
+    """Every tool_use has exactly one tool_result, and every result its call."""
+    used = [u.id for m in memory for u in m.tool_uses]
+    answered = [r.id for m in memory for r in m.tool_results]
+    assert sorted(used) == sorted(answered)
+    assert len(set(used)) == len(used)
+
+
+def expected(text: str) -> str:
+    return "answer: " + ",".join(w.upper() for w in text.split())
+
+
+@contextlib.asynccontextmanager
+async def step_worker(
+    url: str, prefix: str, runs: list[str], gate: asyncio.Event | None = None
+) -> AsyncIterator[None]:
+    """A worker serving ``step`` (upper-cases a word) on its own connection;
+    each real execution is appended to ``runs``; ``gate`` holds every call."""
+
+    @tool
+    async def step(word: str) -> str:
+        """Upper-case a word."""
+        runs.append(word)
+        if gate is not None:
+            await gate.wait()
+        return word.upper()
+
+    worker_bus = await Bus.connect(url, prefix=prefix, name="step-worker")
+    worker = ToolWorker(worker_bus, Toolkit([step]), worker_id="worker.step", drain_timeout=2)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(worker.run())
+            await worker.wait_ready()
+            try:
+                yield
+            finally:
+                worker.stop()
+    finally:
+        await worker_bus.close()
+
+
+async def make_agent(bus: Bus, model: StepModel, **kwargs: Any) -> Agent:
+    toolkit = Toolkit()
+    await toolkit.add_remote(ToolClient(bus, sender=f"agent.{AGENT}"), ["step"])
+    return Agent(AGENT, "", model, toolkit=toolkit, **kwargs)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    url: str, prefix: str, agent: Agent, *, replica: str = "live", **kwargs: Any
+) -> AsyncIterator[AgentService]:
+    server_bus = await Bus.connect(url, prefix=prefix, name=f"agent-{replica}")
+    service = AgentService(
+        server_bus,
+        agent,
+        replica_id=f"{agent.name}@{replica}",
+        lease_ttl=kwargs.pop("lease_ttl", 1.0),
+        recover_interval=kwargs.pop("recover_interval", 0.2),
+        drain_timeout=2,
+        **kwargs,
+    )
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(service.run())
+            await service.wait_ready()
+            try:
+                yield service
+            finally:
+                service.stop()
+    finally:
+        await server_bus.close()
+
+
+async def ghost_reply(
+    bus: Bus,
+    agent: Agent,
+    session: str,
+    text: str,
+    reply_to: str,
+    *,
+    freeze_after: int,
+) -> Ghost:
+    """A replica that takes ``text`` for ``session`` and dies after
+    ``freeze_after`` saves (0: right after taking the request)."""
+    store = await SessionStore.open(bus, owner=f"{AGENT}@ghost", lease_ttl=1.0)
+    request = UserRequest(sender="test", session_id=session, content=text)
+    lease = await store.acquire(
+        AGENT,
+        session,
+        fresh=agent.clone().state,
+        reply_to=reply_to,
+        pending_input=to_builtins(request),
+    )
+    saves = 0
+    dead = asyncio.Event()
+
+    async def checkpoint(state: AgentState) -> None:
+        nonlocal saves
+        if saves >= freeze_after:
+            await dead.wait()  # set only to end the test: the process is gone
+            raise SessionLost("the ghost is gone", agent=AGENT, session_id=session)
+        saves += 1
+        await store.save(lease, state=state, status="running", input_recorded=True)
+
+    ghost = agent.clone(state=lease.record.state, checkpoint=checkpoint)
+
+    async def run() -> None:
+        async for _ in ghost.reply_stream(request, session_id=session):
+            pass
+
+    task = asyncio.create_task(run())
+    await asyncio.sleep(0.3)  # let it get as far as it will
+    return Ghost(task, dead)
+
+
+@dataclass
+class Ghost:
+    task: asyncio.Task[None]
+    dead: asyncio.Event
+
+    async def stop(self) -> None:
+        self.dead.set()
+        self.task.cancel()
+        with contextlib.suppress(BaseException):
+            await self.task
+
+
+async def answers(bus: Bus, subject: str) -> tuple[list[AnyMessage], Callable[[], Awaitable[None]]]:
+    got: list[AnyMessage] = []
+
+    async def cb(msg: Any) -> None:
+        got.append(decode(msg.data))
+
+    sub = await bus.nc.subscribe(subject, cb=cb)
+    await bus.flush()
+    return got, sub.unsubscribe
+
+
+async def wait_until(check: Callable[[], bool], timeout: float = 15.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not check():  # noqa: ASYNC110 - state filled by subscription callbacks
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("freeze_after", [0, 1, 2, 3, 4, 5])
+async def test_a_replica_killed_at_any_save_is_taken_over_exactly_there(
+    nats_server: EmbeddedServer, bus: Bus, freeze_after: int
+) -> None:
+    """Saves: 0 the request taken, 1 the input, 2 step 1's call, 3 its result,
+    4 the step, 5 step 2's call. Killed after any of them, the session ends
+    with the unbroken answer, every call ran once and travelled with one id."""
+    runs: list[str] = []
+    text = "alpha beta"
+    async with step_worker(nats_server.url, bus.prefix, runs):
+        wire, stop_wire = await answers(bus, bus.subjects.tool("step"))
+        inbox = bus.nc.new_inbox()
+        got, stop_got = await answers(bus, inbox)
+        ghost = await ghost_reply(
+            bus,
+            await make_agent(bus, StepModel()),
+            "s1",
+            text,
+            inbox,
+            freeze_after=freeze_after,
+        )
+        taker_model = StepModel()
+        async with serving(nats_server.url, bus.prefix, await make_agent(bus, taker_model)):
+            await wait_until(lambda: any(isinstance(m, FinalAnswer) for m in got))
+            await asyncio.sleep(0.3)  # a second answer would come now
+        await ghost.stop()
+        await stop_wire()
+        await stop_got()
+        record = await (await SessionStore.open(bus, owner="test")).get(AGENT, "s1")
+    finals = [m for m in got if isinstance(m, FinalAnswer)]
+    assert len(finals) == 1
+    assert finals[0].content == expected(text)
+    assert record is not None
+    assert record.status == "done"
+    assert record.pending_input is None
+    assert_consistent(record.state.memory)
+    assert [m.text for m in record.state.memory if m.role == "user"] == [text]
+    assert sorted(runs) == ["alpha", "beta"]  # each call ran exactly once
+    ids = {m.call_id for m in wire if isinstance(m, ToolCall)}
+    assert len(ids) == 2  # re-sent, if at all, with the original call_id
+    # The taker asked the model only for what was not stored yet.
+    assert taker_model.calls == {0: 3, 1: 3, 2: 2, 3: 2, 4: 2, 5: 1}[freeze_after]
+
+
+async def test_an_in_flight_call_is_resent_with_its_call_id_and_runs_once(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    runs: list[str] = []
+    gate = asyncio.Event()
+    async with step_worker(nats_server.url, bus.prefix, runs, gate):
+        wire, stop_wire = await answers(bus, bus.subjects.tool("step"))
+        inbox = bus.nc.new_inbox()
+        got, stop_got = await answers(bus, inbox)
+        # Frozen after saving the call: the worker runs it, the owner dies.
+        ghost = await ghost_reply(
+            bus, await make_agent(bus, StepModel()), "s2", "solo", inbox, freeze_after=2
+        )
+        await wait_until(lambda: runs == ["solo"])
+        async with serving(nats_server.url, bus.prefix, await make_agent(bus, StepModel())):
+            await wait_until(lambda: len([m for m in wire if isinstance(m, ToolCall)]) >= 2)
+            gate.set()  # the first run finishes; the retry joined it
+            await wait_until(lambda: any(isinstance(m, FinalAnswer) for m in got))
+        await ghost.stop()
+        await stop_wire()
+        await stop_got()
+    calls = [m for m in wire if isinstance(m, ToolCall)]
+    assert len({c.call_id for c in calls}) == 1
+    assert runs == ["solo"]
+    final = next(m for m in got if isinstance(m, FinalAnswer))
+    assert final.content == "answer: SOLO"
+
+
+async def count_consumers(bus: Bus) -> int:
+    js = bus.nc.jetstream()
+    return sum(info.state.consumer_count or 0 for info in await js.streams_info())
+
+
+async def test_fifty_idle_agents_leave_no_consumers_and_still_recover(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """Recovery rounds (many, at 50 ms) and listings add no consumer on the
+    server; a session left by a dead owner afterwards is still taken over."""
+    runs: list[str] = []
+    async with step_worker(nats_server.url, bus.prefix, runs):
+        agent = await make_agent(bus, StepModel())
+        server_bus = await Bus.connect(nats_server.url, prefix=bus.prefix, name="fifty")
+        services = [
+            AgentService(
+                server_bus,
+                agent.clone(),
+                replica_id=f"{AGENT}@r{i}",
+                lease_ttl=1.0,
+                recover_interval=0.05,
+                drain_timeout=2,
+            )
+            for i in range(50)
+        ]
+        counts = []
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for service in services:
+                    tg.create_task(service.run())
+                for service in services:
+                    await service.wait_ready()
+                store = await SessionStore.open(bus, owner="test")
+                for _ in range(6):
+                    await asyncio.sleep(0.5)  # ten recovery rounds per service
+                    await store.records(AGENT)
+                    counts.append(await count_consumers(bus))
+                inbox = bus.nc.new_inbox()
+                got, stop_got = await answers(bus, inbox)
+                ghost = await ghost_reply(bus, agent, "late", "gamma", inbox, freeze_after=1)
+                await wait_until(lambda: any(isinstance(m, FinalAnswer) for m in got))
+                counts.append(await count_consumers(bus))
+                await ghost.stop()
+                await stop_got()
+                for service in services:
+                    service.stop()
+        finally:
+            await server_bus.close()
+    assert counts == [0] * len(counts)
+    final = next(m for m in got if isinstance(m, FinalAnswer))
+    assert final.content == "answer: GAMMA"
+
+
+async def test_a_session_larger_than_max_payload_completes_and_resumes(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """Tool results of ~54 KB of CJK text, kept whole, grow the state past
+    1 MiB: every reply completes, and a take-over reads the state back."""
+    big = "漢字" * 9_000  # 54 KB of UTF-8
+
+    @tool
+    def essay(n: int) -> str:
+        """A long text."""
+        return f"{n}:{big}"
+
+    class EssayModel:
+        name = "essay-model"
+
+        async def stream(self, request: ModelRequest) -> AsyncIterator[ModelStreamItem]:
+            last = request.messages[-1]
+            if last.role == "tool":
+                yield ModelResponse(content=[TextBlock(text=f"read {len(request.messages)}")])
+                return
+            n = len(request.messages)
+            yield ModelResponse(content=[ToolUseBlock(id=f"e{n}", name="essay", input={"n": n})])
+
+    context = ContextConfig(context_length=10_000_000, tool_result_limit=1_000_000)
+    agent = Agent(AGENT, "", EssayModel(), toolkit=Toolkit([essay]), context=context)
+    async with serving(nats_server.url, bus.prefix, agent) as service:
+        for i in range(24):
+            answer = await bus.request(
+                bus.subjects.agent_inbox(AGENT),
+                UserRequest(session_id="big", content=f"more {i}"),
+                timeout=30,
+                attempts=1,
+            )
+            assert isinstance(answer, FinalAnswer), answer
+            assert answer.finished_reason == "completed"
+        assert service.store is not None
+        head = await service.store.heads.get(session_key(AGENT, "big"))
+    store = await SessionStore.open(bus, owner="test")
+    record = await store.get(AGENT, "big")
+    assert record is not None
+    size = len(record.state.model_dump_json().encode())
+    assert size > nats_server_max_payload(bus)
+    assert len(head.value) < 64 * 1024  # the head holds the tail, not the conversation
+    assert record.messages == 24 * 4
+    assert_consistent(record.state.memory)
+    # A take-over of the large session: killed right after recording the input.
+    inbox = bus.nc.new_inbox()
+    got, stop_got = await answers(bus, inbox)
+    ghost = await ghost_reply(bus, agent, "big", "last one", inbox, freeze_after=1)
+    async with serving(nats_server.url, bus.prefix, agent.clone()):
+        await wait_until(lambda: any(isinstance(m, FinalAnswer) for m in got))
+    await ghost.stop()
+    await stop_got()
+    final = next(m for m in got if isinstance(m, FinalAnswer))
+    assert final.content == f"read {24 * 4 + 3}"
+
+
+def nats_server_max_payload(bus: Bus) -> int:
+    return bus.max_payload
+
+
+async def test_a_replica_that_loses_its_session_answers_nothing(
+    nats_server: EmbeddedServer, bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another owner takes the session while the replica runs it: the replica
+    stops with one log line; no internal-error answer is ever published."""
+    runs: list[str] = []
+    gate = asyncio.Event()
+    caplog.set_level(logging.WARNING, logger="fleetbus.agents.serving.service")
+    async with step_worker(nats_server.url, bus.prefix, runs, gate):
+        events, stop_events = await answers(bus, bus.subjects.events(AGENT, "s3"))
+        inbox = bus.nc.new_inbox()
+        got, stop_got = await answers(bus, inbox)
+        async with serving(
+            nats_server.url,
+            bus.prefix,
+            await make_agent(bus, StepModel()),
+            lease_ttl=30.0,
+            recover_interval=30.0,
+        ) as service:
+            await bus.nc.publish(
+                bus.subjects.agent_inbox(AGENT),
+                json.dumps(to_builtins(UserRequest(session_id="s3", content="x"))).encode(),
+                reply=inbox,
+            )
+            await wait_until(lambda: runs == ["x"])
+            assert service.store is not None
+            lease = await service.store.leases.get(session_key(AGENT, "s3"))
+            thief = await SessionStore.open(bus, owner=f"{AGENT}@thief", lease_ttl=30.0)
+            stolen = await thief.acquire(AGENT, "s3", take_over=True, lease_revision=lease.revision)
+            gate.set()  # the replica's next save finds the session gone
+            await asyncio.sleep(1.0)
+            await thief.save(stolen, status="idle", release=True)
+        await stop_events()
+        await stop_got()
+    assert got == []
+    finals = [m for m in events if isinstance(m, FinalAnswer)]
+    assert finals == []
+    lost = [r for r in caplog.records if "lost" in r.getMessage()]
+    assert len(lost) == 1
+    assert not any(r.levelno >= logging.ERROR for r in caplog.records)
+
+
+async def test_a_cancel_at_any_moment_gets_exactly_one_interrupted_answer(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """With one replica, a cancel sent at every moment of a reply's start —
+    before the lease, with it, mid-model-call — ends it once, lease released."""
+    runs: list[str] = []
+    async with (
+        step_worker(nats_server.url, bus.prefix, runs),
+        serving(nats_server.url, bus.prefix, await make_agent(bus, StepModel())) as service,
+    ):
+        assert service.store is not None
+        for i in range(12):
+            session = f"c{i}"
+            inbox = bus.nc.new_inbox()
+            got, stop_got = await answers(bus, inbox)
+            await bus.nc.publish(
+                bus.subjects.agent_inbox(AGENT),
+                json.dumps(
+                    to_builtins(UserRequest(session_id=session, content="a b c d e f"))
+                ).encode(),
+                reply=inbox,
+            )
+            await asyncio.sleep(0.004 * i)
+            await bus.publish(bus.subjects.agent_control(AGENT), Cancel(session_id=session))
+            await wait_until(_has(got))
+            await asyncio.sleep(0.2)
+            await stop_got()
+            assert len(got) == 1, got
+            final = got[0]
+            assert isinstance(final, FinalAnswer)
+            assert final.finished_reason in ("interrupted", "completed")
+            record = await service.store.get(AGENT, session)
+            assert record is not None
+            assert record.status in ("idle", "done")
+            assert_consistent(record.state.memory)
+            assert await service.store.leases.get_or_none(session_key(AGENT, session)) is None
+
+
+def _has(items: list[AnyMessage]) -> Callable[[], bool]:
+    return lambda: bool(items)
