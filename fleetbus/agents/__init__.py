@@ -4,7 +4,7 @@ service, sessions in JetStream, remote agents, group conversations."""
 
 from typing import TYPE_CHECKING, Any
 
-from fleetbus.agents._reply import FINISH_TOOL
+from fleetbus.agents._reply_scope import FINISH_TOOL
 from fleetbus.agents.agent import Agent, ReplyInput
 from fleetbus.agents.bus_model import BusChatModel
 from fleetbus.agents.compression import (

@@ -25,6 +25,7 @@ from typing import Any
 import pydantic
 
 from fleetbus.agents._reply import ReplyRun
+from fleetbus.agents._reply_settings import ReplySettings
 from fleetbus.agents.compression import (
     ApproxTokenCounter,
     CompressionResult,
@@ -362,7 +363,15 @@ class Agent:
                 emit(prepared)
                 return prepared
             reply, resume = prepared
-            run = ReplyRun(self, reply, structured_model=structured_model, emit=emit, demand=demand)
+            run = ReplyRun(
+                self._reply_settings(),
+                self._state,
+                reply,
+                structured_model=structured_model,
+                emit=emit,
+                demand=demand,
+                checkpoint=self.checkpoint,
+            )
             if resume is None and reply.iteration == 0 and not reply.answered:
                 # Write-ahead: the input is durable before any work starts.
                 await self.checkpoint()
@@ -388,6 +397,26 @@ class Agent:
             await self.checkpoint()
         emit(final)
         return final
+
+    def _reply_settings(self) -> ReplySettings:
+        """The settings of a reply about to start, taken from the attributes
+        now: assigned ones (``agent.toolkit = …``) hold from the next reply."""
+        return ReplySettings(
+            name=self.name,
+            system_prompt=self.system_prompt,
+            model=self.model,
+            toolkit=self.toolkit,
+            max_iters=self.max_iters,
+            parallel_tool_calls=self.parallel_tool_calls,
+            middlewares=tuple(self.middlewares),
+            context=self.context,
+            model_config=self.model_config,
+            token_counter=self.token_counter,
+            offloader=self.offloader,
+            tool_timeout=self.tool_timeout,
+            max_repeated_failures=self.max_repeated_failures,
+            structured_retries=self.structured_retries,
+        )
 
     def _prepare(
         self,

@@ -90,7 +90,7 @@ def expected(text: str) -> str:
 
 @contextlib.asynccontextmanager
 async def step_worker(
-    url: str, prefix: str, runs: list[str], gate: asyncio.Event | None = None
+    url: str | list[str], prefix: str, runs: list[str], gate: asyncio.Event | None = None
 ) -> AsyncIterator[None]:
     """A worker serving ``step`` (upper-cases a word) on its own connection;
     each real execution is appended to ``runs``; ``gate`` holds every call."""
@@ -125,7 +125,7 @@ async def make_agent(bus: Bus, model: StepModel, **kwargs: Any) -> Agent:
 
 @contextlib.asynccontextmanager
 async def serving(
-    url: str, prefix: str, agent: Agent, *, replica: str = "live", **kwargs: Any
+    url: str | list[str], prefix: str, agent: Agent, *, replica: str = "live", **kwargs: Any
 ) -> AsyncIterator[AgentService]:
     server_bus = await Bus.connect(url, prefix=prefix, name=f"agent-{replica}")
     service = AgentService(

@@ -1,0 +1,256 @@
+"""The model calls of one reply: the prompt and the tools offered, retries
+with backoff and the fallback model, the streaming of one call under its
+timeout, the last words without tools, and compression before a step."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from fleetbus.agents import events as ev
+from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope
+from fleetbus.agents.compression import compress, summarize_with_model
+from fleetbus.agents.messages import Msg
+from fleetbus.agents.middleware import StopReply
+from fleetbus.agents.model import (
+    ChatModel,
+    ModelError,
+    ModelRequest,
+    ModelResponse,
+    TextDelta,
+    ThinkingDelta,
+)
+from fleetbus.agents.offload import READ_OFFLOADED_SPEC
+from fleetbus.protocol import ChatMessage, TextBlock, ToolSpec, ToolUseBlock, new_id
+
+__all__ = ["ModelCalls", "ModelFailedError", "tool_specs"]
+
+logger = logging.getLogger(__name__)
+
+
+class ModelFailedError(Exception):
+    """Every attempt at every model failed (internal to the loop)."""
+
+
+def tool_specs(scope: ReplyScope) -> list[ToolSpec]:
+    """The tools offered to the model in this reply, the internal ones too."""
+    settings = scope.settings
+    state = scope.state
+    specs = list(settings.toolkit.specs()) if settings.toolkit is not None else []
+    if state.plan is not None:
+        specs.extend(state.plan.tool_specs())
+    if settings.offloader is not None:
+        specs.append(READ_OFFLOADED_SPEC)
+    if scope.structured:
+        schema = scope.reply.structured_schema or {}
+        specs.append(
+            ToolSpec(
+                name=FINISH_TOOL,
+                description="Give the final answer, in the required structure. "
+                "Call it once, when you are done.",
+                parameters=schema,
+            )
+        )
+    return specs
+
+
+class ModelCalls:
+    """Calls the model for one reply (``scope``)."""
+
+    def __init__(self, scope: ReplyScope) -> None:
+        self.scope = scope
+        self.settings = scope.settings
+        self.state = scope.state
+        self.reply = scope.reply
+
+    @functools.cached_property
+    def _used_ids(self) -> set[str]:
+        """Every tool call id of the conversation (updated as calls are added)."""
+        return {u.id for m in self.state.memory for u in m.tool_uses}
+
+    def prompt(self, *extra: Msg) -> list[ChatMessage]:
+        """The messages of the next model call: system prompt, memory, plan hint, ``extra``."""
+        system = self.settings.system_prompt
+        for middleware in self.settings.middlewares:
+            system = middleware.system_prompt(system, self.scope.ctx)
+        messages = [ChatMessage(role="system", content=[TextBlock(text=system)])] if system else []
+        messages.extend(m.to_chat() for m in self.state.memory if "hint" not in m.marks)
+        if self.state.plan is not None:
+            hint = self.state.plan.hint()
+            if hint:
+                # Injected for this step only: never stored in memory.
+                messages.append(Msg.text_message("user", hint, marks={"hint"}).to_chat())
+        messages.extend(m.to_chat() for m in extra)
+        return messages
+
+    async def reason(self) -> Msg:
+        """One reasoning step: the model's next message (not yet in memory).
+
+        Raises:
+            ModelFailedError: every attempt at every model failed.
+        """
+        await self.scope.wait_for_reader()
+
+        async def step() -> Msg:
+            request = ModelRequest(
+                messages=self.prompt(),
+                tools=tool_specs(self.scope),
+                tool_choice="auto",
+                options=dict(self.settings.model_config.options),
+            )
+            response = await self.call_model(request)
+            return Msg(
+                role="assistant",
+                name=self.settings.name,
+                content=_fix_ids(response, self._used_ids),
+            )
+
+        call = self.scope.onion("on_reasoning", step)
+        return await call()
+
+    async def call_model(self, request: ModelRequest) -> ModelResponse:
+        """The model's response, after retries and the fallback.
+
+        Raises:
+            ModelFailedError: every attempt at every model failed.
+        """
+        settings = self.settings
+        config = settings.model_config
+        models = [settings.model] + ([config.fallback] if config.fallback is not None else [])
+        failures: list[str] = []
+        for model in models:
+            delay = config.backoff
+            for attempt in range(config.max_retries + 1):
+                try:
+                    return await self._model_attempt(model, request)
+                except (StopReply, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    retryable = not (isinstance(exc, ModelError) and not exc.retryable)
+                    failures.append(f"{model.name}: {_describe(exc)}")
+                    logger.warning(
+                        "%s: model %s failed (attempt %d): %s",
+                        settings.name,
+                        model.name,
+                        attempt + 1,
+                        _describe(exc),
+                        extra={"session_id": self.reply.session_id, "call_id": self.reply.reply_id},
+                    )
+                    if not retryable:
+                        break
+                    if attempt < config.max_retries:
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, config.max_backoff)
+        raise ModelFailedError("; ".join(failures[-3:]))
+
+    async def _model_attempt(self, model: ChatModel, request: ModelRequest) -> ModelResponse:
+        async def attempt(req: ModelRequest) -> ModelResponse:
+            return await self._stream(model, req)
+
+        call = self.scope.onion("on_model_call", attempt)
+        return await call(request)
+
+    async def _stream(self, model: ChatModel, request: ModelRequest) -> ModelResponse:
+        scope = self.scope
+        ctx = scope.ctx
+        scope.event(ev.MODEL_CALL_START, model=model.name, iteration=ctx.iteration)
+        started = time.perf_counter()
+        final: ModelResponse | None = None
+        async with asyncio.timeout(self.settings.model_config.timeout):
+            async for item in model.stream(request):
+                if isinstance(item, TextDelta):
+                    scope.event(ev.TEXT_DELTA, text=item.text)
+                elif isinstance(item, ThinkingDelta):
+                    scope.event(ev.THINKING_DELTA, thinking=item.thinking)
+                elif isinstance(item, ModelResponse):
+                    final = item
+        if final is None:
+            raise ModelError(f"{model.name} ended its stream without a response")
+        usage = final.usage
+        if usage is not None:
+            ctx.input_tokens += usage.input_tokens
+            ctx.output_tokens += usage.output_tokens
+            self.reply.input_tokens = ctx.input_tokens
+            self.reply.output_tokens = ctx.output_tokens
+        scope.event(
+            ev.MODEL_CALL_END,
+            model=final.model or model.name,
+            input_tokens=usage.input_tokens if usage else None,
+            output_tokens=usage.output_tokens if usage else None,
+            finish_reason=final.finish_reason,
+            seconds=round(time.perf_counter() - started, 6),
+        )
+        if not final.text.strip() and not final.tool_uses:
+            raise ModelError(f"{model.name} answered with neither text nor a tool call")
+        return final
+
+    async def final_words(self, instruction: str) -> str:
+        """One last model call without tools; '' if it fails."""
+        prompt = Msg.text_message("user", instruction, marks={"hint"})
+        request = ModelRequest(
+            messages=self.prompt(prompt),
+            tools=[],
+            tool_choice="none",
+            options=dict(self.settings.model_config.options),
+        )
+        try:
+            response = await self.call_model(request)
+        except (ModelFailedError, StopReply) as exc:
+            logger.warning("%s: no final words: %s", self.settings.name, exc)
+            return ""
+        text = response.text
+        if text:
+            self.state.memory.append(Msg.text_message("assistant", text, name=self.settings.name))
+        return text
+
+    async def maybe_compress(self) -> None:
+        """Compress memory if it is over the context's threshold."""
+        settings = self.settings
+        config = settings.context
+        counter = settings.token_counter
+        specs = json.dumps([msgspec.to_builtins(s) for s in tool_specs(self.scope)])
+        system_tokens = counter.count_text(settings.system_prompt) + counter.count_text(specs)
+        model = settings.model
+
+        async def summarize(messages: list[Msg]) -> Any:
+            return await summarize_with_model(model, messages)
+
+        result = await compress(
+            self.state.memory, config, counter, summarize, system_tokens=system_tokens
+        )
+        if result.method == "none":
+            return
+        logger.info(
+            "%s: compressed %d message(s) by %s",
+            settings.name,
+            result.removed,
+            result.method,
+            extra={"session_id": self.reply.session_id},
+        )
+        self.state.memory[:] = result.messages
+        if result.summary is not None:
+            self.state.summary = result.summary
+
+
+def _fix_ids(response: ModelResponse, used: set[str]) -> list[Any]:
+    """Give every tool call an id unique in the conversation (adding it to
+    ``used``): some models omit ids or reuse them across turns."""
+    content: list[Any] = []
+    for block in response.content:
+        if isinstance(block, ToolUseBlock) and (not block.id or block.id in used):
+            block = msgspec.structs.replace(block, id=f"call_{new_id()[:16]}")
+        if isinstance(block, ToolUseBlock):
+            used.add(block.id)
+        content.append(block)
+    return content
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

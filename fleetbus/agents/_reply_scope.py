@@ -1,0 +1,137 @@
+"""What the parts of one reply share: :class:`ReplyScope`.
+
+The loop (:mod:`fleetbus.agents._reply`) and its collaborators — model calls
+(:mod:`~fleetbus.agents._model_calls`), tool running
+(:mod:`~fleetbus.agents._tool_running`) and resume
+(:mod:`~fleetbus.agents._resume`) — each take the one scope of the reply: the
+frozen settings, the live state, the reply in progress, and how events go
+out, how the reader is waited for, how the reply ends and how it is saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
+
+import pydantic
+
+from fleetbus.agents import events as ev
+from fleetbus.agents._reply_settings import ReplySettings
+from fleetbus.agents.middleware import ReplyContext
+from fleetbus.agents.state import AgentState, ReplyState
+from fleetbus.protocol import (
+    Event,
+    FinalAnswer,
+    FinishedReason,
+    ToolResultBlock,
+    ToolStatus,
+    ToolUseBlock,
+)
+
+__all__ = ["FINISH_TOOL", "ReplyScope", "tool_result"]
+
+FINISH_TOOL = "generate_response"
+"""The tool a model calls to give a structured answer."""
+
+_F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
+
+
+class ReplyScope:
+    """One reply in progress, as its parts see it.
+
+    Args:
+        settings: the agent's settings for this reply.
+        state: the agent's live state (updated in place).
+        reply: the reply in progress (already in ``state.reply``).
+        structured_model: the pydantic model of a structured answer, if any.
+        emit: receives every event as it happens.
+        demand: awaited before each model call and each tool call; returns
+            once whoever reads the events has read them all and waits for
+            more (a reader that left stops the reply from starting anything).
+        checkpoint: hands the state to whoever saves it.
+    """
+
+    def __init__(
+        self,
+        settings: ReplySettings,
+        state: AgentState,
+        reply: ReplyState,
+        *,
+        structured_model: type[pydantic.BaseModel] | None,
+        emit: Callable[[Event], None],
+        demand: Callable[[], Awaitable[Any]] | None,
+        checkpoint: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.settings = settings
+        self.state = state
+        self.reply = reply
+        self.structured_model = structured_model
+        self._emit = emit
+        self._demand = demand
+        self.checkpoint = checkpoint
+        self.events = ev.EventFactory(settings.name, reply.reply_id, reply.session_id)
+        self.ctx = ReplyContext(
+            agent_name=settings.name,
+            reply_id=reply.reply_id,
+            session_id=reply.session_id,
+            state=state,
+            iteration=reply.iteration,
+            input_tokens=reply.input_tokens,
+            output_tokens=reply.output_tokens,
+            tool_calls=reply.tool_calls,
+        )
+
+    @property
+    def structured(self) -> bool:
+        """Whether the reply must end with a structured answer."""
+        return self.structured_model is not None or self.reply.structured_schema is not None
+
+    def onion(self, hook: str, innermost: _F) -> _F:
+        """``innermost`` wrapped in every middleware's ``hook``, the first outermost."""
+        call: Any = innermost
+        for middleware in reversed(self.settings.middlewares):
+            call = _layer(getattr(middleware, hook), self.ctx, call)
+        return cast(_F, call)
+
+    async def wait_for_reader(self) -> None:
+        """Await ``demand``, if any: nothing new starts for a reader that left."""
+        if self._demand is not None:
+            await self._demand()
+
+    def event(self, name: str, **data: Any) -> None:
+        """Emit one event of this reply."""
+        self._emit(self.events(name, **data))
+
+    def finish(
+        self,
+        finished_reason: FinishedReason,
+        content: str,
+        *,
+        structured: dict[str, Any] | None = None,
+    ) -> FinalAnswer:
+        """End the reply: ``reply_end``, and the state holds no reply unless paused."""
+        if finished_reason != "paused":
+            self.state.reply = None
+        self.event(ev.REPLY_END, finished_reason=finished_reason, content=content)
+        return FinalAnswer(
+            sender=self.settings.name,
+            session_id=self.reply.session_id,
+            call_id=self.reply.reply_id,
+            content=content,
+            structured=structured,
+            finished_reason=finished_reason,
+        )
+
+
+def tool_result(use: ToolUseBlock, state: ToolStatus, output: Any) -> ToolResultBlock:
+    """The result block answering ``use``."""
+    return ToolResultBlock(id=use.id, name=use.name, output=output, state=state)
+
+
+def _layer(hook: Any, ctx: ReplyContext, call_next: Any) -> Any:
+    """One onion layer: ``hook(ctx, *args, call_next)`` as a ``call_next`` itself."""
+
+    async def call(*args: Any) -> Any:
+        return await hook(ctx, *args, call_next)
+
+    return call

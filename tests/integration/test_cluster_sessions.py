@@ -1,0 +1,104 @@
+"""Agent sessions on a real 3-node NATS cluster: the session assets are
+replicated (R3), and killing the node that leads the sessions bucket in the
+middle of replies loses nothing: every reply finishes with its answer and
+every tool call is answered."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from fleetbus.agents.serving.sessions import SessionStore
+from fleetbus.bus import Bus
+from fleetbus.protocol import AnyMessage, FinalAnswer, UserRequest, to_builtins
+from tests.integration.cluster import NatsCluster, stream_info
+from tests.integration.test_sessions_durable import (
+    AGENT,
+    StepModel,
+    answers,
+    assert_consistent,
+    expected,
+    make_agent,
+    serving,
+    step_worker,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
+    cluster = NatsCluster(tmp_path_factory.mktemp("nats-cluster")).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+async def cluster_bus(nats_cluster: NatsCluster, prefix: str) -> AsyncIterator[Bus]:
+    nats_cluster.restart_stopped()
+    nats_cluster.wait_ready()
+    bus = await Bus.connect(nats_cluster.urls, prefix=prefix, name="cluster-test")
+    try:
+        yield bus
+    finally:
+        await bus.close()
+
+
+@pytest.mark.timeout(150)
+async def test_replies_finish_when_the_sessions_leader_is_killed(
+    nats_cluster: NatsCluster, cluster_bus: Bus
+) -> None:
+    bus = cluster_bus
+    runs: list[str] = []
+    gate = asyncio.Event()
+    texts = {f"k{i}": f"a{i} b{i}" for i in range(4)}
+    got: dict[str, list[AnyMessage]] = {}
+    async with (
+        step_worker(nats_cluster.urls, bus.prefix, runs, gate),
+        serving(
+            nats_cluster.urls,
+            bus.prefix,
+            await make_agent(bus, StepModel()),
+            lease_ttl=15.0,
+            recover_interval=0.5,
+        ) as service,
+    ):
+        assert service.store is not None
+        for name in ("sessions", "session_chunks", "session_leases"):
+            info = await stream_info(bus, f"KV_{bus.subjects.kv_bucket(name)}")
+            assert info["config"]["num_replicas"] == 3
+        for session, text in texts.items():
+            inbox = bus.nc.new_inbox()
+            got[session], _ = await answers(bus, inbox)
+            await bus.nc.publish(
+                bus.subjects.agent_inbox(AGENT),
+                json.dumps(to_builtins(UserRequest(session_id=session, content=text))).encode(),
+                reply=inbox,
+            )
+        await wait_until(lambda: len(runs) == len(texts))  # every first call is running
+        stream = f"KV_{bus.subjects.kv_bucket('sessions')}"
+        leader = await nats_cluster.stream_leader(bus, stream)
+        nats_cluster.kill(leader)  # mid-run: the results will be saved across the fail-over
+        gate.set()
+        await wait_until(
+            lambda: all(any(isinstance(m, FinalAnswer) for m in g) for g in got.values()),
+            timeout=120,
+        )
+        new_leader = await nats_cluster.stream_leader(bus, stream, exclude=leader)
+    assert new_leader != leader
+    store = await SessionStore.open(bus, owner="test")
+    for session, text in texts.items():
+        finals = [m for m in got[session] if isinstance(m, FinalAnswer)]
+        assert len(finals) == 1
+        assert finals[0].content == expected(text)
+        record = await store.get(AGENT, session)
+        assert record is not None
+        assert record.status == "done"
+        assert_consistent(record.state.memory)
+    assert sorted(runs) == sorted(w for t in texts.values() for w in t.split())
