@@ -299,6 +299,11 @@ class Agent:
         """
         queue: asyncio.Queue[Event | FinalAnswer | None] = asyncio.Queue()
         reading = asyncio.Event()
+        """Set while the reader waits on an empty queue: it has read everything."""
+
+        def emit(item: Event | FinalAnswer) -> None:
+            reading.clear()
+            queue.put_nowait(item)
 
         async def demand() -> None:
             if reading.is_set():
@@ -318,9 +323,7 @@ class Agent:
                 self._interrupted = False
                 self._running = asyncio.current_task()
                 try:
-                    return await self._reply(
-                        inputs, structured_model, session_id, queue.put_nowait, demand
-                    )
+                    return await self._reply(inputs, structured_model, session_id, emit, demand)
                 finally:
                     self._running = None
 

@@ -19,12 +19,21 @@ from fleetbus.bus.store import (
     object_store,
 )
 from fleetbus.bus.subjects import DEFAULT_PREFIX, Subjects, check_name, check_prefix
-from fleetbus.bus.tools import SERVICE_NAME, RemoteTool, ToolClient
+from fleetbus.bus.tools import (
+    RESULT_HEADROOM,
+    RESULTS_STORE,
+    SERVICE_NAME,
+    RemoteTool,
+    ResultStore,
+    ToolClient,
+)
 from fleetbus.bus.watch import KeyUpdates
 
 __all__ = [
     "DEFAULT_PREFIX",
     "DEFAULT_URL",
+    "RESULTS_STORE",
+    "RESULT_HEADROOM",
     "SERVICE_NAME",
     "Bus",
     "ConnectOptions",
@@ -42,6 +51,7 @@ __all__ = [
     "Observation",
     "RemoteTool",
     "Request",
+    "ResultStore",
     "ServiceInfo",
     "Subjects",
     "ToolClient",

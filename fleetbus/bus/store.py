@@ -257,7 +257,12 @@ class KeyValueStore:
 
 
 async def object_store(
-    bus: Bus, name: str, *, create: bool = True, replicas: int | None = None
+    bus: Bus,
+    name: str,
+    *,
+    create: bool = True,
+    replicas: int | None = None,
+    ttl: float | None = None,
 ) -> ObjectStore:
     """The fleet's object store bucket ``name``, created if missing.
 
@@ -268,6 +273,8 @@ async def object_store(
         bus: the connection.
         name: the bucket's short name (the fleet prefix is added).
         create: create the bucket if it does not exist.
+        ttl: seconds an object lives (when the store is created); for ever
+            when ``None``.
         replicas: copies JetStream keeps (1-5); else ``bus.js_replicas``;
             else 3 on a JetStream cluster and 1 on a single server.
 
@@ -286,7 +293,7 @@ async def object_store(
         except nats.js.errors.BucketNotFoundError:
             if not create:
                 raise StoreError(f"object store {bucket} does not exist") from None
-            store = await js.create_object_store(bucket, replicas=wanted)
+            store = await js.create_object_store(bucket, replicas=wanted, ttl=ttl)
         else:
             await ensure_replicas(js, object_stream_name(bucket), wanted, what=what)
     except StoreError:

@@ -66,6 +66,10 @@ RESULTS_STORE = "tool_results"
 """The object store of tool results too large for one message (the bucket
 is ``<prefix with _ for .>_tool_results``)."""
 
+RESULTS_TTL = 3600.0
+"""Seconds a stored large result is kept: longer than a worker replays a call
+(``dedup_ttl``, 600 s by default) plus the time to read it back."""
+
 RESULT_HEADROOM = 16 * 1024
 """Bytes a ``tool_result`` keeps free below the server's ``max_payload`` (for
 headers); a larger one goes by reference."""
@@ -134,7 +138,9 @@ class ResultStore:
 
     async def _open(self, *, create: bool) -> ObjectStore:
         if self._store is None:
-            self._store = await object_store(self._bus, RESULTS_STORE, create=create)
+            self._store = await object_store(
+                self._bus, RESULTS_STORE, create=create, ttl=RESULTS_TTL
+            )
         return self._store
 
     async def offload(self, result: ToolResult, *, sender: str) -> ToolResult:

@@ -35,8 +35,17 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from fleetbus._version import __version__
-from fleetbus.bus import SERVICE_NAME, Bus, EndpointInfo, Handler, Lifecycle, MicroService, Request
-from fleetbus.bus.tools import RESULT_HEADROOM, ResultStore
+from fleetbus.bus import (
+    RESULT_HEADROOM,
+    SERVICE_NAME,
+    Bus,
+    EndpointInfo,
+    Handler,
+    Lifecycle,
+    MicroService,
+    Request,
+    ResultStore,
+)
 from fleetbus.errors import ProtocolError, StoreError
 from fleetbus.protocol import (
     Cancel,

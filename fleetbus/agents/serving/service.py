@@ -538,7 +538,7 @@ class AgentService(Lifecycle):
                 "%s: taking over session %s from %s at step %d",
                 self.name,
                 session,
-                lease.record.owner,
+                lease.previous_owner,
                 lease.record.step,
             )
             run = self._runs.setdefault(session, _Run())

@@ -126,6 +126,8 @@ class Lease:
     """The lease's revision when it was taken: this owner's epoch."""
     previous: SessionStatus = "idle"
     """The status before this lease was taken."""
+    previous_owner: str | None = None
+    """The replica that held the session before (for a take-over's log)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     persisted: list[str] = field(default_factory=list)
     """``msg_id`` of every stored message, in order."""
@@ -468,7 +470,7 @@ class SessionStore:
                     agent=agent,
                     session_id=session_id,
                 )
-            lease.previous = record.status
+            lease.previous, lease.previous_owner = record.status, record.owner
             if not take_over and record.status == "running":  # its owner died
                 lease.orphan_input, lease.orphan_reply_to = record.pending_input, record.reply_to
             lease.epoch = lease.lease_revision = epoch
