@@ -97,7 +97,9 @@ class Agent:
         max_repeated_failures: the same failing call this many times in a
             row ends the reply (``repeated_action``).
         structured_retries: invalid or missing structured answers tolerated.
-        checkpoint: awaited after every step with the state (to save it).
+        checkpoint: awaited with the state ahead of every side effect (the
+            input recorded, a step's tool calls before they are sent, each
+            result as it arrives, each step, the end): to save it.
     """
 
     def __init__(
@@ -205,7 +207,7 @@ class Agent:
         return self._state.memory
 
     async def checkpoint(self) -> None:
-        """Hand the state to the ``checkpoint`` callback (after every step)."""
+        """Hand the state to the ``checkpoint`` callback (at every write-ahead point)."""
         if self._checkpoint is not None:
             await self._checkpoint(self._state)
 
