@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from fleetbus._version import __version__
 from fleetbus.bus import EmbeddedServer, ToolClient
 from fleetbus.cli import model_worker_cmd
 from fleetbus.cli._common import (
+    add_connection_options,
     connect,
     console,
     fail,
@@ -46,15 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def bus_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument(
-            "--nats",
-            metavar="URL",
-            help="NATS server URL(s), comma-separated (default: $FLEETBUS_NATS_URL "
-            "or nats://127.0.0.1:4222)",
-        )
-        p.add_argument(
-            "--prefix", help="subject prefix of the fleet (default: $FLEETBUS_PREFIX or fleet)"
-        )
+        add_connection_options(p)
 
     p = sub.add_parser(
         "server", help="run an embedded nats-server with JetStream in the foreground"
@@ -125,6 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fleetbus`` command; returns the exit code."""
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
+    replicas = getattr(args, "js_replicas", None)
+    if replicas is not None:
+        # The option wins over the environment, here and in the processes the
+        # command starts (agent replicas), which inherit it.
+        os.environ["FLEETBUS_JS_REPLICAS"] = str(replicas)
     command = {
         **fleet_commands(),
         "model-worker": model_worker_cmd.cmd,

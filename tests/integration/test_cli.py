@@ -147,3 +147,20 @@ def _alive(pid: int) -> bool:
             return stat.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+async def test_js_replicas_chooses_the_copies_of_the_session_buckets(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """``--js-replicas`` wins over the default: 1 works on a single server; 3
+    is refused there in one clear line, no traceback."""
+    code, text = run_cli(
+        "sessions", "--nats", nats_server.url, "--prefix", bus.prefix, "--js-replicas", "1"
+    )
+    assert code == 0, text
+    code, text = run_cli(
+        "sessions", "--nats", nats_server.url, "--prefix", f"{bus.prefix}x", "--js-replicas", "3"
+    )
+    assert code == 1
+    assert "replica" in text
+    assert "Traceback" not in text
