@@ -132,6 +132,9 @@ class AgentService(Lifecycle):
         super().__init__()
         self._running: dict[str, Agent] = {}
         self._runs: dict[str, _Run] = {}
+        self._takeovers: asyncio.TaskGroup | None = None
+        self._taking_over: set[str] = set()
+        self._takeover_deadlines: set[asyncio.Timeout] = set()
         self._limiter = asyncio.Semaphore(concurrency)
         # One reply at a time per session in this replica; the lease does the
         # same across replicas.
@@ -154,45 +157,51 @@ class AgentService(Lifecycle):
         limiter = asyncio.Semaphore(self.concurrency)
         self._limiter = limiter
         ready = [asyncio.Event() for _ in range(2 + len(self.topics))]
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(
-                self.bus.serve(
-                    subjects.agent_inbox(self.name),
-                    self._handle,
-                    stop=self._stop,
-                    queue=subjects.agent_queue(self.name),
-                    limiter=limiter,
-                    drain_timeout=self.drain_timeout,
-                    ready=ready[0],
-                    component=self.replica_id,
-                )
-            )
-            tg.create_task(
-                self.bus.serve(
-                    subjects.agent_control(self.name),
-                    self._control,
-                    stop=self._stop,
-                    ready=ready[1],
-                    component=self.replica_id,
-                )
-            )
-            for topic, event in zip(self.topics, ready[2:], strict=True):
+        try:
+            async with asyncio.TaskGroup() as tg:
                 tg.create_task(
                     self.bus.serve(
-                        subjects.topic(topic),
-                        self._observe_topic,
+                        subjects.agent_inbox(self.name),
+                        self._handle,
                         stop=self._stop,
-                        queue=subjects.topic_queue(self.name),
+                        queue=subjects.agent_queue(self.name),
                         limiter=limiter,
-                        ready=event,
+                        drain_timeout=self.drain_timeout,
+                        ready=ready[0],
                         component=self.replica_id,
                     )
                 )
-            for event in ready:
-                await event.wait()
-            self._ready.set()
-            logger.info("agent %s serving as %s", self.name, self.replica_id)
-            tg.create_task(recovery.run(self._stop))
+                tg.create_task(
+                    self.bus.serve(
+                        subjects.agent_control(self.name),
+                        self._control,
+                        stop=self._stop,
+                        ready=ready[1],
+                        component=self.replica_id,
+                    )
+                )
+                for topic, event in zip(self.topics, ready[2:], strict=True):
+                    tg.create_task(
+                        self.bus.serve(
+                            subjects.topic(topic),
+                            self._observe_topic,
+                            stop=self._stop,
+                            queue=subjects.topic_queue(self.name),
+                            limiter=limiter,
+                            ready=event,
+                            component=self.replica_id,
+                        )
+                    )
+                for event in ready:
+                    await event.wait()
+                self._ready.set()
+                logger.info("agent %s serving as %s", self.name, self.replica_id)
+                tg.create_task(recovery.run(self._stop))
+                tg.create_task(self._cut_take_overs())
+                self._takeovers = tg
+        finally:
+            self._takeovers = None
+            await recovery.close()  # never leave its subscription behind
 
     # -- the inbox -------------------------------------------------------------------
 
@@ -525,7 +534,38 @@ class AgentService(Lifecycle):
     # -- taking sessions over ---------------------------------------------------------
 
     async def _take_over(self, session: str, lease_revision: int) -> None:
-        """Recovery found ``session`` left running by a dead owner."""
+        """Recovery found ``session`` left running by a dead owner: serve it in
+        a task of its own, so that recovery goes on checking the others."""
+        if self._takeovers is None or session in self._taking_over:
+            return
+        self._taking_over.add(session)
+        self._takeovers.create_task(self._serve_take_over(session, lease_revision))
+
+    async def _serve_take_over(self, session: str, lease_revision: int) -> None:
+        try:
+            async with asyncio.timeout(None) as deadline:
+                self._takeover_deadlines.add(deadline)
+                try:
+                    await self._resume_session(session, lease_revision)
+                finally:
+                    self._takeover_deadlines.discard(deadline)
+        except TimeoutError:
+            logger.warning(
+                "%s: stopping before the take-over of session %s ended; its lease will lapse",
+                self.name,
+                session,
+            )
+        finally:
+            self._taking_over.discard(session)
+
+    async def _cut_take_overs(self) -> None:
+        """On stop, running take-overs get ``drain_timeout`` seconds to end."""
+        await self._stop.wait()
+        when = asyncio.get_running_loop().time() + self.drain_timeout
+        for deadline in list(self._takeover_deadlines):
+            deadline.reschedule(when)
+
+    async def _resume_session(self, session: str, lease_revision: int) -> None:
         assert self.store is not None
         async with self._session_lock(session):
             try:
