@@ -62,8 +62,40 @@ async def settle(nc: NATS, timeout: float = 5.0) -> None:
     still in its buffer (a SUB just made), so one round trip can end before
     the server has the subscription; the second PING follows them.
     """
-    await nc.flush(timeout=timeout)  # type: ignore[arg-type]
-    await nc.flush(timeout=timeout)  # type: ignore[arg-type]
+    await _round_trip(nc, timeout)
+    await _round_trip(nc, timeout)
+
+
+_PONG_WAIT = 300.0
+"""Seconds nats-py itself waits for a PONG (far past any caller's timeout)."""
+
+_round_trips: set[asyncio.Task[None]] = set()
+"""Round trips whose caller stopped waiting, until their PONG arrives."""
+
+
+async def _round_trip(nc: NATS, timeout: float) -> None:
+    """One PING/PONG, bounded by ``timeout``, that is never cancelled.
+
+    nats-py 2.16 cancels the PONG's future when a flush is cancelled or times
+    out, but leaves it in its queue: the late PONG then fails on it and ends
+    the connection's read loop for good (nothing more arrives on that
+    connection). So the flush runs in a task with a long timeout of its own,
+    which outlives a caller that gives up or is cancelled, and ends when its
+    PONG comes (or the connection closes).
+    """
+    task = asyncio.ensure_future(nc.flush(timeout=_PONG_WAIT))  # type: ignore[arg-type]
+    _round_trips.add(task)
+    task.add_done_callback(_forget_round_trip)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        raise nats.errors.TimeoutError
+    task.result()
+
+
+def _forget_round_trip(task: asyncio.Task[None]) -> None:
+    _round_trips.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: a late failure is nobody's to raise
 
 
 class ServeLoop:

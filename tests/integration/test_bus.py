@@ -4,6 +4,7 @@ serving loops that survive bad requests, and clear connection errors."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import pytest
@@ -293,3 +294,28 @@ async def test_the_bus_survives_a_server_restart() -> None:
         await responder.close()
     finally:
         server.stop()
+
+
+async def test_flushes_given_up_or_cancelled_leave_the_connection_working(bus: Bus) -> None:
+    """A flush cancelled (or timed out) while its PONG is on the way must not
+    break the connection: with nats-py's own flush, the late PONG ends the
+    read loop and nothing more arrives."""
+    for spins in range(40):
+        flushing = asyncio.create_task(bus.flush())
+        for _ in range(spins % 8):
+            await asyncio.sleep(0)
+        flushing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await flushing
+    for _ in range(5):
+        with contextlib.suppress(CallTimeoutError):
+            await bus.flush(timeout=0.0001)
+    subject = f"{bus.prefix}.after-flushes"
+    async with await bus.observe(subject) as observation:
+        await bus.flush()
+        await bus.publish(subject, UserRequest(content="still here"))
+        async with asyncio.timeout(5):
+            async for message in observation:
+                assert isinstance(message, UserRequest)
+                break
+    await bus.flush()
