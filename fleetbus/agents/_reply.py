@@ -161,6 +161,7 @@ class ReplyRun:
             message = await self.models.reason()
             self.state.memory.append(message)
             reply.iteration += 1
+            reply.answered.clear()  # kept per step: the saved state stays bounded
             uses = message.tool_uses
             if not uses:
                 if self.scope.structured:

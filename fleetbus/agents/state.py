@@ -56,7 +56,8 @@ class ReplyState(BaseModel):
     output_tokens: int = 0
     tool_calls: int = 0
     answered: list[str] = Field(default_factory=list)
-    """The ``call_id`` of every tool call already answered in this reply."""
+    """The ``call_id`` of every tool call of the current step already answered
+    (cleared at each step, so the saved state does not grow with the reply)."""
     arrived: list[Msg] = Field(default_factory=list)
     """Results of the current step's tool calls that arrived and are not yet in
     memory (memory gets them in the model's order once the step's calls are

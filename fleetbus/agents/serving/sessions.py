@@ -129,8 +129,12 @@ class Lease:
     previous_owner: str | None = None
     """The replica that held the session before (for a take-over's log)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    persisted: list[str] = field(default_factory=list)
-    """``msg_id`` of every stored message, in order."""
+    persisted: int = 0
+    """How many messages of memory are stored."""
+    persisted_ends: tuple[str, str] | None = None
+    """``msg_id`` of the first and the last stored message: memory that still
+    starts and continues with them was only appended to (checked in constant
+    time: a save costs what the step added, not the conversation)."""
     tail: list[dict[str, Any]] = field(default_factory=list)
     tail_bytes: int = 0
     chunks: list[list[int]] = field(default_factory=list)
@@ -257,7 +261,7 @@ class SessionStore:
             return _copy_lease(cached[1])
         if "format" not in head:  # a session stored whole, before chunks existed
             record = SessionRecord.model_validate(head)
-            return Lease(record, revision, 0, 0, persisted=[])
+            return Lease(record, revision, 0, 0)
         ranges: list[list[int]] = head.get("chunks", [])
         keys = [_chunk_key(key, e, n) for e, first, last in ranges for n in range(first, last + 1)]
         parts = await asyncio.gather(*(self._read_chunk(k) for k in keys))
@@ -283,7 +287,8 @@ class SessionStore:
             revision,
             0,
             int(head.get("epoch", 0)),
-            persisted=[m.msg_id for m in state.memory],
+            persisted=len(state.memory),
+            persisted_ends=_ends(state.memory),
             tail=tail,
             tail_bytes=len(orjson.dumps(tail)),
             chunks=ranges,
@@ -576,8 +581,7 @@ class SessionStore:
         bookkeeping to ``lease`` only once the head write landed."""
         key = session_key(record.agent, record.session_id)
         memory = state.memory
-        persisted = lease.persisted
-        n = len(persisted)
+        n = lease.persisted
         obsolete: list[str] = []
         tail, tail_bytes, chunks, next_chunk = (
             lease.tail,
@@ -585,14 +589,15 @@ class SessionStore:
             lease.chunks,
             lease.next_chunk,
         )
-        if len(memory) >= n and all(memory[i].msg_id == persisted[i] for i in range(n)):
+        if n == 0 or (
+            len(memory) >= n and _ends(memory[:1] + memory[n - 1 : n]) == lease.persisted_ends
+        ):
             added = memory[n:]
-            ids = persisted
         else:  # memory was rewritten (compression): store it anew
             obsolete = [_chunk_key(key, e, i) for e, a, b in chunks for i in range(a, b + 1)]
-            added, ids, tail, tail_bytes, chunks = list(memory), [], [], 0, []
+            added, tail, tail_bytes, chunks = list(memory), [], 0, []
+            n = 0
         if added:
-            ids = [*ids, *(m.msg_id for m in added)]
             dumps = [m.model_dump(mode="json") for m in added]
             tail = [*tail, *dumps]
             tail_bytes += sum(len(orjson.dumps(d)) for d in dumps)
@@ -631,9 +636,10 @@ class SessionStore:
         for chunk in obsolete:
             await self._drop_chunk(chunk)
         lease.revision, lease.seq, lease.blob = revision, lease.seq + 1, blob
-        lease.persisted, lease.tail, lease.tail_bytes = ids, tail, tail_bytes
+        lease.persisted, lease.persisted_ends = n + len(added), _ends(memory)
+        lease.tail, lease.tail_bytes = tail, tail_bytes
         lease.chunks, lease.next_chunk = chunks, next_chunk
-        lease.record = record.model_copy(update={"messages": len(ids)})
+        lease.record = record.model_copy(update={"messages": lease.persisted})
         if lease.record.state is not state:
             lease.record.state = state
 
@@ -863,6 +869,10 @@ def _lease_owner(value: bytes | None) -> str | None:
     return owner if isinstance(owner, str) else None
 
 
+def _ends(memory: list[Any]) -> tuple[str, str] | None:
+    return (memory[0].msg_id, memory[-1].msg_id) if memory else None
+
+
 def _add_range(ranges: list[list[int]], epoch: int, n: int) -> list[list[int]]:
     if ranges and ranges[-1][0] == epoch and ranges[-1][2] == n - 1:
         return [*ranges[:-1], [epoch, ranges[-1][1], n]]
@@ -890,7 +900,8 @@ def _copy_lease(lease: Lease) -> Lease:
         lease.revision,
         0,
         lease.epoch,
-        persisted=list(lease.persisted),
+        persisted=lease.persisted,
+        persisted_ends=lease.persisted_ends,
         tail=list(lease.tail),
         tail_bytes=lease.tail_bytes,
         chunks=[list(r) for r in lease.chunks],
