@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import json
 import os
@@ -20,18 +21,21 @@ from typing import Any
 from rich.table import Table
 
 from fleetbus.agents import Agent, Permissions
+from fleetbus.agents.serving.remote import RemoteAgent
 from fleetbus.agents.serving.service import AgentService
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.bus.subjects import check_name
 from fleetbus.cli._common import connect, console, err_console, fail, on_stop_signals, run
-from fleetbus.errors import ConfigError, FleetbusError, UnexpectedMessageError
+from fleetbus.errors import ConfigError, FleetbusError, RemoteError
 from fleetbus.protocol import (
+    AgentMessage,
     AnyMessage,
     Cancel,
     Confirmation,
     ConfirmResult,
     ErrorMessage,
+    ExternalResult,
     FinalAnswer,
     Message,
     UserRequest,
@@ -310,14 +314,17 @@ def cmd_ask(args: argparse.Namespace) -> int:
     return run(_converse(args, args.agent, session, request))
 
 
-async def _converse(args: argparse.Namespace, agent: str, session: str, message: Message) -> int:
+async def _converse(
+    args: argparse.Namespace, agent: str, session: str, message: UserRequest | ConfirmResult
+) -> int:
+    """Stream the reply to ``message``: exit 1 when it ends in error (or is refused)."""
     from fleetbus.cli.render import ReplyPrinter
 
     bus = await connect(args.nats, args.prefix)
+    printer = ReplyPrinter(console, session_id=session)
     try:
         if not args.json:
             console.print(f"[dim]session {session}[/]")
-        printer = ReplyPrinter(console)
         outcome = await stream_reply(
             bus,
             agent,
@@ -327,9 +334,11 @@ async def _converse(args: argparse.Namespace, agent: str, session: str, message:
             timeout=args.timeout,
         )
     finally:
+        if not args.json:
+            printer.close()  # a line left open by a reply cut short
         await bus.close()
     if isinstance(outcome, ErrorMessage):
-        return fail(f"{outcome.source_component or agent}: {outcome.code}: {outcome.message}")
+        return fail(outcome.message)
     return 1 if outcome.finished_reason == "error" else 0
 
 
@@ -342,72 +351,57 @@ async def stream_reply(
     on_item: Callable[[AnyMessage], None],
     timeout: float,
 ) -> FinalAnswer | ErrorMessage:
-    """Send ``message`` to an agent's inbox and hand each event of the reply
-    to ``on_item`` as it is published, the final answer last.
+    """Send ``message`` to an agent and hand each event of the reply to
+    ``on_item`` as it is published, the final answer last (once).
 
-    The answer is taken from the events subject or from the request's reply,
-    whichever comes first: a replica that takes over a session after a crash
-    publishes it on the events subject even though the request's reply is lost.
+    Streams through :meth:`RemoteAgent.reply_stream
+    <fleetbus.agents.serving.remote.RemoteAgent.reply_stream>`, in ``session``;
+    a reply left early (the caller cancelled) is interrupted.
+
+    Args:
+        bus: the connection.
+        agent: the agent's name.
+        session: the session to reply in.
+        message: a ``user_request``, ``agent_message``, ``confirm_result`` or
+            ``external_result``; its ``sender`` (``cli`` when empty) is kept.
+        on_item: called with each event, then the final answer.
+        timeout: seconds the whole reply may take.
+
+    Returns:
+        The final answer, or the ``error`` message the agent answered (its
+        ``message`` a full sentence naming who could not handle what).
 
     Raises:
         CallTimeoutError: no answer within ``timeout`` seconds.
         NoRespondersError: the agent is not served.
+        UnexpectedMessageError: the agent answered something else than a
+            final answer.
+        ConfigError: ``message`` is of another type, or ``session`` cannot be
+            a subject token.
     """
-    observation = await bus.observe(bus.subjects.events(agent, session))
-    await bus.flush()
-    queue: asyncio.Queue[AnyMessage] = asyncio.Queue()
-
-    async def read() -> None:
-        async for item in observation:
-            queue.put_nowait(item)
-
-    # Owned here: both are awaited before returning, whatever happens.
-    reader = asyncio.ensure_future(read())
-    asking = asyncio.ensure_future(
-        bus.request(bus.subjects.agent_inbox(agent), message, timeout=timeout)
-    )
+    if not isinstance(message, UserRequest | AgentMessage | ConfirmResult | ExternalResult):
+        raise ConfigError(
+            f"an agent streams the reply to a user_request, agent_message, confirm_result or "
+            f"external_result, not to a {type(message).__name__}"
+        )
+    remote = RemoteAgent(bus, agent, session_id=session, sender=message.sender or "cli")
+    stream = remote.reply_stream(message, timeout=timeout)
     try:
-        return await _follow(queue, asking, on_item, agent)
-    finally:
-        reader.cancel()
-        asking.cancel()
-        await asyncio.wait({reader, asking})
-        await observation.close()
-
-
-async def _follow(
-    queue: asyncio.Queue[AnyMessage],
-    asking: asyncio.Future[AnyMessage],
-    on_item: Callable[[AnyMessage], None],
-    agent: str,
-) -> FinalAnswer | ErrorMessage:
-    """Events until the final answer; the request's reply if no events come."""
-    while True:
-        getter = asyncio.ensure_future(queue.get())
-        await asyncio.wait({getter, asking}, return_when=asyncio.FIRST_COMPLETED)
-        if getter.done():
-            item = getter.result()
-            on_item(item)
-            if isinstance(item, FinalAnswer):
-                return item
-            continue
-        getter.cancel()
-        reply = asking.result()  # raises what the request raised
-        if isinstance(reply, ErrorMessage):
-            return reply
-        if not isinstance(reply, FinalAnswer):
-            raise UnexpectedMessageError(f"unexpected reply from {agent}: {type(reply).__name__}")
-        # The events (published before the reply) may still be on their way.
-        try:
-            async with asyncio.timeout(2.0):
-                while True:
-                    item = await queue.get()
-                    on_item(item)
-                    if isinstance(item, FinalAnswer):
-                        return item
-        except TimeoutError:
-            on_item(reply)
-            return reply
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                on_item(item)
+                if isinstance(item, FinalAnswer):
+                    return item
+    except RemoteError as exc:
+        return ErrorMessage(
+            sender=exc.source_component,
+            session_id=session,
+            call_id=exc.call_id,
+            code=exc.code,
+            message=str(exc),
+            source_component=exc.source_component,
+        )
+    raise AssertionError("a reply stream ends with a final answer or raises")
 
 
 def _show(message: AnyMessage, printer: Any, as_json: bool) -> None:

@@ -330,6 +330,51 @@ async def test_cancel_interrupts_the_reply_an_ask_waits_for(
         assert [(s["session"], s["status"]) for s in json.loads(out)] == [("c1", "idle")]
 
 
+async def test_an_ask_that_times_out_or_is_stopped_interrupts_its_reply(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    url, prefix = nats_server.url, bus.prefix
+    on_bus = ("--nats", url, "--prefix", prefix)
+    store = await SessionStore.open(bus, owner="test")
+
+    async def status(session: str) -> str:
+        """The session's status once its reply has ended (or after 10 s)."""
+        deadline = time.monotonic() + 10
+        while True:
+            record = await store.get("echo", session)
+            if record is not None and record.status != "running":
+                return record.status
+            if time.monotonic() > deadline:
+                return "running" if record is not None else "missing"
+            await asyncio.sleep(0.05)
+
+    with agent_process(url, prefix, "echo", "--replica-id", "r1", "--no-remote-tools") as agent:
+        await agent.wait_for("serving echo")
+        code, out = await run_cli(
+            "ask", "echo", "sleep 20; slow", *on_bus, "--session", "t1", "--timeout", "1"
+        )
+        assert code == 1, out
+        errors = [line for line in out.splitlines() if line.startswith("error:")]
+        assert errors == ["error: agent 'echo' gave no final answer in session 't1' within 1s"]
+        assert await status("t1") == "idle"  # interrupted, not left running for nobody
+
+        events = await bus.observe(bus.subjects.events("echo", "t2"))
+        await bus.flush()
+        with running_cli("ask", "echo", "sleep 20; slow", *on_bus, "--session", "t2") as asking:
+            async with events, asyncio.timeout(20):
+                async for message in events:  # the model sleeps from here on
+                    if isinstance(message, Event) and message.event == "model_call_start":
+                        asking.proc.send_signal(signal.SIGINT)  # Ctrl-C
+                    if isinstance(message, FinalAnswer):
+                        break
+            code, out = await asking.finish(timeout=10)
+        assert code == 130, out
+        assert "interrupted" in out
+        assert isinstance(message, FinalAnswer)
+        assert message.finished_reason == "interrupted"
+        assert await status("t2") == "idle"
+
+
 async def test_replicas_share_the_asks_and_stop_with_their_supervisor(
     nats_server: EmbeddedServer, bus: Bus
 ) -> None:

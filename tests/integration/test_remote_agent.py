@@ -25,6 +25,7 @@ from fleetbus.bus import Bus, EmbeddedServer, Observation, Request
 from fleetbus.errors import (
     CallTimeoutError,
     ConfigError,
+    InvalidSubjectError,
     NoRespondersError,
     RemoteError,
     UnexpectedMessageError,
@@ -78,13 +79,18 @@ def clerk_agent(stamped: list[str]) -> Agent:
 
 @contextlib.asynccontextmanager
 async def serving(
-    url: str, prefix: str, agent: Agent, *, settle: bool = True
+    url: str, prefix: str, agent: Agent, *, settle: bool = True, busy_wait: float = 60.0
 ) -> AsyncIterator[AgentService]:
     """``agent`` served on its own connection of the fleet until the block ends."""
     server_bus = await Bus.connect(url, prefix=prefix, name="agent-server")
     try:
         service = AgentService(
-            server_bus, agent, replica_id=f"{agent.name}@test", lease_ttl=1, drain_timeout=5
+            server_bus,
+            agent,
+            replica_id=f"{agent.name}@test",
+            lease_ttl=1,
+            drain_timeout=5,
+            busy_wait=busy_wait,
         )
         async with asyncio.TaskGroup() as tg:
             tg.create_task(service.run())
@@ -359,21 +365,46 @@ async def test_cancel_interrupts_the_running_reply(
 async def test_an_error_answer_raises_remote_error(
     nats_server: EmbeddedServer, bus: Bus, prefix: str
 ) -> None:
-    async with serving(nats_server.url, prefix, echo()) as service:
-        bad = RemoteAgent(bus, "echo", session_id="not a token", timeout=10)
+    """A session another replica holds past ``busy_wait`` is answered
+    ``overloaded``: every call that wants a final answer raises it."""
+    intruder = await SessionStore.open(bus, owner="intruder", lease_ttl=60)
+    await intruder.acquire("echo", "held")
+    async with serving(nats_server.url, prefix, echo(), busy_wait=0.1) as service:
+        held = RemoteAgent(bus, "echo", session_id="held", timeout=10)
         async with await bus.observe(bus.subjects.agent_inbox("echo")) as inbox:
-            with pytest.raises(RemoteError, match="malformed: invalid session id") as caught:
-                await bad.reply("hi")
+            with pytest.raises(
+                RemoteError, match="could not handle the UserRequest: overloaded"
+            ) as caught:
+                await held.reply("hi")
             (request,) = await sent(inbox, 1)
-        with pytest.raises(RemoteError, match="could not handle the ConfirmResult: malformed"):
-            await bad.confirm("t0", allow=True)
-        with pytest.raises(RemoteError, match="could not handle the ExternalResult: malformed"):
-            await bad.external_result("t0", "x")
-        with pytest.raises(RemoteError, match="could not handle the AgentMessage"):
-            await bad.observe("noted?")  # refused too
-    assert caught.value.code == "malformed"
+            with pytest.raises(RemoteError, match="could not handle the ConfirmResult: overloaded"):
+                await held.confirm("t0", allow=True)
+            with pytest.raises(
+                RemoteError, match="could not handle the ExternalResult: overloaded"
+            ):
+                await held.external_result("t0", "x")
+    assert caught.value.code == "overloaded"
     assert caught.value.source_component == service.replica_id
     assert caught.value.call_id == request.call_id
+    assert request.session_id == "held"
+
+
+async def test_a_session_id_that_is_no_subject_token_is_refused_before_sending(
+    nats_server: EmbeddedServer, bus: Bus, prefix: str
+) -> None:
+    async with serving(nats_server.url, prefix, echo()):
+        bad = RemoteAgent(bus, "echo", session_id="not a token", timeout=10)
+        async with await bus.observe(bus.subjects.agent_inbox("echo")) as inbox:
+            with pytest.raises(InvalidSubjectError, match="invalid session id 'not a token'"):
+                await bad.reply("hi")
+            with pytest.raises(InvalidSubjectError, match="invalid session id"):
+                await bad.confirm("t0", allow=True)
+            with pytest.raises(InvalidSubjectError, match="invalid session id"):
+                await bad.external_result("t0", "x")
+            with pytest.raises(RemoteError, match="could not handle the AgentMessage"):
+                await bad.observe("noted?")  # refused by the agent: it streams nothing
+            (observed,) = await sent(inbox, 1)
+    assert isinstance(observed, AgentMessage)  # the only message that left
 
 
 async def test_observing_in_a_malformed_session_is_refused_as_malformed(
@@ -408,8 +439,12 @@ async def test_answers_that_break_the_contract(bus: Bus) -> None:
                 await remote.reply("hi")
             with pytest.raises(UnexpectedMessageError, match="observed"):
                 await remote.observe("noted?")
-            impatient = RemoteAgent(bus, "odd", timeout=0.3)
-            with pytest.raises(CallTimeoutError, match=r"within 0\.3s after 1 attempt"):
+            impatient = RemoteAgent(bus, "odd", session_id="quiet", timeout=0.3)
+            with pytest.raises(
+                CallTimeoutError,
+                match=r"agent 'odd' gave no final answer in session 'quiet' "
+                r"within 0\.3s",
+            ):
                 await impatient.reply("silence")
         finally:
             stop.set()

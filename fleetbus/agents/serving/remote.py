@@ -6,7 +6,8 @@ instance unless told otherwise::
 
     writer = RemoteAgent(bus, "writer")
     answer = await writer.reply("Draft the release notes.")
-    answer = await writer.reply("Shorter, please.")   # same session
+    async for item in writer.reply_stream("Shorter, please."):   # same session
+        print(item)                 # each event as it happens, the final answer last
     await writer.observe("The release moved to Friday.")
 
 The contract with the server: a ``user_request`` or an ``agent_message`` with
@@ -15,20 +16,37 @@ The contract with the server: a ``user_request`` or an ``agent_message`` with
 an ``event`` named ``observed``; a ``confirm_result`` or ``external_result``
 resumes the paused reply of its session and is answered by its
 ``final_answer``; anything it cannot handle is answered by an ``error``
-message. A ``cancel`` published on ``<prefix>.agent.<name>.control``
-interrupts the reply running in its session.
+message. Every event of a reply, and its final answer, are also published on
+``<prefix>.events.<agent>.<session_id>``; a replica that takes a session over
+after a crash sends the final answer to the original request's reply subject
+too. A ``cancel`` published on ``<prefix>.agent.<name>.control`` interrupts
+the reply running in its session.
+
+Where a streamed reply's answer comes from: the request's reply is the
+authority. It answers this request and no other (the events subject also
+carries the replies of other requests in the session, such as one a crashed
+replica left), and it is what the replica that stored the session's end
+sends. The copy of the answer on the events subject (the same message, so the
+same ``id``) only marks the end of the events; it is never handed out, so the
+answer comes exactly once. The server publishes the copy before the reply, so
+when the reply arrives first the copy and the last events are already on
+their way: one round trip to the server (a flush) lets them in, with no timer.
+An event still missing after that is dropped — events are best effort, the
+answer is not.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any, Final, Protocol
 
 import msgspec
 
-from fleetbus.bus import Subjects
-from fleetbus.errors import RemoteError, UnexpectedMessageError
+from fleetbus.bus import Observation, Subjects
+from fleetbus.errors import BusError, CallTimeoutError, RemoteError, UnexpectedMessageError
 from fleetbus.protocol import (
     AgentMessage,
     AnyMessage,
@@ -49,12 +67,25 @@ from fleetbus.protocol import (
     new_id,
 )
 
-__all__ = ["MessageBus", "RemoteAgent"]
+__all__ = ["MessageBus", "RemoteAgent", "RemoteInput"]
 
 logger = logging.getLogger(__name__)
 
 OBSERVED_EVENT = "observed"
 """The ``event`` a server acknowledges an observed message with."""
+
+CANCEL_TIMEOUT: Final = 2.0
+"""Seconds a stream left early gives the ``cancel`` it sends to be published,
+and then again to be confirmed by the server."""
+
+SETTLE_TIMEOUT: Final = 2.0
+"""Seconds at most the round trip waits that lets in the events published
+just before an answer that arrived first."""
+
+RemoteInput = str | list[ContentBlock] | UserRequest | AgentMessage | ConfirmResult | ExternalResult
+"""What :meth:`RemoteAgent.reply_stream` sends: text or content blocks (a
+``user_request``), or a message as it is — another agent's message, or a
+``confirm_result`` / ``external_result`` resuming a paused reply."""
 
 # The error code an external result of each failed status carries.
 _STATUS_CODES: dict[str, str] = {
@@ -63,6 +94,8 @@ _STATUS_CODES: dict[str, str] = {
     "denied": "denied",
     "cancelled": "cancelled",
 }
+
+_Request = UserRequest | AgentMessage | ConfirmResult | ExternalResult
 
 
 class MessageBus(Protocol):
@@ -88,6 +121,14 @@ class MessageBus(Protocol):
         """Publish a message."""
         ...
 
+    async def observe(self, subject: str) -> Observation:
+        """Subscribe to a subject."""
+        ...
+
+    async def flush(self, timeout: float) -> None:
+        """Wait until the server has processed everything sent so far."""
+        ...
+
 
 class RemoteAgent:
     """An agent served on the bus by another process.
@@ -101,7 +142,7 @@ class RemoteAgent:
         name: the served agent's name.
         session_id: the conversation to talk in; a new one by default.
         timeout: seconds to wait for each answer (a whole reply, tools
-            included).
+            included), unless a call gives its own.
         sender: the ``sender`` of the messages; the bus's client name by
             default.
 
@@ -140,18 +181,27 @@ class RemoteAgent:
 
     async def reply(
         self,
-        inputs: str | list[ContentBlock] | AgentMessage | None = None,
+        inputs: RemoteInput | None = None,
         *,
         session_id: str | None = None,
+        timeout: float | None = None,
     ) -> FinalAnswer:
         """Ask the agent to reply and return its final answer.
 
+        The answer of :meth:`reply_stream`, whose events are skipped; so
+        cancelling the call interrupts the remote reply too.
+
         Args:
-            inputs: text or content blocks (sent as a ``user_request``), or
-                another agent's message (sent as it is, with ``reply=True``);
-                ``None`` sends an empty request: the agent continues the
-                reply in progress, or answers its memory as it is.
+            inputs: text or content blocks (sent as a ``user_request``),
+                another agent's message (sent with ``reply=True``), or a
+                ``user_request`` / ``confirm_result`` / ``external_result``
+                (sent as it is); a message is sent in the call's session,
+                with a new ``call_id``, and its ``sender`` when it has one.
+                ``None`` sends an empty request: the agent continues the reply
+                in progress, or answers its memory as it is.
             session_id: the conversation, for this call only.
+            timeout: seconds the whole reply may take; the instance's
+                ``timeout`` by default.
 
         Raises:
             RemoteError: the agent answered an ``error`` message.
@@ -159,25 +209,145 @@ class RemoteAgent:
                 ``final_answer``.
             CallTimeoutError: no answer within ``timeout``.
             NoRespondersError: nobody serves the agent.
+            InvalidSubjectError: the session id cannot be a subject token.
         """
-        session = session_id or self._session_id
-        message: Message
-        if isinstance(inputs, AgentMessage):
-            message = msgspec.structs.replace(
-                inputs,
-                reply=True,
-                sender=inputs.sender or self.sender,
-                session_id=session,
-                call_id=new_id(),
+        stream = self.reply_stream(inputs, session_id=session_id, timeout=timeout)
+        async with contextlib.aclosing(stream):
+            async for item in stream:
+                if isinstance(item, FinalAnswer):
+                    return item
+        raise AssertionError("a reply stream ends with a final answer or raises")
+
+    async def reply_stream(
+        self,
+        inputs: RemoteInput | None = None,
+        *,
+        session_id: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncGenerator[Event | FinalAnswer, None]:
+        """Ask the agent to reply, yielding each event as it happens and the
+        final answer last, once.
+
+        Subscribes to the session's events subject (and makes sure the server
+        has the subscription) before it sends the request. The events are
+        those published in the session until the answer: in a session that
+        another replica's crash left a reply in, the end of that reply comes
+        first. The final answer is the request's reply; its copy on the events
+        subject is never yielded (see the module docstring). A reply that
+        pauses ends with a ``paused`` answer: resume it with a
+        ``confirm_result`` or ``external_result`` as ``inputs``, whose
+        continuation streams the same way.
+
+        Leaving the iteration early — ``break``, then the stream being closed
+        (``aclose()``, ``contextlib.aclosing``, or garbage collection, at once
+        for ``async for … in remote.reply_stream(…)``) — or cancelling the
+        task reading it, or the deadline passing, publishes a ``cancel`` for
+        the session on the agent's control subject (best effort, within twice
+        :data:`CANCEL_TIMEOUT` seconds, a warning logged when it fails): the
+        remote reply ends ``interrupted``. Then the stream unsubscribes. No
+        ``cancel`` is sent once the request is answered.
+
+        Args:
+            inputs: what :meth:`reply` takes.
+            session_id: the conversation, for this call only.
+            timeout: seconds from the call until the final answer arrives
+                (the time the reader spends between items included; what
+                arrived in time is still handed out); the instance's
+                ``timeout`` (300 s unless set) by default.
+
+        Raises:
+            RemoteError: the agent answered an ``error`` message.
+            UnexpectedMessageError: it answered something else than a
+                ``final_answer``.
+            CallTimeoutError: no answer within ``timeout`` (the error names
+                the agent and the session).
+            NoRespondersError: nobody serves the agent.
+            InvalidSubjectError: the session id cannot be a subject token.
+        """
+        message = self._message(inputs, session_id or self._session_id)
+        session = message.session_id
+        assert session is not None
+        limit = self.timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        logger.debug(
+            "%s: %s to %s, streamed",
+            self.sender,
+            type(message).__name__,
+            self._name,
+            extra={"call_id": message.call_id, "session_id": session},
+        )
+        observation = await self._bus.observe(self._bus.subjects.events(self._name, session))
+        # Owned here: both are cancelled and awaited in `finally`, however the stream ends.
+        reader: asyncio.Task[None] | None = None
+        asking: asyncio.Task[AnyMessage] | None = None
+        # The events, then None once the request is answered (or failed).
+        queue: asyncio.Queue[AnyMessage | None] = asyncio.Queue()
+        try:
+            try:
+                await _flush(self._bus, max(deadline - loop.time(), 0.001))
+            except CallTimeoutError as exc:
+                raise self._timed_out(message, limit) from exc
+            reader = loop.create_task(_forward(observation, queue))
+            asking = loop.create_task(
+                self._bus.request(
+                    self._inbox,
+                    message,
+                    timeout=max(deadline - loop.time(), 0.001),
+                    attempts=1,
+                )
             )
-        else:
-            message = UserRequest(
-                sender=self.sender,
-                session_id=session,
-                call_id=new_id(),
-                content=[] if inputs is None else inputs,
-            )
-        return await self._ask(message)
+            asking.add_done_callback(lambda _: queue.put_nowait(None))
+            seen: set[str] = set()
+            while True:
+                if queue.empty():  # what arrived in time is handed out, even past the deadline
+                    try:
+                        async with asyncio.timeout_at(deadline):
+                            item = await queue.get()
+                    except TimeoutError:
+                        raise self._timed_out(message, limit) from None
+                else:
+                    item = queue.get_nowait()
+                if item is None:
+                    break
+                if item.id in seen:
+                    continue
+                seen.add(item.id)
+                if isinstance(item, Event):
+                    yield item
+                elif not isinstance(item, FinalAnswer):  # the copy of an answer: kept in `seen`
+                    logger.debug("ignored a %s on the events subject", type(item).__name__)
+            answer = self._answer(asking, message, limit)
+            if answer.id not in seen:
+                # The copy and the events before it were published before the
+                # answer: after a round trip to the server they are in.
+                await self._settle(deadline)
+                while not queue.empty():
+                    item = queue.get_nowait()
+                    if item is None or item.id == answer.id:
+                        break
+                    if isinstance(item, Event) and item.id not in seen:
+                        seen.add(item.id)
+                        yield item
+            yield answer
+        finally:
+            # A request still unanswered (or timed out) means a reply may still run for nobody.
+            running = asking is not None and not _settled(asking)
+            owned = {task for task in (reader, asking) if task is not None}
+            for task in owned:
+                task.cancel()
+            if owned:
+                await asyncio.wait(owned)
+            if reader is not None and not reader.cancelled() and reader.exception() is not None:
+                logger.warning(
+                    "reading the events of session %s failed: %s",
+                    session,
+                    reader.exception(),
+                    extra={"session_id": session},
+                )
+            if running:
+                await self._interrupt(session)
+            await observation.close()
 
     async def observe(self, messages: str | AgentMessage | Sequence[str | AgentMessage]) -> None:
         """Add messages to the agent's memory without a reply, in order.
@@ -212,7 +382,14 @@ class RemoteAgent:
                     session_id=self._session_id,
                     call_id=new_id(),
                 )
-            answer = await self._request(message)
+            logger.debug(
+                "%s: AgentMessage to %s, observed",
+                self.sender,
+                self._name,
+                extra={"call_id": message.call_id, "session_id": message.session_id},
+            )
+            answer = await self._bus.request(self._inbox, message, timeout=self.timeout, attempts=1)
+            self._check(answer, message)
             if not (isinstance(answer, Event) and answer.event == OBSERVED_EVENT):
                 raise _unexpected(answer, f"an {OBSERVED_EVENT!r} event", message.call_id)
 
@@ -241,6 +418,8 @@ class RemoteAgent:
     ) -> FinalAnswer:
         """Answer a tool call the paused reply asks to confirm, and continue it.
 
+        To stream the continuation, give ``reply_stream`` a ``confirm_result``.
+
         Args:
             call_id: the ``call_id`` of the pending tool call.
             allow: run it (``True``) or deny it.
@@ -255,11 +434,9 @@ class RemoteAgent:
         """
         message = ConfirmResult(
             sender=self.sender,
-            session_id=session_id or self._session_id,
-            call_id=new_id(),
             confirmations=[Confirmation(call_id=call_id, confirmed=allow, always=always)],
         )
-        return await self._ask(message)
+        return await self.reply(message, session_id=session_id)
 
     async def external_result(
         self,
@@ -270,6 +447,8 @@ class RemoteAgent:
         session_id: str | None = None,
     ) -> FinalAnswer:
         """Give the paused reply the result of a call run outside the agent.
+
+        To stream the continuation, give ``reply_stream`` an ``external_result``.
 
         Args:
             call_id: the ``call_id`` of the pending tool call.
@@ -292,29 +471,47 @@ class RemoteAgent:
                 message=status if content is None else str(content),
             )
             output = ExternalOutput(call_id=call_id, status=status, error_detail=detail)
-        message = ExternalResult(
-            sender=self.sender,
-            session_id=session_id or self._session_id,
-            call_id=new_id(),
-            results=[output],
-        )
-        return await self._ask(message)
+        message = ExternalResult(sender=self.sender, results=[output])
+        return await self.reply(message, session_id=session_id)
 
-    async def _ask(self, message: Message) -> FinalAnswer:
-        answer = await self._request(message)
+    # -- helpers -------------------------------------------------------------------------
+
+    def _message(self, inputs: RemoteInput | None, session: str) -> _Request:
+        """The request to send: in ``session``, with a new ``call_id``."""
+        if isinstance(inputs, AgentMessage):
+            return msgspec.structs.replace(
+                inputs,
+                reply=True,
+                sender=inputs.sender or self.sender,
+                session_id=session,
+                call_id=new_id(),
+            )
+        if isinstance(inputs, UserRequest | ConfirmResult | ExternalResult):
+            return msgspec.structs.replace(
+                inputs, sender=inputs.sender or self.sender, session_id=session, call_id=new_id()
+            )
+        return UserRequest(
+            sender=self.sender,
+            session_id=session,
+            call_id=new_id(),
+            content=[] if inputs is None else inputs,
+        )
+
+    def _answer(
+        self, asking: asyncio.Task[AnyMessage], message: Message, limit: float
+    ) -> FinalAnswer:
+        """The final answer the request got, or the error it stands for."""
+        try:
+            answer = asking.result()
+        except CallTimeoutError as exc:
+            raise self._timed_out(message, limit) from exc
+        self._check(answer, message)
         if not isinstance(answer, FinalAnswer):
             raise _unexpected(answer, "a 'final_answer'", message.call_id)
         return answer
 
-    async def _request(self, message: Message) -> AnyMessage:
-        logger.debug(
-            "%s: %s to %s",
-            self.sender,
-            type(message).__name__,
-            self._name,
-            extra={"call_id": message.call_id, "session_id": message.session_id},
-        )
-        answer = await self._bus.request(self._inbox, message, timeout=self.timeout, attempts=1)
+    def _check(self, answer: AnyMessage, message: Message) -> None:
+        """Raise the ``error`` message ``answer`` is, if it is one."""
         if isinstance(answer, ErrorMessage):
             raise RemoteError(
                 f"{answer.source_component or 'agent ' + repr(self._name)} could not handle "
@@ -323,7 +520,83 @@ class RemoteAgent:
                 source_component=answer.source_component,
                 call_id=answer.call_id or message.call_id,
             )
-        return answer
+
+    def _timed_out(self, message: Message, limit: float) -> CallTimeoutError:
+        return CallTimeoutError(
+            f"agent {self._name!r} gave no final answer in session {message.session_id!r} "
+            f"within {limit:g}s",
+            subject=self._inbox,
+            call_id=message.call_id,
+        )
+
+    async def _settle(self, deadline: float) -> None:
+        """One round trip to the server, within the deadline (best effort)."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            return
+        try:
+            await _flush(self._bus, min(remaining, SETTLE_TIMEOUT))
+        except BusError as exc:  # the answer is here: do not lose it for late events
+            logger.debug("no round trip after the answer: %s", exc)
+
+    async def _interrupt(self, session: str) -> None:
+        """Cancel the session's reply, which nobody reads any more (best effort)."""
+        try:
+            async with asyncio.timeout(CANCEL_TIMEOUT):
+                await self.cancel("the client stopped reading the reply", session_id=session)
+            await _flush(self._bus, CANCEL_TIMEOUT)
+        except (BusError, TimeoutError) as exc:
+            logger.warning(
+                "%s: the cancel of session %s of %s may not have been sent: %s",
+                self.sender,
+                session,
+                self._name,
+                exc,
+                extra={"session_id": session},
+            )
+        else:
+            logger.info(
+                "%s: stopped reading; cancel sent for session %s of %s",
+                self.sender,
+                session,
+                self._name,
+                extra={"session_id": session},
+            )
+
+
+async def _flush(bus: MessageBus, timeout: float) -> None:
+    """A round trip to the server that a cancellation does not cut short.
+
+    nats-py (2.16) leaves the future of a cancelled flush waiting for its PONG,
+    and that PONG then stops the connection's read loop: nothing more arrives
+    on the connection. So the flush runs to its end — its own ``timeout``
+    bounds it — and a cancellation takes effect after.
+
+    Raises:
+        CallTimeoutError: no PONG within ``timeout``.
+        ConnectionClosedError: the bus is closed.
+    """
+    flushing = asyncio.ensure_future(bus.flush(timeout=timeout))
+    try:
+        await asyncio.shield(flushing)
+    except asyncio.CancelledError:
+        await asyncio.wait({flushing})
+        if not flushing.cancelled():
+            flushing.exception()  # the cancellation wins over how the flush ended
+        raise
+
+
+async def _forward(observation: Observation, queue: asyncio.Queue[AnyMessage | None]) -> None:
+    """Hand each message seen on the events subject to the stream."""
+    async for item in observation:
+        queue.put_nowait(item)
+
+
+def _settled(asking: asyncio.Task[AnyMessage]) -> bool:
+    """Whether the request got its answer (or a refusal): nothing runs for it then."""
+    if not asking.done() or asking.cancelled():
+        return False
+    return not isinstance(asking.exception(), CallTimeoutError)
 
 
 def _unexpected(answer: AnyMessage, expected: str, call_id: str | None) -> UnexpectedMessageError:
