@@ -6,7 +6,8 @@ and what ``sync_interval: always`` costs, in one run.
    saving the way the reply loop does (``_reply.py``, ``_tool_running.py``):
    the assistant message with one tool call goes into memory and is saved
    (write-ahead), the tool result goes into ``reply.arrived`` and is saved,
-   then it moves into memory (its ``call_id`` into ``reply.answered``) and
+   then it moves into memory (its ``call_id`` into ``reply.answered``, kept
+   per step) and
    the end of the step is saved: 3 saves a step, each message 300-500 bytes
    of JSON. Every KV and object-store write of the fleet's session buckets
    is counted by a plain core subscription to ``$KV.<bucket>.>`` and
@@ -14,9 +15,9 @@ and what ``sync_interval: always`` costs, in one run.
    the last 10 steps of each run, next to what the previous design wrote: the
    whole state JSON at every save (measured over the same saves, outside the
    timed part). Two series: each run **one reply** (the worst case, a
-   ``max_iters`` as long as the conversation: ``reply.answered``, part of the
-   head, grows with it), and the same lengths as **replies of 10 steps** (the
-   default ``max_iters``; the 10-step run is the same in both).
+   ``max_iters`` as long as the conversation), and the same lengths as
+   **replies of 10 steps** (the default ``max_iters``; the 10-step run is the
+   same in both).
 2. **Idle recovery with 1,000 sessions.** 1,000 sessions are created and
    released (``idle`` / ``done``), then 4 ``AgentService`` replicas of their
    agent run in one child process (``bench/_sessions_child.py``) with the
@@ -197,6 +198,7 @@ async def drive(
         message, use = assistant_message(step)
         state.memory.append(message)
         reply.iteration += 1
+        reply.answered.clear()  # as the loop does: kept per step
         total_seconds += time.perf_counter() - started
         await save(measure)  # write-ahead: the call is durable before it is sent
         reply.arrived.append(tool_message(use))
