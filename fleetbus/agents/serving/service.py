@@ -244,7 +244,7 @@ class AgentService(Lifecycle):
                         self.name,
                         session,
                         fresh=self.agent.clone().state,
-                        reply_to=request.reply if request is not None else None,
+                        reply_to=(request.reply or None) if request is not None else None,
                         pending_input=to_builtins(message),
                         wait=self.busy_wait,
                     )
@@ -252,7 +252,11 @@ class AgentService(Lifecycle):
                     return self._error(message, "overloaded", str(exc))
                 except StoreError as exc:
                     return self._error(message, "internal", f"the session store failed: {exc}")
-                return await self._run_reply(lease, message, session, run)
+                reply_to = (request.reply or None) if request is not None else None
+                final = await self._run_reply(lease, message, session, run, answer_to=reply_to)
+                # Answered by _run_reply once its end was stored (or by the
+                # session's new owner): nothing more to send from here.
+                return None if reply_to else final
         finally:
             run.users -= 1
             if not run.users:
@@ -274,22 +278,43 @@ class AgentService(Lifecycle):
                 del self._session_locks[session]
 
     async def _run_reply(
-        self, lease: Lease, inputs: AnyMessage | None, session: str, run: _Run
+        self,
+        lease: Lease,
+        inputs: AnyMessage | None,
+        session: str,
+        run: _Run,
+        *,
+        answer_to: str | None = None,
     ) -> FinalAnswer | None:
         """Serve ``inputs`` (``None``: a take-over) holding ``lease``: first what
-        a dead owner left — the reply it was running, the request it had not
-        recorded — then ``inputs``; store and publish each end, release the
-        lease. ``None`` if the session was lost meanwhile (one log line: the
-        new owner answers)."""
+        a dead owner left — an answer it stored but may not have sent, the
+        reply it was running, the request it had not recorded — then
+        ``inputs``, whose answer goes to ``answer_to``.
+
+        The end of each reply is written before it is sent and the lease is
+        released after: the status and the final answer in one write, then
+        the answer, then the lease. A replica that dies in between leaves a
+        lease that lapses, and whoever takes over sends the stored answer
+        again (a duplicate at worst, never a loss). ``None`` if the session
+        was lost meanwhile (one log line: the new owner answers)."""
         record = lease.record
         if inputs is None:  # a take-over: the request being served is in the head
             orphan, orphan_to = record.pending_input, record.reply_to
+            if lease.previous != "running" and record.final is not None:
+                # Its owner died after storing the answer: send it, release.
+                return await self._deliver(lease, record.final, record.reply_to, lease.previous)
         else:
             orphan, orphan_to = lease.orphan_input, lease.orphan_reply_to
+            stored = _decode_final(lease.orphan_final)
+            if stored is not None and orphan_to:  # a dead owner's answer, maybe unsent
+                await self._publish(orphan_to, stored)
+                orphan_to = None
         recording = [False]
         deadline = self.lease_ttl
 
         async def checkpoint(state: AgentState) -> None:
+            if state.reply is None or state.paused:
+                return  # the end of a reply: written below with its answer and status
             await self._save(lease, deadline, state=state, input_recorded=recording[0])
 
         agent = self.agent.clone(state=record.state, checkpoint=checkpoint)
@@ -301,31 +326,34 @@ class AgentService(Lifecycle):
         if orphan_message is not None:
             phases.append((orphan_message, orphan_to, inputs is None))
         if inputs is not None:
-            phases.append((inputs, None, True))
+            phases.append((inputs, answer_to, True))
         events = self.bus.subjects.events(self.name, session)
         self._running[session] = agent
         final: FinalAnswer | None = None
+        last_to: str | None = None
         lost = False
         try:
             async with asyncio.TaskGroup() as tg:
                 renewing = tg.create_task(self._renew(lease))
                 try:
-                    for phase_input, answer_to, pending in phases:
+                    for index, (phase_input, phase_to, pending) in enumerate(phases):
                         recording[0] = pending
                         if isinstance(phase_input, AgentMessage) and not phase_input.reply:
                             await agent.observe(phase_input)
                             continue
                         final = await self._stream(agent, phase_input, session, events, run)
-                        if answer_to and final is not None:
-                            await self._publish(answer_to, final)
+                        if index == len(phases) - 1:
+                            last_to = phase_to  # answered once its end is written
+                        elif phase_to and final is not None:
+                            await self._publish(phase_to, final)
                 finally:
                     renewing.cancel()
         except* SessionLost:
             lost = True
         finally:
             self._running.pop(session, None)
+            run.cancelled = False  # a cancel ends the reply it found, not later ones
         if lost:
-            run.cancelled = False
             logger.warning(
                 "%s: session %s was lost to another replica; stopping", self.name, session
             )
@@ -341,14 +369,36 @@ class AgentService(Lifecycle):
                 state=agent.state,
                 status=status,
                 final=to_builtins(final) if final is not None else None,
-                release=True,
+                input_recorded=True,
             )
+            if last_to and final is not None:
+                await self._publish(last_to, final)
+            assert self.store is not None
+            await self.store.release(lease)
         except SessionLost:
             logger.warning("%s: session %s was lost at its end", self.name, session)
             return None
-        finally:
-            run.cancelled = False  # a cancel ends the reply it found, not later ones
         return final
+
+    async def _deliver(
+        self, lease: Lease, final: dict[str, Any], reply_to: str | None, status: SessionStatus
+    ) -> FinalAnswer | None:
+        """Send an answer a dead owner stored, and put the session back as it was."""
+        answer = _decode_final(final)
+        try:
+            await self._save(lease, self.lease_ttl, status=status, input_recorded=True)
+            if reply_to and answer is not None:
+                await self._publish(reply_to, answer)
+            assert self.store is not None
+            await self.store.release(lease)
+        except SessionLost:
+            logger.warning(
+                "%s: session %s was lost while re-sending its answer",
+                self.name,
+                lease.record.session_id,
+            )
+            return None
+        return answer
 
     async def _save(self, lease: Lease, deadline: float, **what: Any) -> None:
         """Save, retrying a failing store for up to ``deadline`` seconds; past
@@ -432,6 +482,9 @@ class AgentService(Lifecycle):
                 except StoreError as exc:
                     return self._error(message, "internal", f"the session store failed: {exc}")
                 state = lease.record.state
+                stored = _decode_final(lease.orphan_final)
+                if stored is not None and lease.orphan_reply_to:
+                    await self._publish(lease.orphan_reply_to, stored)  # a dead owner's answer
                 if lease.orphan_input is None and (state.reply is None or state.paused):
                     break
                 # A dead owner left work in this session: finish it, then observe.
@@ -611,6 +664,11 @@ def _decode_input(data: dict[str, Any] | None) -> AnyMessage | None:
     except ProtocolError as exc:
         logger.warning("a recorded request is unreadable, dropped: %s", exc)
         return None
+
+
+def _decode_final(data: dict[str, Any] | None) -> FinalAnswer | None:
+    message = _decode_input(data)
+    return message if isinstance(message, FinalAnswer) else None
 
 
 def _text_blocks(text: str) -> list[Any]:

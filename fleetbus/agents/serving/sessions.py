@@ -150,6 +150,8 @@ class Lease:
     """A request a dead owner had taken but not recorded (served first)."""
     orphan_reply_to: str | None = None
     """Where the request the dead owner was serving wants its answer."""
+    orphan_final: dict[str, Any] | None = None
+    """The answer a dead owner stored but may not have sent to ``orphan_reply_to``."""
 
 
 def session_key(agent: str, session_id: str) -> str:
@@ -422,9 +424,18 @@ class SessionStore:
                     revision = await self.leases.update(key, value, revision=entry.revision)
             except RevisionMismatchError:
                 continue  # someone else moved first: look again
+            from_dead = entry is not None and holder is not None and holder != self.owner
             try:
                 return await self._fence(
-                    key, agent, session_id, revision, fresh, reply_to, pending_input, take_over
+                    key,
+                    agent,
+                    session_id,
+                    revision,
+                    fresh,
+                    reply_to,
+                    pending_input,
+                    take_over,
+                    from_dead=from_dead,
                 )
             except BaseException:
                 await self._drop_lease(key, revision)
@@ -440,6 +451,8 @@ class SessionStore:
         reply_to: str | None,
         pending_input: dict[str, Any] | None,
         take_over: bool,
+        *,
+        from_dead: bool = False,
     ) -> Lease:
         """Write the head as this owner's (epoch), so that a previous owner's
         late writes fail their compare-and-set."""
@@ -469,7 +482,8 @@ class SessionStore:
                 return lease
             lease = await self._load(key, *read)
             record = lease.record
-            if take_over and record.status != "running":
+            undelivered = record.reply_to is not None and record.final is not None
+            if take_over and record.status != "running" and not undelivered:
                 raise SessionBusyError(
                     f"session {session_id} of {agent} needs no take-over",
                     agent=agent,
@@ -478,6 +492,9 @@ class SessionStore:
             lease.previous, lease.previous_owner = record.status, record.owner
             if not take_over and record.status == "running":  # its owner died
                 lease.orphan_input, lease.orphan_reply_to = record.pending_input, record.reply_to
+            elif not take_over and from_dead and undelivered:
+                # Its owner died after storing the answer, maybe before sending it.
+                lease.orphan_final, lease.orphan_reply_to = record.final, record.reply_to
             lease.epoch = lease.lease_revision = epoch
             lease.next_chunk = 0
             lease.seq = 0
@@ -520,6 +537,15 @@ class SessionStore:
             lease.lease_revision = entry.revision  # our write landed, unacknowledged
         lease.renewals += 1
         lease.renewed_at = time.monotonic()
+
+    async def release(self, lease: Lease) -> None:
+        """Give the lease up, the session as last saved (the end of a reply:
+        saved, answered, released)."""
+        record = lease.record
+        key = session_key(record.agent, record.session_id)
+        async with lease.lock:
+            await self._drop_lease(key, lease.lease_revision)
+            self._remember(key, lease, record.state)
 
     async def _drop_lease(self, key: str, revision: int) -> None:
         try:
