@@ -631,7 +631,7 @@ class AgentService(Lifecycle):
                 "%s: taking over session %s from %s at step %d",
                 self.name,
                 session,
-                lease.previous_owner,
+                lease.previous_owner or "a replica that died",
                 lease.record.step,
             )
             run = self._runs.setdefault(session, _Run())

@@ -94,7 +94,7 @@ class SessionRecord(BaseModel):
     status: SessionStatus = "idle"
     state: AgentState
     owner: str | None = None
-    """The replica holding (or last holding) the lease."""
+    """The replica running the session (``None`` when it is not running)."""
     created_at: datetime = Field(default_factory=utc_now)
     updated_at: datetime = Field(default_factory=utc_now)
     final: dict[str, Any] | None = None
@@ -587,6 +587,8 @@ class SessionStore:
             update: dict[str, Any] = {"updated_at": utc_now()}
             if status is not None:
                 update["status"] = status
+                if status != "running":
+                    update["owner"] = None  # nobody runs it (the lease may still be dropping)
             if final is not None:
                 update["final"] = final
             if release:
