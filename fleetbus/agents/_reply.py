@@ -14,22 +14,16 @@ hands the rest to its collaborators, which share the reply's
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
-
-import pydantic
 
 from fleetbus.agents._model_calls import ModelCalls, ModelFailedError
 from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope
-from fleetbus.agents._reply_settings import ReplySettings
 from fleetbus.agents._resume import Resumer
 from fleetbus.agents._tool_running import ToolRunner
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import StopReply
-from fleetbus.agents.state import AgentState, ReplyState
 from fleetbus.protocol import (
     ConfirmResult,
-    Event,
     ExternalResult,
     FinalAnswer,
     FinishedReason,
@@ -55,42 +49,15 @@ class ReplyRun:
     """Runs one reply of an agent.
 
     Args:
-        settings: the agent's settings for this reply.
-        state: the agent's live state (updated in place).
-        reply: the reply in progress (already in ``state.reply``).
-        structured_model: the pydantic model of a structured answer, if any.
-        emit: receives every event as it happens.
-        demand: awaited before each model call and each tool call; returns
-            once whoever reads the events has read them all and waits for
-            more (a reader that left stops the reply from starting anything).
-        checkpoint: hands the state to whoever saves it (the agent's
-            ``checkpoint``).
+        scope: the reply in progress, its settings, state and callbacks (see
+            :class:`ReplyScope`).
     """
 
-    def __init__(
-        self,
-        settings: ReplySettings,
-        state: AgentState,
-        reply: ReplyState,
-        *,
-        structured_model: type[pydantic.BaseModel] | None,
-        emit: Callable[[Event], None],
-        demand: Callable[[], Awaitable[Any]] | None = None,
-        checkpoint: Callable[[], Awaitable[None]],
-    ) -> None:
-        scope = ReplyScope(
-            settings,
-            state,
-            reply,
-            structured_model=structured_model,
-            emit=emit,
-            demand=demand,
-            checkpoint=checkpoint,
-        )
+    def __init__(self, scope: ReplyScope) -> None:
         self.scope = scope
-        self.settings = settings
-        self.state = state
-        self.reply = reply
+        self.settings = scope.settings
+        self.state = scope.state
+        self.reply = scope.reply
         self.models = ModelCalls(scope)
         self.tools = ToolRunner(scope)
         self.resumer = Resumer(scope, self.tools)

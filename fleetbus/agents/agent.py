@@ -25,6 +25,7 @@ from typing import Any
 import pydantic
 
 from fleetbus.agents._reply import ReplyRun
+from fleetbus.agents._reply_scope import ReplyScope
 from fleetbus.agents._reply_settings import ReplySettings
 from fleetbus.agents.compression import (
     ApproxTokenCounter,
@@ -369,13 +370,15 @@ class Agent:
                 return prepared
             reply, resume = prepared
             run = ReplyRun(
-                self._reply_settings(),
-                self._state,
-                reply,
-                structured_model=structured_model,
-                emit=emit,
-                demand=demand,
-                checkpoint=self.checkpoint,
+                ReplyScope(
+                    self._reply_settings(),
+                    self._state,
+                    reply,
+                    structured_model=structured_model,
+                    emit=emit,
+                    demand=demand,
+                    checkpoint=self.checkpoint,
+                )
             )
             if resume is None and reply.iteration == 0 and not reply.answered:
                 # Write-ahead: the input is durable before any work starts.
