@@ -1,4 +1,5 @@
-"""Helpers for tests that run fleetbus commands as separate OS processes."""
+"""Helpers for tests that run fleetbus commands as separate OS processes, and
+for serving an agent in the test's own process."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
+from fleetbus.agents import Agent, AgentService
 from fleetbus.bus import Bus, ToolClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,3 +119,36 @@ async def wait_for_workers(bus: Bus, tool_name: str, count: int, timeout: float 
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"only {seen} of {count} workers serve {tool_name} after {timeout}s")
+
+
+@asynccontextmanager
+async def serving(
+    url: str | list[str],
+    prefix: str,
+    agent: Agent,
+    *,
+    replica: str = "test",
+    settle: bool = True,
+    **options: Any,
+) -> AsyncIterator[AgentService]:
+    """``agent`` served in this process, on its own connection of the fleet,
+    until the block ends. ``options`` go to :class:`AgentService` (defaults
+    here: a 1 s lease, a 5 s drain)."""
+    server_bus = await Bus.connect(url, prefix=prefix, name=f"agent-{replica}")
+    options.setdefault("lease_ttl", 1.0)
+    options.setdefault("drain_timeout", 5.0)
+    try:
+        service = AgentService(server_bus, agent, replica_id=f"{agent.name}@{replica}", **options)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(service.run())
+            try:
+                await service.wait_ready()
+                if settle:
+                    # A further round trip on the serving connection, beyond
+                    # what wait_ready() already makes sure of.
+                    await server_bus.flush()
+                yield service
+            finally:
+                service.stop()
+    finally:
+        await server_bus.close()

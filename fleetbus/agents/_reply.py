@@ -14,7 +14,6 @@ hands the rest to its collaborators, which share the reply's
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from fleetbus.agents._model_calls import ModelCalls, ModelFailedError
 from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope
@@ -26,7 +25,6 @@ from fleetbus.protocol import (
     ConfirmResult,
     ExternalResult,
     FinalAnswer,
-    FinishedReason,
     ToolUseBlock,
 )
 
@@ -62,22 +60,6 @@ class ReplyRun:
         self.tools = ToolRunner(scope)
         self.resumer = Resumer(scope, self.tools)
 
-    # -- events and endings ---------------------------------------------------
-
-    def event(self, name: str, **data: Any) -> None:
-        """Emit one event of this reply."""
-        self.scope.event(name, **data)
-
-    def finish(
-        self,
-        finished_reason: FinishedReason,
-        content: str,
-        *,
-        structured: dict[str, Any] | None = None,
-    ) -> FinalAnswer:
-        """End the reply: ``reply_end``, and the state holds no reply unless paused."""
-        return self.scope.finish(finished_reason, content, structured=structured)
-
     # -- the loop ---------------------------------------------------------------
 
     async def run(self, resume: ConfirmResult | ExternalResult | None) -> FinalAnswer:
@@ -97,11 +79,11 @@ class ReplyRun:
             tools.close_open_calls("cancelled", f"not run: the reply was stopped ({stop.reason})")
             if stop.summarize:
                 text = await self.models.final_words(_STOPPED_PROMPT.format(reason=stop.reason))
-                return self.finish(stop.finished_reason, text or f"Stopped: {stop.reason}.")
-            return self.finish(stop.finished_reason, f"Stopped: {stop.reason}.")
+                return self.scope.finish(stop.finished_reason, text or f"Stopped: {stop.reason}.")
+            return self.scope.finish(stop.finished_reason, f"Stopped: {stop.reason}.")
         except ModelFailedError as exc:
             tools.close_open_calls("cancelled", "not run: the model failed")
-            return self.finish("error", f"The model failed: {exc}")
+            return self.scope.finish("error", f"The model failed: {exc}")
         except asyncio.CancelledError:
             tools.close_open_calls("cancelled", "not run: the reply was interrupted")
             raise
@@ -137,7 +119,7 @@ class ReplyRun:
                         return ended
                     await checkpoint()
                     continue
-                return self.finish("completed", message.text)
+                return self.scope.finish("completed", message.text)
             # Write-ahead: the calls (and their ids) are durable before they are
             # sent, so a take-over sends them again with the same call_id.
             await checkpoint()
@@ -146,7 +128,7 @@ class ReplyRun:
                 return ended
             await checkpoint()
         text = await self.models.final_words(_EXCEEDED_PROMPT.format(steps=settings.max_iters))
-        return self.finish(
+        return self.scope.finish(
             "exceed_max_iters",
             text or f"Stopped after {settings.max_iters} steps without a final answer.",
         )
@@ -161,7 +143,7 @@ class ReplyRun:
     def _remind_structured(self) -> FinalAnswer | None:
         self.reply.structured_failures += 1
         if self.reply.structured_failures > self.settings.structured_retries:
-            return self.finish(
+            return self.scope.finish(
                 "error", f"The model did not call {FINISH_TOOL} with a valid structured answer."
             )
         self.state.memory.append(

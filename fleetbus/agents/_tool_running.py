@@ -248,15 +248,7 @@ class ToolRunner:
             ]
         for use in uses:
             block = results[use.id]
-            self.state.memory.append(Msg(role="tool", name=use.name, content=[block]))
-            self.reply.answered.append(use.id)
-            self.scope.event(
-                ev.TOOL_RESULT,
-                call_id=use.id,
-                tool_name=use.name,
-                status=block.state,
-                output=block.output,
-            )
+            self._remember(use, block)
             if ended is None and watch:
                 ended = self._watch_repeats(use, block)
         return ended
@@ -312,15 +304,19 @@ class ToolRunner:
                         "it may have had effects"
                     )
                 block = tool_result(use, state, output)
-            self.state.memory.append(Msg(role="tool", name=use.name, content=[block]))
-            self.reply.answered.append(use.id)
-            self.scope.event(
-                ev.TOOL_RESULT,
-                call_id=use.id,
-                tool_name=use.name,
-                status=block.state,
-                output=block.output,
-            )
+            self._remember(use, block)
+
+    def _remember(self, use: ToolUseBlock, block: ToolResultBlock) -> None:
+        """One result into memory, and its event."""
+        self.state.memory.append(Msg(role="tool", name=use.name, content=[block]))
+        self.reply.answered.append(use.id)
+        self.scope.event(
+            ev.TOOL_RESULT,
+            call_id=use.id,
+            tool_name=use.name,
+            status=block.state,
+            output=block.output,
+        )
 
 
 def _check_required(value: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:

@@ -383,7 +383,7 @@ class Agent:
             if resume is None and reply.iteration == 0 and not reply.answered:
                 # Write-ahead: the input is durable before any work starts.
                 await self.checkpoint()
-                run.event("reply_start", reply_id=reply.reply_id)
+                run.scope.event("reply_start", reply_id=reply.reply_id)
             final = await run.run(resume)
         except asyncio.CancelledError:
             if not self._interrupted or run is None:
@@ -391,7 +391,7 @@ class Agent:
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
-            final = run.finish("interrupted", "The reply was interrupted.")
+            final = run.scope.finish("interrupted", "The reply was interrupted.")
         except Exception as exc:  # a bug must not take the caller down with it
             logger.exception("%s: reply failed", self.name)
             self._state.reply = None

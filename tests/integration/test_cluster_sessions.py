@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
@@ -30,30 +29,11 @@ from tests.integration.test_sessions_durable import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
-    cluster = NatsCluster(tmp_path_factory.mktemp("nats-cluster")).start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-@pytest.fixture
-async def cluster_bus(nats_cluster: NatsCluster, prefix: str) -> AsyncIterator[Bus]:
-    nats_cluster.restart_stopped()
-    nats_cluster.wait_ready()
-    bus = await Bus.connect(nats_cluster.urls, prefix=prefix, name="cluster-test")
-    try:
-        yield bus
-    finally:
-        await bus.close()
-
-
 @pytest.mark.timeout(150)
 async def test_replies_finish_when_the_sessions_leader_is_killed(
-    nats_cluster: NatsCluster, cluster_bus: Bus
+    cluster: NatsCluster, cluster_bus: Bus
 ) -> None:
+    nats_cluster = cluster
     bus = cluster_bus
     runs: list[str] = []
     gate = asyncio.Event()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import pytest
@@ -30,34 +30,6 @@ T = TypeVar("T")
 RETRY_DEADLINE = 30.0
 """Seconds a write or read may take across a fail-over (measured: a new stream
 leader in 4-7 s after SIGKILL of the old one)."""
-
-
-@pytest.fixture(scope="module")
-def nats_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsCluster]:
-    """Three nats-servers from the shipped configs, for this module."""
-    cluster = NatsCluster(tmp_path_factory.mktemp("nats-cluster")).start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-
-
-@pytest.fixture
-def cluster(nats_cluster: NatsCluster) -> NatsCluster:
-    """The cluster with all three nodes up (a previous test may have killed one)."""
-    nats_cluster.restart_stopped()
-    nats_cluster.wait_ready()
-    return nats_cluster
-
-
-@pytest.fixture
-async def cluster_bus(cluster: NatsCluster, prefix: str) -> AsyncIterator[Bus]:
-    """A bus that knows all three servers, on the test's own prefix."""
-    bus = await Bus.connect(cluster.urls, prefix=prefix, name="cluster-test")
-    try:
-        yield bus
-    finally:
-        await bus.close()
 
 
 def kv_stream(bus: Bus, name: str) -> str:

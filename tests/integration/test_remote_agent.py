@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from fleetbus.agents import Agent, AgentService, MsgHub, Permissions, RemoteAgent
+from fleetbus.agents import Agent, MsgHub, Permissions, RemoteAgent
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.agents.state import PendingCall
 from fleetbus.bus import Bus, EmbeddedServer, Observation, Request
@@ -44,6 +44,7 @@ from fleetbus.protocol import (
 )
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
+from tests.helpers import serving
 from tests.integration.agent_specs import CommandModel
 
 PID = os.getpid()
@@ -75,36 +76,6 @@ def clerk_agent(stamped: list[str]) -> Agent:
         toolkit=Toolkit([stamp, lookup]),
         permissions=Permissions.from_strings(ask=["stamp", "lookup"]),
     )
-
-
-@contextlib.asynccontextmanager
-async def serving(
-    url: str, prefix: str, agent: Agent, *, settle: bool = True, busy_wait: float = 60.0
-) -> AsyncIterator[AgentService]:
-    """``agent`` served on its own connection of the fleet until the block ends."""
-    server_bus = await Bus.connect(url, prefix=prefix, name="agent-server")
-    try:
-        service = AgentService(
-            server_bus,
-            agent,
-            replica_id=f"{agent.name}@test",
-            lease_ttl=1,
-            drain_timeout=5,
-            busy_wait=busy_wait,
-        )
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(service.run())
-            try:
-                await service.wait_ready()
-                if settle:
-                    # A further round trip on the serving connection, beyond
-                    # what wait_ready() already makes sure of.
-                    await server_bus.flush()
-                yield service
-            finally:
-                service.stop()
-    finally:
-        await server_bus.close()
 
 
 async def sent(observation: Observation, count: int) -> list[AnyMessage]:

@@ -11,7 +11,6 @@ echoed as ``echo <text> from <pid>``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import signal
 import time
@@ -19,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from fleetbus.agents import Agent, AgentService, Permissions, RemoteAgent
+from fleetbus.agents import Agent, Permissions, RemoteAgent
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, EmbeddedServer, Observation
 from fleetbus.errors import BusError, CallTimeoutError, RemoteError
@@ -33,34 +32,8 @@ from fleetbus.protocol import (
     UserRequest,
 )
 from fleetbus.tools_workers import Toolkit, tool
-from tests.helpers import agents
+from tests.helpers import agents, serving
 from tests.integration.agent_specs import CommandModel
-
-
-@contextlib.asynccontextmanager
-async def serving(
-    url: str, prefix: str, agent: Agent, *, busy_wait: float = 60.0
-) -> AsyncIterator[AgentService]:
-    """``agent`` served on its own connection of the fleet until the block ends."""
-    server_bus = await Bus.connect(url, prefix=prefix, name="agent-server")
-    try:
-        service = AgentService(
-            server_bus,
-            agent,
-            replica_id=f"{agent.name}@test",
-            lease_ttl=1,
-            drain_timeout=5,
-            busy_wait=busy_wait,
-        )
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(service.run())
-            try:
-                await service.wait_ready()
-                yield service
-            finally:
-                service.stop()
-    finally:
-        await server_bus.close()
 
 
 def clerk(stamped: list[str], slow: dict[str, bool] | None = None) -> Agent:

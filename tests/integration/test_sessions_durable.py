@@ -39,6 +39,7 @@ from fleetbus.protocol import (
     to_builtins,
 )
 from fleetbus.tools_workers import Toolkit, ToolWorker, tool
+from tests.helpers import serving as serve_agent
 
 AGENT = "keeper"
 
@@ -117,36 +118,18 @@ async def step_worker(
         await worker_bus.close()
 
 
+def serving(
+    url: str | list[str], prefix: str, agent: Agent, **options: Any
+) -> contextlib.AbstractAsyncContextManager[AgentService]:
+    """The agent served in this process, recovering every 0.2 s."""
+    options.setdefault("recover_interval", 0.2)
+    return serve_agent(url, prefix, agent, replica="live", **options)
+
+
 async def make_agent(bus: Bus, model: StepModel, **kwargs: Any) -> Agent:
     toolkit = Toolkit()
     await toolkit.add_remote(ToolClient(bus, sender=f"agent.{AGENT}"), ["step"])
     return Agent(AGENT, "", model, toolkit=toolkit, **kwargs)
-
-
-@contextlib.asynccontextmanager
-async def serving(
-    url: str | list[str], prefix: str, agent: Agent, *, replica: str = "live", **kwargs: Any
-) -> AsyncIterator[AgentService]:
-    server_bus = await Bus.connect(url, prefix=prefix, name=f"agent-{replica}")
-    service = AgentService(
-        server_bus,
-        agent,
-        replica_id=f"{agent.name}@{replica}",
-        lease_ttl=kwargs.pop("lease_ttl", 1.0),
-        recover_interval=kwargs.pop("recover_interval", 0.2),
-        drain_timeout=2,
-        **kwargs,
-    )
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(service.run())
-            await service.wait_ready()
-            try:
-                yield service
-            finally:
-                service.stop()
-    finally:
-        await server_bus.close()
 
 
 async def ghost_reply(

@@ -239,20 +239,10 @@ class AgentService(Lifecycle):
         run.users += 1
         try:
             async with self._session_lock(session):
-                try:
-                    lease = await self.store.acquire(
-                        self.name,
-                        session,
-                        fresh=self.agent.clone().state,
-                        reply_to=(request.reply or None) if request is not None else None,
-                        pending_input=to_builtins(message),
-                        wait=self.busy_wait,
-                    )
-                except SessionBusyError as exc:
-                    return self._error(message, "overloaded", str(exc))
-                except StoreError as exc:
-                    return self._error(message, "internal", f"the session store failed: {exc}")
                 reply_to = (request.reply or None) if request is not None else None
+                lease = await self._acquire(message, session, reply_to)
+                if isinstance(lease, ErrorMessage):
+                    return lease
                 final = await self._run_reply(lease, message, session, run, answer_to=reply_to)
                 # Answered by _run_reply once its end was stored (or by the
                 # session's new owner): nothing more to send from here.
@@ -261,6 +251,25 @@ class AgentService(Lifecycle):
             run.users -= 1
             if not run.users:
                 self._runs.pop(session, None)
+
+    async def _acquire(
+        self, message: AnyMessage, session: str, reply_to: str | None
+    ) -> Lease | ErrorMessage:
+        """The session's lease with ``message`` recorded, or the error to answer."""
+        assert self.store is not None
+        try:
+            return await self.store.acquire(
+                self.name,
+                session,
+                fresh=self.agent.clone().state,
+                reply_to=reply_to,
+                pending_input=to_builtins(message),
+                wait=self.busy_wait,
+            )
+        except SessionBusyError as exc:
+            return self._error(message, "overloaded", str(exc))
+        except StoreError as exc:
+            return self._error(message, "internal", f"the session store failed: {exc}")
 
     @contextlib.asynccontextmanager
     async def _session_lock(self, session: str) -> AsyncIterator[None]:
@@ -469,18 +478,9 @@ class AgentService(Lifecycle):
         assert self.store is not None
         async with self._session_lock(session):
             while True:
-                try:
-                    lease = await self.store.acquire(
-                        self.name,
-                        session,
-                        fresh=self.agent.clone().state,
-                        pending_input=to_builtins(message),
-                        wait=self.busy_wait,
-                    )
-                except SessionBusyError as exc:
-                    return self._error(message, "overloaded", str(exc))
-                except StoreError as exc:
-                    return self._error(message, "internal", f"the session store failed: {exc}")
+                lease = await self._acquire(message, session, None)
+                if isinstance(lease, ErrorMessage):
+                    return lease
                 state = lease.record.state
                 stored = _decode_final(lease.orphan_final)
                 if stored is not None and lease.orphan_reply_to:
