@@ -152,3 +152,14 @@ async def serving(
                 service.stop()
     finally:
         await server_bus.close()
+
+
+async def wait_for_file(directory: Path, pattern: str, timeout: float = 10.0) -> Path:
+    """The first file in ``directory`` matching ``pattern``, once one exists."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = sorted(directory.glob(pattern))
+        if found:
+            return found[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no {pattern} in {directory} after {timeout}s")

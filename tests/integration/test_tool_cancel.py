@@ -21,7 +21,7 @@ from fleetbus.bus import Bus, EmbeddedServer, ToolClient
 from fleetbus.protocol import Cancel, ToolCall, ToolResult, UserRequest
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, ToolWorker, tool
-from tests.helpers import wait_for_workers, workers
+from tests.helpers import wait_for_file, wait_for_workers, workers
 
 SPEC = "tests.integration.test_tool_cancel:cancel_tools"
 
@@ -58,16 +58,6 @@ def ping() -> str:
 
 
 cancel_tools = Toolkit([linger, ping])
-
-
-async def wait_for_file(directory: Path, pattern: str, timeout: float = 10.0) -> Path:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = sorted(directory.glob(pattern))
-        if found:
-            return found[0]
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"no {pattern} in {directory} after {timeout}s")
 
 
 def names(directory: Path, pattern: str) -> list[str]:

@@ -5,25 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from collections import Counter
 from pathlib import Path
 
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
 from fleetbus.protocol import ErrorMessage, decode
-from tests.helpers import output, spawn, wait_for_workers, workers
+from tests.helpers import output, spawn, wait_for_file, wait_for_workers, workers
 
 SPEC = "tests.integration.worker_tools"
-
-
-async def wait_for_file(directory: Path, pattern: str, timeout: float = 10.0) -> Path:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = sorted(directory.glob(pattern))
-        if found:
-            return found[0]
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"no {pattern} in {directory} after {timeout}s")
 
 
 async def test_calls_spread_over_two_worker_processes(
