@@ -471,3 +471,35 @@ async def test_a_cancel_at_any_moment_gets_exactly_one_interrupted_answer(
 
 def _has(items: list[AnyMessage]) -> Callable[[], bool]:
     return lambda: bool(items)
+
+
+async def test_a_session_stored_whole_by_an_earlier_version_is_read_and_continued(
+    bus: Bus,
+) -> None:
+    """Heads written before memory was chunked (one record holding the whole
+    state) still load, and the next write stores them the new way."""
+    store = await SessionStore.open(bus, owner="test")
+    state = AgentState(agent_name=AGENT, memory=[Msg.text_message("user", "old times")])
+    old = {
+        "agent": AGENT,
+        "session_id": "v1",
+        "status": "done",
+        "state": state.model_dump(mode="json"),
+        "owner": None,
+        "lease_until": None,
+        "final": {"type": "final_answer", "content": "then"},
+        "reply_to": None,
+    }
+    await store.heads.put(session_key(AGENT, "v1"), json.dumps(old).encode())
+    record = await store.get(AGENT, "v1")
+    assert record is not None
+    assert [m.text for m in record.state.memory] == ["old times"]
+    lease = await store.acquire(AGENT, "v1")
+    lease.record.state.memory.append(Msg.text_message("user", "new times"))
+    await store.save(lease, state=lease.record.state, status="idle", release=True)
+    head = json.loads((await store.heads.get(session_key(AGENT, "v1"))).value)
+    assert head["format"] == 2
+    again = await SessionStore.open(bus, owner="other")
+    record = await again.get(AGENT, "v1")
+    assert record is not None
+    assert [m.text for m in record.state.memory] == ["old times", "new times"]
