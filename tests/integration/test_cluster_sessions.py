@@ -53,6 +53,13 @@ async def test_replies_finish_when_the_sessions_leader_is_killed(
         for name in ("sessions", "session_chunks", "session_leases"):
             info = await stream_info(bus, f"KV_{bus.subjects.kv_bucket(name)}")
             assert info["config"]["num_replicas"] == 3
+        # Every node knows the agent's inbox before the requests go out.
+        warm = await bus.request(
+            bus.subjects.agent_inbox(AGENT),
+            UserRequest(session_id="warm-up", content=""),
+            timeout=30,
+        )
+        assert isinstance(warm, FinalAnswer)
         for session, text in texts.items():
             inbox = bus.nc.new_inbox()
             got[session], _ = await answers(bus, inbox)

@@ -40,6 +40,7 @@ from fleetbus.protocol import (
 )
 from fleetbus.tools_workers import Toolkit, ToolWorker, tool
 from tests.helpers import serving as serve_agent
+from tests.helpers import wait_for_workers
 
 AGENT = "keeper"
 
@@ -56,7 +57,10 @@ class StepModel:
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelStreamItem]:
         self.calls += 1
-        last_user = max(i for i, m in enumerate(request.messages) if m.role == "user")
+        last_user = max((i for i, m in enumerate(request.messages) if m.role == "user"), default=-1)
+        if last_user < 0:  # nothing asked (a warm-up)
+            yield ModelResponse(content=[TextBlock(text="answer: ")])
+            return
         words = "".join(
             b.text for b in request.messages[last_user].content if isinstance(b, TextBlock)
         ).split()
@@ -128,6 +132,7 @@ def serving(
 
 async def make_agent(bus: Bus, model: StepModel, **kwargs: Any) -> Agent:
     toolkit = Toolkit()
+    await wait_for_workers(bus, "step", 1)  # on a cluster, interest takes a moment to spread
     await toolkit.add_remote(ToolClient(bus, sender=f"agent.{AGENT}"), ["step"])
     return Agent(AGENT, "", model, toolkit=toolkit, **kwargs)
 
