@@ -53,8 +53,8 @@ from typing import IO, Any
 from _noop_tools import noop
 
 from fleetbus.agents import Agent
-from fleetbus.agents.model import ModelRequest, ModelResponse
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
+from fleetbus.models.model import ModelRequest, ModelResponse
 from fleetbus.protocol import ChatMessage, TextBlock, ToolResultBlock, ToolUseBlock, Usage
 from fleetbus.testing import ScriptedModel, Turn
 from fleetbus.tools_workers import Tool, Toolkit

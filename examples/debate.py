@@ -37,7 +37,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from fleetbus import Agent, AgentService, Bus, EmbeddedServer, MsgHub, RemoteAgent
-from fleetbus.agents import Participant, default_model, describe_default_model
+from fleetbus.agents import Participant
+from fleetbus.models import default_model, describe_default_model
 from fleetbus.protocol import AgentMessage, ContentBlock, TextBlock
 
 DEFAULT_TOPIC = "AI assistants will make software engineers more productive"

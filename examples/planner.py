@@ -50,7 +50,8 @@ from fleetbus import (
     Toolkit,
     ToolWorker,
 )
-from fleetbus.agents import SessionStore, default_model, describe_default_model
+from fleetbus.agents import SessionStore
+from fleetbus.models import default_model, describe_default_model
 from fleetbus.protocol import ContentBlock, FinalAnswer, TextBlock
 from fleetbus.tools_workers.builtin import builtin_toolkit
 

@@ -3,7 +3,7 @@ over NATS.
 
 The names a user types are here; everything else is reached through its
 subpackage (``fleetbus.protocol``, ``fleetbus.bus``, ``fleetbus.tools_workers``,
-``fleetbus.agents``, ``fleetbus.testing``).
+``fleetbus.models``, ``fleetbus.agents``, ``fleetbus.testing``).
 """
 
 from fleetbus._version import __version__
@@ -13,7 +13,6 @@ from fleetbus.agents import (
     AgentState,
     BudgetLimit,
     ContextConfig,
-    ModelConfig,
     MsgHub,
     Permissions,
     RemoteAgent,
@@ -21,6 +20,7 @@ from fleetbus.agents import (
 )
 from fleetbus.bus import Bus, ConnectOptions, EmbeddedServer, RemoteTool, ToolClient
 from fleetbus.errors import FleetbusError
+from fleetbus.models import ModelConfig
 from fleetbus.tools_workers import Tool, Toolkit, ToolWorker, tool
 
 __all__ = [

@@ -17,7 +17,7 @@ import json
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
-from fleetbus.agents.model import (
+from fleetbus.models.model import (
     ModelError,
     ModelRequest,
     ModelResponse,
@@ -48,7 +48,7 @@ class ScriptedModel:
         name: the model's name.
         chunk_size: stream text and thinking in pieces of this many characters.
         repeat_last: when the turns run out, repeat the last one instead of
-            raising :class:`~fleetbus.agents.model.ModelError`.
+            raising :class:`~fleetbus.models.model.ModelError`.
 
     Attributes:
         requests: every request received, in order.

@@ -18,7 +18,8 @@ from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope
 from fleetbus.agents.compression import compress, summarize_with_model
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import StopReply
-from fleetbus.agents.model import (
+from fleetbus.agents.offload import READ_OFFLOADED_SPEC
+from fleetbus.models.model import (
     ChatModel,
     ModelError,
     ModelRequest,
@@ -26,7 +27,6 @@ from fleetbus.agents.model import (
     TextDelta,
     ThinkingDelta,
 )
-from fleetbus.agents.offload import READ_OFFLOADED_SPEC
 from fleetbus.protocol import ChatMessage, TextBlock, ToolSpec, ToolUseBlock, new_id
 
 __all__ = ["ModelCalls", "ModelFailedError", "tool_specs"]

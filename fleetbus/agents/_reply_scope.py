@@ -19,6 +19,7 @@ from fleetbus.agents import events as ev
 from fleetbus.agents._reply_settings import ReplySettings
 from fleetbus.agents.middleware import ReplyContext
 from fleetbus.agents.state import AgentState, ReplyState
+from fleetbus.models.model import FINISH_TOOL
 from fleetbus.protocol import (
     Event,
     FinalAnswer,
@@ -29,9 +30,6 @@ from fleetbus.protocol import (
 )
 
 __all__ = ["FINISH_TOOL", "ReplyScope", "tool_result"]
-
-FINISH_TOOL = "generate_response"
-"""The tool a model calls to give a structured answer."""
 
 _F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from fleetbus.agents.compression import ContextConfig
 from fleetbus.agents.middleware import Middleware
-from fleetbus.agents.model import ChatModel, ModelConfig
 from fleetbus.agents.offload import Offloader
 from fleetbus.agents.tools import ToolSource
+from fleetbus.models.model import ChatModel, ModelConfig
 
 __all__ = ["ReplySettings"]
 

@@ -37,13 +37,13 @@ from fleetbus.agents.compression import (
 )
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import Middleware
-from fleetbus.agents.model import ChatModel, ModelConfig
 from fleetbus.agents.offload import Offloader
 from fleetbus.agents.permissions import Permissions
 from fleetbus.agents.plan import PlanNotebook
 from fleetbus.agents.state import AgentState, ReplyState
 from fleetbus.agents.tools import ToolSource
 from fleetbus.errors import ConfigError
+from fleetbus.models.model import ChatModel, ModelConfig
 from fleetbus.protocol import (
     AgentMessage,
     ConfirmResult,

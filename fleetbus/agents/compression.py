@@ -26,7 +26,7 @@ import msgspec
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fleetbus.agents.messages import Msg
-from fleetbus.agents.model import ChatModel, ModelRequest, complete
+from fleetbus.models.model import ChatModel, ModelRequest, complete
 from fleetbus.protocol import (
     ChatMessage,
     DataBlock,

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fleetbus.agents.model import ModelRequest, ModelResponse
+from fleetbus.models.model import ModelRequest, ModelResponse
 from fleetbus.protocol import FinalAnswer, FinishedReason, ToolResultBlock, ToolUseBlock
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ file needs a person's confirmation.
 from __future__ import annotations
 
 from fleetbus.agents import Agent, Permissions
-from fleetbus.agents.defaults import default_model, describe_default_model
+from fleetbus.models.defaults import default_model, describe_default_model
 from fleetbus.tools_workers import Toolkit
 
 __all__ = ["agents", "describe_model"]

@@ -177,7 +177,7 @@ def _agents_from_toml(path: Path) -> list[Agent]:
 
 def _model(spec: str, path: Path) -> Any:
     if spec == "offline":
-        from fleetbus.agents.offline import OfflineModel
+        from fleetbus.models.offline import OfflineModel
 
         return OfflineModel()
     module_name, _, attr = spec.partition(":")

@@ -14,14 +14,14 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
-from fleetbus.agents.model import ChatModel
 from fleetbus.cli._common import connect, console, guarded, on_stop_signals, run, setup_logging
 from fleetbus.errors import ConfigError
+from fleetbus.models.model import ChatModel
 
 __all__ = ["add_parser", "cmd", "main", "serve_name"]
 
 _NOT_A_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
-_OPENAI_MODULE = "fleetbus.agents.openai_model"
+_OPENAI_MODULE = "fleetbus.models.openai_model"
 
 
 def serve_name(model: str) -> str:
@@ -59,7 +59,7 @@ def add_parser(
 
 def _model(name: str) -> ChatModel:
     if name == "offline":
-        from fleetbus.agents.offline import OfflineModel
+        from fleetbus.models.offline import OfflineModel
 
         return OfflineModel()
     try:
@@ -78,7 +78,7 @@ def _model(name: str) -> ChatModel:
 
 def cmd(args: argparse.Namespace) -> int:
     """Serve the model until SIGTERM/SIGINT, then drain and exit 0."""
-    from fleetbus.agents.model_worker import ModelWorker
+    from fleetbus.models.model_worker import ModelWorker
 
     model = _model(args.model)
     served = args.serve_as or serve_name(args.model)

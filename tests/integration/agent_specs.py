@@ -18,8 +18,9 @@ import json
 import os
 from collections.abc import AsyncIterator, Sequence
 
-from fleetbus.agents import Agent, ModelRequest, ModelResponse, Permissions
-from fleetbus.agents.model import ModelStreamItem
+from fleetbus.agents import Agent, Permissions
+from fleetbus.models import ModelRequest, ModelResponse
+from fleetbus.models.model import ModelStreamItem
 from fleetbus.protocol import TextBlock, ToolResultBlock, ToolUseBlock, Usage
 from fleetbus.tools_workers import Toolkit
 

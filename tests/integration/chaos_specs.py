@@ -33,10 +33,11 @@ import signal
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from fleetbus.agents import Agent, ModelRequest, ModelResponse
-from fleetbus.agents.model import ModelStreamItem
+from fleetbus.agents import Agent
 from fleetbus.agents.serving.sessions import session_key
 from fleetbus.bus import Bus, KeyValueStore
+from fleetbus.models import ModelRequest, ModelResponse
+from fleetbus.models.model import ModelStreamItem
 from fleetbus.protocol import FinalAnswer, Message, TextBlock, ToolResultBlock, ToolUseBlock, Usage
 from fleetbus.tools_workers import Toolkit, tool
 

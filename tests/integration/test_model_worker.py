@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from fleetbus.agents import Agent
-from fleetbus.agents.bus_model import BusChatModel
-from fleetbus.agents.model import (
+from fleetbus.bus import Bus, EmbeddedServer, discover
+from fleetbus.errors import ConfigError
+from fleetbus.models.bus_model import BusChatModel
+from fleetbus.models.model import (
     ModelError,
     ModelRequest,
     ModelResponse,
@@ -25,9 +27,7 @@ from fleetbus.agents.model import (
     TextDelta,
     ThinkingDelta,
 )
-from fleetbus.agents.model_worker import MODEL_SERVICE_NAME, ModelWorker
-from fleetbus.bus import Bus, EmbeddedServer, discover
-from fleetbus.errors import ConfigError
+from fleetbus.models.model_worker import MODEL_SERVICE_NAME, ModelWorker
 from fleetbus.protocol import (
     ChatMessage,
     ErrorMessage,

@@ -12,10 +12,11 @@ import pytest
 from openai import AsyncOpenAI
 from pydantic import BaseModel
 
-from fleetbus.agents import Agent, ModelConfig, ModelError, ModelRequest, ModelResponse
-from fleetbus.agents.model import ModelStreamItem, TextDelta, ThinkingDelta
-from fleetbus.agents.openai_model import OpenAIChatModel, OpenAIConfig
+from fleetbus.agents import Agent
 from fleetbus.errors import ConfigError
+from fleetbus.models import ModelConfig, ModelError, ModelRequest, ModelResponse
+from fleetbus.models.model import ModelStreamItem, TextDelta, ThinkingDelta
+from fleetbus.models.openai_model import OpenAIChatModel, OpenAIConfig
 from fleetbus.protocol import (
     ChatMessage,
     DataBlock,

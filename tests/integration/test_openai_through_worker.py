@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from fleetbus.agents import Agent, BusChatModel, ModelConfig
+from fleetbus.agents import Agent
 from fleetbus.bus import Bus, EmbeddedServer
+from fleetbus.models import BusChatModel, ModelConfig
 from fleetbus.protocol import Event
 from fleetbus.tools_workers import Toolkit, tool
 from tests.helpers import running

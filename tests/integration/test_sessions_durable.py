@@ -21,11 +21,12 @@ from typing import Any
 
 import pytest
 
-from fleetbus.agents import Agent, AgentService, AgentState, ContextConfig, ModelRequest, Msg
-from fleetbus.agents.model import ModelResponse, ModelStreamItem
+from fleetbus.agents import Agent, AgentService, AgentState, ContextConfig, Msg
 from fleetbus.agents.serving.sessions import SessionStore, session_key
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
 from fleetbus.errors import SessionLost
+from fleetbus.models import ModelRequest
+from fleetbus.models.model import ModelResponse, ModelStreamItem
 from fleetbus.protocol import (
     AnyMessage,
     Cancel,

@@ -27,7 +27,7 @@ from fleetbus.agents.compression import (
     summarize_with_model,
 )
 from fleetbus.agents.messages import Msg
-from fleetbus.agents.model import ModelRequest, ModelResponse, ModelStreamItem
+from fleetbus.models.model import ModelRequest, ModelResponse, ModelStreamItem
 from fleetbus.protocol import ContentBlock, TextBlock, ToolResultBlock, ToolUseBlock
 
 COUNTER = ApproxTokenCounter()

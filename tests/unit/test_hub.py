@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from fleetbus.agents import Agent, ModelRequest
+from fleetbus.agents import Agent
 from fleetbus.agents.hub import MsgHub, fanout_pipeline, sequential_pipeline, to_agent_message
-from fleetbus.agents.model import ModelStreamItem
 from fleetbus.errors import ConfigError
+from fleetbus.models import ModelRequest
+from fleetbus.models.model import ModelStreamItem
 from fleetbus.protocol import AgentMessage, ChatMessage, ContentBlock, FinalAnswer, TextBlock
 from fleetbus.testing import ScriptedModel
 

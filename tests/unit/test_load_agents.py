@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetbus.agents import OfflineModel
 from fleetbus.cli.fleet import load_agents
 from fleetbus.errors import ConfigError
+from fleetbus.models import OfflineModel
 
 
 def test_a_toml_file_defines_agents(tmp_path: Path) -> None:

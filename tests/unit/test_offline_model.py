@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from fleetbus.agents import Agent, ChatModel, ModelError, ModelRequest, Permissions
-from fleetbus.agents.model import ModelResponse, TextDelta
-from fleetbus.agents.offline import OFFLINE_PREFIX, OfflineModel
+from fleetbus.agents import Agent, Permissions
+from fleetbus.models import ChatModel, ModelError, ModelRequest
+from fleetbus.models.model import ModelResponse, TextDelta
+from fleetbus.models.offline import OFFLINE_PREFIX, OfflineModel
 from fleetbus.protocol import (
     AgentMessage,
     ChatMessage,

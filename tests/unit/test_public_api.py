@@ -22,6 +22,7 @@ def _isort_key(name: str) -> tuple[int, str]:
         "fleetbus.protocol",
         "fleetbus.bus",
         "fleetbus.tools_workers",
+        "fleetbus.models",
         "fleetbus.agents",
         "fleetbus.errors",
     ],
@@ -41,7 +42,8 @@ def test_top_level_exports_the_names_users_type() -> None:
         n
         for n in vars(fleetbus)
         if not n.startswith("_")
-        and n not in {"bus", "protocol", "tools_workers", "errors", "cli", "agents", "testing"}
+        and n
+        not in {"bus", "protocol", "tools_workers", "errors", "cli", "models", "agents", "testing"}
     }
     assert public <= set(fleetbus.__all__), public - set(fleetbus.__all__)
 
@@ -62,3 +64,15 @@ def test_the_protocol_package_does_no_io() -> None:
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     assert alias.name.split(".")[0] not in {"nats", "asyncio", "socket"}, path
+
+
+def test_models_never_import_agents() -> None:
+    """The dependency runs one way: agents may import models, never back."""
+    import ast
+    from pathlib import Path
+
+    root = Path(fleetbus.__file__).parent / "models"
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("fleetbus.agents"), path

@@ -9,8 +9,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from fleetbus.agents import Agent, ModelConfig, ModelError, ModelRequest, Msg
-from fleetbus.agents.model import ModelStreamItem
+from fleetbus.agents import Agent, Msg
+from fleetbus.models import ModelConfig, ModelError, ModelRequest
+from fleetbus.models.model import ModelStreamItem
 from fleetbus.protocol import ToolResultBlock
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from fleetbus import Agent, ContextConfig, Toolkit, tool
-from fleetbus.agents import ModelError, Summary
+from fleetbus.agents import Summary
 from fleetbus.agents.compression import SUMMARY_HEADER, TRUNCATION_HEADER
+from fleetbus.models import ModelError
 from fleetbus.testing import ScriptedModel
 
 from ._support import text_of, unanswered

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fleetbus import Agent, ModelConfig, Toolkit, tool
-from fleetbus.agents import ModelError
+from fleetbus.models import ModelError
 from fleetbus.testing import ScriptedModel, Turn
 
 from ._support import text_of, unanswered

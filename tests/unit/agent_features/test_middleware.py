@@ -9,7 +9,8 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from fleetbus import Agent, BudgetLimit, StepLogger, Toolkit, tool
-from fleetbus.agents import Middleware, ModelRequest, ModelResponse, Msg, ReplyContext
+from fleetbus.agents import Middleware, Msg, ReplyContext
+from fleetbus.models import ModelRequest, ModelResponse
 from fleetbus.protocol import FinalAnswer, ToolResultBlock, ToolUseBlock, Usage
 from fleetbus.testing import ScriptedModel
 

@@ -6,7 +6,8 @@ import re
 from pathlib import Path
 
 from fleetbus import Agent, ContextConfig, Toolkit, tool
-from fleetbus.agents import DirectoryOffloader, ModelRequest, ModelResponse
+from fleetbus.agents import DirectoryOffloader
+from fleetbus.models import ModelRequest, ModelResponse
 from fleetbus.testing import ScriptedModel
 
 from ._support import result_for, results_of, unanswered

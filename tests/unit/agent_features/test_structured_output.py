@@ -8,7 +8,7 @@ import pytest
 from pydantic import BaseModel
 
 from fleetbus import Agent
-from fleetbus.agents import FINISH_TOOL
+from fleetbus.models import FINISH_TOOL
 from fleetbus.testing import ScriptedModel
 
 from ._support import results_of, text_of, unanswered

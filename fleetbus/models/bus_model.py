@@ -1,8 +1,8 @@
 """A chat model reached over the bus: the client of a model worker.
 
-:class:`BusChatModel` is a :class:`~fleetbus.agents.model.ChatModel` like any
+:class:`BusChatModel` is a :class:`~fleetbus.models.model.ChatModel` like any
 other, so an agent uses it unchanged, while the API keys and rate limits stay
-with the :class:`~fleetbus.agents.model_worker.ModelWorker` processes::
+with the :class:`~fleetbus.models.model_worker.ModelWorker` processes::
 
     agent = Agent("helper", "You help.", BusChatModel(bus, "gpt-4o-mini"), toolkit=kit)
 
@@ -19,7 +19,9 @@ import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
-from fleetbus.agents.model import (
+from fleetbus.bus import Bus
+from fleetbus.errors import ConfigError, ProtocolError
+from fleetbus.models.model import (
     ModelError,
     ModelRequest,
     ModelResponse,
@@ -27,8 +29,6 @@ from fleetbus.agents.model import (
     TextDelta,
     ThinkingDelta,
 )
-from fleetbus.bus import Bus
-from fleetbus.errors import ConfigError, ProtocolError
 from fleetbus.protocol import (
     ErrorMessage,
     Event,

@@ -20,8 +20,8 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-from fleetbus.agents._reply import FINISH_TOOL
-from fleetbus.agents.model import (
+from fleetbus.models.model import (
+    FINISH_TOOL,
     ModelError,
     ModelRequest,
     ModelResponse,

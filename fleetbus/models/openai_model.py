@@ -1,4 +1,4 @@
-"""A :class:`~fleetbus.agents.model.ChatModel` for any OpenAI-compatible endpoint.
+"""A :class:`~fleetbus.models.model.ChatModel` for any OpenAI-compatible endpoint.
 
 OpenAI, DeepSeek, Qwen (DashScope compatible mode), vLLM, Ollama and the
 llama.cpp server all speak Chat Completions; :class:`OpenAIChatModel` streams
@@ -22,7 +22,7 @@ Structured output: with ``structured_output="response_format"`` and
 response format and the JSON answer becomes the ``generate_response`` call.
 
 Models without native tool calls (``native_tools=False``) get the text
-protocol of :mod:`fleetbus.agents._text_protocol`: the tools and a JSON action
+protocol of :mod:`fleetbus.models._text_protocol`: the tools and a JSON action
 format in the system prompt, the model's text parsed tolerantly (text with no
 JSON action in it at all is the final answer; the answer is streamed as one
 delta once it is read). When a step tried to act but cannot be read, the
@@ -70,15 +70,16 @@ from openai.types.chat import (
 )
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleetbus.agents import _text_protocol as tp
-from fleetbus.agents._openai_format import (
+from fleetbus.errors import ConfigError
+from fleetbus.models import _text_protocol as tp
+from fleetbus.models._openai_format import (
     StreamAnswer,
     chat_messages,
     chat_tools,
     tool_choice,
 )
-from fleetbus.agents._reply import FINISH_TOOL
-from fleetbus.agents.model import (
+from fleetbus.models.model import (
+    FINISH_TOOL,
     ModelError,
     ModelRequest,
     ModelResponse,
@@ -86,7 +87,6 @@ from fleetbus.agents.model import (
     TextDelta,
     ThinkingDelta,
 )
-from fleetbus.errors import ConfigError
 from fleetbus.protocol import (
     ChatMessage,
     ContentBlock,

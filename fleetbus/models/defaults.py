@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from fleetbus.agents.model import ChatModel
-from fleetbus.agents.offline import OfflineModel
+from fleetbus.models.model import ChatModel
+from fleetbus.models.offline import OfflineModel
 
 __all__ = ["default_model", "describe_default_model"]
 
@@ -25,7 +25,7 @@ def default_model() -> ChatModel:
         ConfigError: the endpoint settings are incomplete.
     """
     if _endpoint_configured():
-        from fleetbus.agents.openai_model import OpenAIChatModel
+        from fleetbus.models.openai_model import OpenAIChatModel
 
         return OpenAIChatModel()
     return OfflineModel()

@@ -1,7 +1,7 @@
-"""The model worker: serves a :class:`~fleetbus.agents.model.ChatModel` on the bus.
+"""The model worker: serves a :class:`~fleetbus.models.model.ChatModel` on the bus.
 
 The worker holds the API key and the rate limits of a model; agents reach it
-with :class:`~fleetbus.agents.bus_model.BusChatModel`. It serves
+with :class:`~fleetbus.models.bus_model.BusChatModel`. It serves
 ``<prefix>.model.<name>`` in queue group ``model.<name>``, so every process
 serving a model shares its load, and registers as the NATS micro service
 ``fleetbus-models`` with one endpoint (the model).
@@ -18,7 +18,7 @@ Error codes, since an ``error`` message carries no "retryable" flag:
 - ``overloaded``: trying again later may succeed. The worker is at its
   concurrency or its per-minute request/token budget (the message says which
   and roughly when to retry), the model failed with a retryable
-  :class:`~fleetbus.agents.model.ModelError` (rate limit, 5xx), the model was
+  :class:`~fleetbus.models.model.ModelError` (rate limit, 5xx), the model was
   unreachable (``ConnectionError``), or the worker is shutting down.
 - ``timeout``: the model did not answer within ``call_timeout`` (or its
   adapter timed out); also worth a retry.
@@ -41,7 +41,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from fleetbus._version import __version__
-from fleetbus.agents.model import (
+from fleetbus.bus import Bus, EndpointInfo, Lifecycle, MicroService, Request, check_name
+from fleetbus.errors import BusError, ConfigError
+from fleetbus.models.model import (
     ChatModel,
     ModelError,
     ModelRequest,
@@ -49,8 +51,6 @@ from fleetbus.agents.model import (
     TextDelta,
     ThinkingDelta,
 )
-from fleetbus.bus import Bus, EndpointInfo, Lifecycle, MicroService, Request, check_name
-from fleetbus.errors import BusError, ConfigError
 from fleetbus.protocol import (
     ErrorCode,
     ErrorMessage,

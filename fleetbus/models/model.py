@@ -27,6 +27,7 @@ from fleetbus.protocol import (
 )
 
 __all__ = [
+    "FINISH_TOOL",
     "ChatModel",
     "ModelConfig",
     "ModelError",
@@ -37,6 +38,10 @@ __all__ = [
     "ThinkingDelta",
     "complete",
 ]
+
+FINISH_TOOL = "generate_response"
+"""The tool a model calls to give a structured answer (offered by the agent
+when a reply wants one; adapters that support ``response_format`` use it)."""
 
 
 class ModelError(FleetbusError):

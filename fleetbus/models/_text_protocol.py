@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetbus.agents._openai_format import output_text
+from fleetbus.models._openai_format import output_text
 from fleetbus.protocol import (
     ChatMessage,
     ContentBlock,

@@ -1,6 +1,6 @@
 """Chat Completions wire format: fleetbus messages and tools in, content blocks out.
 
-Pure functions used by :mod:`fleetbus.agents.openai_model`; no I/O.
+Pure functions used by :mod:`fleetbus.models.openai_model`; no I/O.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, cast
 from openai.types.chat import ChatCompletionChunk
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
-from fleetbus.agents.model import TextDelta, ThinkingDelta
+from fleetbus.models.model import TextDelta, ThinkingDelta
 from fleetbus.protocol import (
     ChatMessage,
     DataBlock,

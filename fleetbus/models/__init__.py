@@ -1,0 +1,52 @@
+"""Models: the ``ChatModel`` seam every agent reasons through, the
+OpenAI-compatible adapter (its wire format and text protocol), the offline
+model, models served on the bus (``BusChatModel`` and the ``ModelWorker`` that
+serves them), and the default model of a fleet. Never imports ``agents``."""
+
+from typing import TYPE_CHECKING, Any
+
+from fleetbus.models.bus_model import BusChatModel
+from fleetbus.models.defaults import default_model, describe_default_model
+from fleetbus.models.model import (
+    FINISH_TOOL,
+    ChatModel,
+    ModelConfig,
+    ModelError,
+    ModelRequest,
+    ModelResponse,
+    TextDelta,
+    ThinkingDelta,
+)
+from fleetbus.models.model_worker import ModelWorker
+from fleetbus.models.offline import OfflineModel
+
+if TYPE_CHECKING:
+    from fleetbus.models.openai_model import OpenAIChatModel, OpenAIConfig
+
+
+def __getattr__(name: str) -> Any:
+    # The OpenAI adapter imports the openai SDK (~0.7 s): only when asked for.
+    if name in ("OpenAIChatModel", "OpenAIConfig"):
+        from fleetbus.models import openai_model
+
+        return getattr(openai_model, name)
+    raise AttributeError(f"module 'fleetbus.models' has no attribute {name!r}")
+
+
+__all__ = [
+    "FINISH_TOOL",
+    "BusChatModel",
+    "ChatModel",
+    "ModelConfig",
+    "ModelError",
+    "ModelRequest",
+    "ModelResponse",
+    "ModelWorker",
+    "OfflineModel",
+    "OpenAIChatModel",
+    "OpenAIConfig",
+    "TextDelta",
+    "ThinkingDelta",
+    "default_model",
+    "describe_default_model",
+]
