@@ -52,11 +52,11 @@ def calculator(expr: str) -> int | float:
 
     Accepts numbers, + - * / // % ** and parentheses, the constants pi, e and
     tau, and the functions abs, round, min, max, sqrt, exp, log, log10, log2,
-    sin, cos, tan, floor and ceil. Integer arithmetic is exact ("2026 - 1991"
-    gives 35); "/" gives a float. Integers are limited to 10**1000.
+    sin, cos, tan, floor and ceil. Integer arithmetic is exact ("7 - 4" gives
+    3); "/" gives a float. Integers are limited to 10**1000.
 
     Args:
-        expr: the expression in Python syntax, e.g. "(2026 - 1991) * 12" or "sqrt(2) / 2".
+        expr: the expression in Python syntax, e.g. "3 * (4 + 5)" or "sqrt(2) / 2".
     """
     return evaluate(expr)
 
