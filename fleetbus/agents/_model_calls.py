@@ -1,18 +1,21 @@
 """The model calls of one reply: the prompt and the tools offered, retries
-with backoff and the fallback model, the streaming of one call under its
-timeout, the last words without tools, and compression before a step."""
+with jittered backoff and the fallback model, the streaming of one call under
+its timeout, the last words without tools, and compression before a step."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 
+from fleetbus._retry import Retry
 from fleetbus.agents import events as ev
 from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope
 from fleetbus.agents.compression import compress, summarize_with_model
@@ -32,6 +35,9 @@ from fleetbus.protocol import ChatMessage, TextBlock, ToolSpec, ToolUseBlock, ne
 __all__ = ["ModelCalls", "ModelFailedError", "tool_specs"]
 
 logger = logging.getLogger(__name__)
+
+_TIMEOUT_SETTING = "ModelConfig.timeout / FLEETBUS_MODEL_TIMEOUT"
+"""Where the limit of one model call is set, as its timeout error names it."""
 
 
 class ModelFailedError(Exception):
@@ -117,44 +123,63 @@ class ModelCalls:
     async def call_model(self, request: ModelRequest) -> ModelResponse:
         """The model's response, after retries and the fallback.
 
+        Each model gets ``max_retries`` retries after its first attempt, with
+        jittered exponential backoff (``backoff`` up to ``max_backoff``
+        seconds); a failure that says trying again cannot help moves on to
+        the fallback at once.
+
         Raises:
             ModelFailedError: every attempt at every model failed.
         """
         settings = self.settings
         config = settings.model_config
         models = [settings.model] + ([config.fallback] if config.fallback is not None else [])
+        retry = Retry(
+            on=_retryable,
+            attempts=config.max_retries + 1,
+            backoff=config.backoff,
+            max_backoff=config.max_backoff,
+        )
         failures: list[str] = []
         for model in models:
-            delay = config.backoff
-            for attempt in range(config.max_retries + 1):
-                try:
-                    return await self._model_attempt(model, request)
-                except (StopReply, asyncio.CancelledError):
-                    raise
-                except Exception as exc:
-                    retryable = not (isinstance(exc, ModelError) and not exc.retryable)
-                    failures.append(f"{model.name}: {_describe(exc)}")
-                    logger.warning(
-                        "%s: model %s failed (attempt %d): %s",
-                        settings.name,
-                        model.name,
-                        attempt + 1,
-                        _describe(exc),
-                        extra={"session_id": self.reply.session_id, "call_id": self.reply.reply_id},
-                    )
-                    if not retryable:
-                        break
-                    if attempt < config.max_retries:
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, config.max_backoff)
-        raise ModelFailedError("; ".join(failures[-3:]))
+            numbers = itertools.count(1)
+            try:
+                return await retry.call(self._model_attempt, model, request, numbers, failures)
+            except StopReply:
+                raise
+            except Exception:  # logged and in failures: on to the fallback
+                continue
+        raise ModelFailedError(_summary(failures))
 
-    async def _model_attempt(self, model: ChatModel, request: ModelRequest) -> ModelResponse:
+    async def _model_attempt(
+        self,
+        model: ChatModel,
+        request: ModelRequest,
+        numbers: Iterator[int],
+        failures: list[str],
+    ) -> ModelResponse:
+        number = next(numbers)
+
         async def attempt(req: ModelRequest) -> ModelResponse:
             return await self._stream(model, req)
 
         call = self.scope.onion("on_model_call", attempt)
-        return await call(request)
+        try:
+            return await call(request)
+        except StopReply:
+            raise
+        except Exception as exc:
+            failures.append(f"{model.name}: {_describe(exc)}")
+            logger.warning(
+                "%s: model %s failed (attempt %d/%d): %s",
+                self.settings.name,
+                model.name,
+                number,
+                self.settings.model_config.max_retries + 1,
+                _describe(exc),
+                extra={"session_id": self.reply.session_id, "call_id": self.reply.reply_id},
+            )
+            raise
 
     async def _stream(self, model: ChatModel, request: ModelRequest) -> ModelResponse:
         scope = self.scope
@@ -162,14 +187,24 @@ class ModelCalls:
         scope.event(ev.MODEL_CALL_START, model=model.name, iteration=ctx.iteration)
         started = time.perf_counter()
         final: ModelResponse | None = None
-        async with asyncio.timeout(self.settings.model_config.timeout):
-            async for item in model.stream(request):
-                if isinstance(item, TextDelta):
-                    scope.event(ev.TEXT_DELTA, text=item.text)
-                elif isinstance(item, ThinkingDelta):
-                    scope.event(ev.THINKING_DELTA, thinking=item.thinking)
-                elif isinstance(item, ModelResponse):
-                    final = item
+        limit = self.settings.model_config.timeout
+        deadline = asyncio.timeout(limit)
+        try:
+            async with deadline:
+                async for item in model.stream(request):
+                    if isinstance(item, TextDelta):
+                        scope.event(ev.TEXT_DELTA, text=item.text)
+                    elif isinstance(item, ThinkingDelta):
+                        scope.event(ev.THINKING_DELTA, thinking=item.thinking)
+                    elif isinstance(item, ModelResponse):
+                        final = item
+        except TimeoutError as exc:
+            if not deadline.expired():
+                raise  # the model's own TimeoutError, retried as it is
+            raise ModelError(
+                f"the model did not answer within {limit:g} s ({_TIMEOUT_SETTING})",
+                retryable=True,
+            ) from exc
         if final is None:
             raise ModelError(f"{model.name} ended its stream without a response")
         usage = final.usage
@@ -249,6 +284,21 @@ def _fix_ids(response: ModelResponse, used: set[str]) -> list[Any]:
             used.add(block.id)
         content.append(block)
     return content
+
+
+def _retryable(exc: Exception) -> bool:
+    """Whether another attempt at the same model may help: not for a reply
+    being stopped, nor for a model error that says it cannot."""
+    if isinstance(exc, StopReply):
+        return False
+    return not (isinstance(exc, ModelError) and not exc.retryable)
+
+
+def _summary(failures: list[str]) -> str:
+    """The last three different failures, each once, with how often it came
+    in a row (a model past its timeout fails the same way every attempt)."""
+    runs = [(text, len(list(same))) for text, same in itertools.groupby(failures)]
+    return "; ".join(text if n == 1 else f"{text} ({n} attempts)" for text, n in runs[-3:])
 
 
 def _describe(exc: BaseException) -> str:

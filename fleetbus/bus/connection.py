@@ -19,8 +19,10 @@ import msgspec
 import nats
 import nats.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from fleetbus._retry import Retry
 from fleetbus.bus._serve import Handler, Request, ServeLoop, settle
 from fleetbus.bus.settings import ConnectOptions
 from fleetbus.bus.subjects import Subjects
@@ -38,6 +40,10 @@ from fleetbus.protocol import AnyMessage, Message, ToolCall, decode, encode
 __all__ = ["Bus", "Handler", "Observation", "Request"]
 
 logger = logging.getLogger(__name__)
+
+_UNANSWERED = (nats.errors.NoRespondersError, nats.errors.TimeoutError)
+"""What :meth:`Bus.request` retries: nobody serves the subject (yet), or
+nobody answered in time."""
 
 
 class Bus:
@@ -222,74 +228,74 @@ class Bus:
         A retry resends the same message (same ``id`` and ``call_id``), so a
         responder that already handled it can answer from its record; a
         ``tool_call`` carries its ``attempt`` number. Timeouts and "no
-        responders" are retried; anything else is not.
+        responders" are retried, after a jittered exponential backoff (a
+        worker may be restarting; callers that failed together do not come
+        back together); anything else is not.
 
         Args:
             subject: where to send it.
             message: the request.
             timeout: seconds to wait for each attempt's reply.
             attempts: how many times to send it, at least 1.
-            retry_backoff: seconds before the first retry after "no responders",
-                doubling after each (a worker may be restarting).
+            retry_backoff: seconds before the first retry (plus jitter),
+                doubling after each, up to 5 s.
 
         Returns:
             The decoded reply, which may be an ``error`` message.
 
         Raises:
             CallTimeoutError: no reply to any attempt.
-            NoRespondersError: nobody served the subject, on every attempt.
+            NoRespondersError: nobody served the subject, on the last attempt.
             PayloadTooLargeError: the message exceeds the server's limit.
             ProtocolError: the reply could not be decoded.
             ConnectionClosedError: the bus is closed.
         """
         self._check_open()
-        attempts = max(1, attempts)
         payload = self._encode(message)
-        delay = retry_backoff
-        no_responders = False
-        for attempt in range(1, attempts + 1):
-            if attempt > 1 and isinstance(message, ToolCall):
-                payload = encode(msgspec.structs.replace(message, attempt=attempt))
+        retry = Retry(on=_UNANSWERED, attempts=max(1, attempts), backoff=max(0.0, retry_backoff))
+        sent = 0
+
+        async def send() -> Msg:
+            nonlocal sent
+            sent += 1
+            data = payload
+            if sent > 1 and isinstance(message, ToolCall):
+                data = encode(msgspec.structs.replace(message, attempt=sent))
             try:
-                reply = await self._nc.request(subject, payload, timeout=timeout)
-            except nats.errors.NoRespondersError:
-                no_responders = True
-                if attempt < attempts:
-                    await asyncio.sleep(delay)
-                    delay *= 2
-                continue
+                return await self._nc.request(subject, data, timeout=timeout)
             except nats.errors.TimeoutError:
-                no_responders = False
                 logger.debug(
                     "no reply on %s within %.3gs (attempt %d/%d)",
                     subject,
                     timeout,
-                    attempt,
-                    attempts,
+                    sent,
+                    retry.attempts,
                     extra={"call_id": message.call_id},
                 )
-                continue
-            except nats.errors.ConnectionClosedError as exc:
-                raise ConnectionClosedError("the bus connection is closed") from exc
-            except nats.errors.MaxPayloadError as exc:
-                raise PayloadTooLargeError(
-                    str(exc), size=len(payload), limit=self.max_payload
-                ) from exc
-            except nats.errors.Error as exc:
-                raise BusError(f"request to {subject} failed: {exc}") from exc
-            return decode(reply.data)
-        if no_responders:
+                raise
+
+        try:
+            reply = await retry.call(send)
+        except nats.errors.NoRespondersError as exc:
             raise NoRespondersError(
-                f"no responders on {subject} after {attempts} attempt(s)",
+                f"no responders on {subject} after {sent} attempt(s)",
                 subject=subject,
                 call_id=message.call_id,
-            )
-        raise CallTimeoutError(
-            f"no reply on {subject} within {timeout:g}s after {attempts} attempt(s)",
-            subject=subject,
-            call_id=message.call_id,
-            attempts=attempts,
-        )
+            ) from exc
+        except nats.errors.TimeoutError as exc:
+            raise CallTimeoutError(
+                f"no reply on {subject} within {timeout:g}s after {sent} attempt(s)",
+                subject=subject,
+                call_id=message.call_id,
+                attempts=sent,
+            ) from exc
+        except nats.errors.ConnectionClosedError as exc:
+            raise ConnectionClosedError("the bus connection is closed") from exc
+        except nats.errors.MaxPayloadError as exc:
+            raise PayloadTooLargeError(str(exc), size=len(payload), limit=self.max_payload) from exc
+        except nats.errors.Error as exc:
+            raise BusError(f"request to {subject} failed: {exc}") from exc
+        return decode(reply.data)
 
     async def observe(self, subject: str, *, queue: str | None = None) -> Observation:
         """Subscribe to a subject (by default without a queue group: every

@@ -17,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TypeVar
+from typing import Protocol
 
+from fleetbus._retry import Retry
 from fleetbus.bus import Bus
 from fleetbus.errors import ConfigError, ProtocolError
 from fleetbus.models.model import (
@@ -47,10 +48,42 @@ logger = logging.getLogger(__name__)
 RETRYABLE_CODES = frozenset({"overloaded", "timeout"})
 """Error codes of a model worker after which trying again may succeed."""
 
-_M = TypeVar("_M")
-
 _NO_RESPONDERS = "503"
 """The status NATS sends to the reply subject when nobody serves a subject."""
+
+
+class _Msg(Protocol):
+    """What is read of a NATS message (nats stays inside fleetbus.bus)."""
+
+    data: bytes
+    headers: dict[str, str] | None
+
+
+class _Unserved(ModelError):
+    """No worker took the prompt (none serves the model, or the one that got
+    it was overloaded): worth sending it again."""
+
+
+class _Call:
+    """One call's state across its attempts."""
+
+    def __init__(
+        self,
+        call_id: str,
+        inbox: str,
+        next_msg: Callable[[float], Awaitable[_Msg]],
+        deadline: float,
+    ) -> None:
+        self.call_id = call_id
+        self.inbox = inbox
+        self.next_msg = next_msg
+        self.deadline = deadline
+        """Event-loop time by which the call must be over, retries included."""
+        self.sends = 0
+        self.heard = False
+        """Anything at all arrived."""
+        self.produced = False
+        """A delta was yielded: the call can no longer be sent again."""
 
 
 class BusChatModel:
@@ -64,7 +97,8 @@ class BusChatModel:
         attempts: how many times a prompt is sent when no worker serves the
             model or a worker answers ``overloaded`` before anything else
             (another worker of the queue group may be free).
-        retry_backoff: seconds before the first resend, doubling after each.
+        retry_backoff: seconds before the first resend (plus jitter),
+            doubling after each; no wait runs past ``timeout``.
 
     Raises:
         ConfigError: the name is not a subject token, or a setting is out of range.
@@ -84,6 +118,8 @@ class BusChatModel:
             raise ConfigError("timeout must be positive")
         if attempts < 1:
             raise ConfigError("attempts must be at least 1")
+        if retry_backoff < 0:
+            raise ConfigError("retry_backoff must not be negative")
         self.bus = bus
         self.subject = bus.subjects.model(model_name)
         self._name = model_name
@@ -127,83 +163,106 @@ class BusChatModel:
                 f"{self.bus.max_payload}",
                 retryable=False,
             )
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeout
+        deadline = asyncio.get_running_loop().time() + self.timeout
         nc = self.bus.nc
         inbox = nc.new_inbox()
         try:
             sub = await nc.subscribe(inbox)
         except Exception as exc:  # nats errors stay inside fleetbus.bus
             raise ModelError(f"cannot subscribe for the answer: {exc}", retryable=True) from exc
-        heard = False  # anything at all arrived
+        call = _Call(call_id, inbox, sub.next_msg, deadline)
+        # Resent (same call_id) while no worker took it; once one did, never.
+        retry = Retry(
+            on=_Unserved, attempts=self.attempts, backoff=self.retry_backoff, timeout=self.timeout
+        )
         try:
-            delay = self.retry_backoff
-            for attempt in range(1, self.attempts + 1):
-                try:
-                    await nc.publish(self.subject, payload, reply=inbox)
-                except Exception as exc:  # nats errors stay inside fleetbus.bus
-                    raise ModelError(
-                        f"cannot send the prompt to {self.subject}: {exc}", retryable=True
-                    ) from exc
-                retry_reason: str | None = None
-                produced = False
-                while retry_reason is None:
-                    msg = await self._receive(sub.next_msg, deadline, heard)
-                    headers = msg.headers or {}
-                    if not msg.data and headers.get("Status") == _NO_RESPONDERS:
-                        retry_reason = f"no model worker serves {self.subject}"
-                        continue
-                    heard = True
-                    try:
-                        message = decode(msg.data)
-                    except ProtocolError as exc:
-                        raise ModelError(
-                            f"bad answer from the model worker: {exc}", retryable=False
-                        ) from exc
-                    if message.call_id is not None and message.call_id != call_id:
-                        continue  # not ours (an inbox is ours alone; be safe anyway)
-                    if isinstance(message, Event):
-                        item = _delta(message)
-                        if item is not None:
-                            produced = True
-                            yield item
-                    elif isinstance(message, LlmResponse):
-                        yield self._response(message)
-                        return
-                    elif isinstance(message, ErrorMessage):
-                        error = _error(self._name, message)
-                        if message.code != "overloaded" or produced:
-                            raise error
-                        retry_reason = str(error)
-                    else:
-                        tag = type(message).__struct_config__.tag
-                        raise ModelError(
-                            f"unexpected {tag!r} message from the model worker", retryable=False
-                        )
-                logger.debug(
-                    "model %s: %s (attempt %d/%d)",
-                    self._name,
-                    retry_reason,
-                    attempt,
-                    self.attempts,
-                    extra={"call_id": call_id},
-                )
-                if attempt == self.attempts:
-                    tries = f" (after {attempt} attempts)" if attempt > 1 else ""
-                    raise ModelError(f"{retry_reason}{tries}", retryable=True)
-                if loop.time() + delay >= deadline:
-                    raise ModelError(f"{retry_reason}; no time left to retry", retryable=True)
-                await asyncio.sleep(delay)
-                delay *= 2
+            try:
+                item = await retry.call(self._send, call, payload)
+            except _Unserved as exc:
+                tries = f" (after {call.sends} attempts)" if call.sends > 1 else ""
+                late = asyncio.get_running_loop().time() >= deadline
+                reason = f"{exc}{tries}{'; no time left to retry' if late else ''}"
+                raise ModelError(reason, retryable=True) from exc
+            while True:
+                yield item
+                if isinstance(item, ModelResponse):
+                    return
+                item = await self._next_item(call)
         finally:
             try:
                 await sub.unsubscribe()
             except Exception:  # nats errors stay inside fleetbus.bus; already gone
                 pass
 
+    async def _send(self, call: _Call, payload: bytes) -> ModelStreamItem:
+        """One attempt: send the prompt, wait for the first delta or the response.
+
+        Raises:
+            _Unserved: no worker took the prompt; another attempt may find one.
+            ModelError: anything else.
+        """
+        call.sends += 1
+        try:
+            await self.bus.nc.publish(self.subject, payload, reply=call.inbox)
+        except Exception as exc:  # nats errors stay inside fleetbus.bus
+            raise ModelError(
+                f"cannot send the prompt to {self.subject}: {exc}", retryable=True
+            ) from exc
+        try:
+            return await self._next_item(call)
+        except _Unserved as exc:
+            logger.debug(
+                "model %s: %s (attempt %d/%d)",
+                self._name,
+                exc,
+                call.sends,
+                self.attempts,
+                extra={"call_id": call.call_id},
+            )
+            raise
+
+    async def _next_item(self, call: _Call) -> ModelStreamItem:
+        """The next delta, or the response, of the worker's answer.
+
+        Raises:
+            _Unserved: no worker serves the model, or the one that got it
+                answered ``overloaded`` before producing anything.
+            ModelError: anything else.
+        """
+        while True:
+            msg = await self._receive(call.next_msg, call.deadline, call.heard)
+            if not msg.data and (msg.headers or {}).get("Status") == _NO_RESPONDERS:
+                raise _Unserved(f"no model worker serves {self.subject}")
+            call.heard = True
+            try:
+                message = decode(msg.data)
+            except ProtocolError as exc:
+                raise ModelError(
+                    f"bad answer from the model worker: {exc}", retryable=False
+                ) from exc
+            if message.call_id is not None and message.call_id != call.call_id:
+                continue  # not ours (an inbox is ours alone; be safe anyway)
+            if isinstance(message, Event):
+                item = _delta(message)
+                if item is not None:
+                    call.produced = True
+                    return item
+            elif isinstance(message, LlmResponse):
+                return self._response(message)
+            elif isinstance(message, ErrorMessage):
+                error = _error(self._name, message)
+                if message.code == "overloaded" and not call.produced:
+                    raise _Unserved(str(error))  # another worker of the group may be free
+                raise error
+            else:
+                tag = type(message).__struct_config__.tag
+                raise ModelError(
+                    f"unexpected {tag!r} message from the model worker", retryable=False
+                )
+
     async def _receive(
-        self, next_msg: Callable[[float], Awaitable[_M]], deadline: float, heard: bool
-    ) -> _M:
+        self, next_msg: Callable[[float], Awaitable[_Msg]], deadline: float, heard: bool
+    ) -> _Msg:
         # A deadline per receive, not one asyncio.timeout around the whole
         # generator: a timeout must not fire while the consumer holds a delta.
         remaining = deadline - asyncio.get_running_loop().time()

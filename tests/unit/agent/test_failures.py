@@ -219,6 +219,37 @@ async def test_a_hanging_model_call_times_out_and_is_retried() -> None:
     assert model.calls == 2
 
 
+class Hanging:
+    """A model that never answers."""
+
+    name = "hanging"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelStreamItem]:
+        self.calls += 1
+        await asyncio.sleep(30)
+        yield ScriptedModel.text("never")
+
+
+async def test_a_model_past_its_timeout_names_the_limit_and_the_setting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model = Hanging()
+    config = ModelConfig(timeout=0.05, max_retries=2, backoff=0.0)
+    final = await Agent("a", "", model, model_config=config).reply("hi")
+    limit = "the model did not answer within 0.05 s (ModelConfig.timeout / FLEETBUS_MODEL_TIMEOUT)"
+    assert final.finished_reason == "error"
+    assert model.calls == 3
+    # Said once, with how often, not once per attempt; never a bare TimeoutError.
+    assert final.content == f"The model failed: hanging: ModelError: {limit} (3 attempts)"
+    warnings = [r.getMessage() for r in caplog.records if "failed (attempt" in r.getMessage()]
+    assert len(warnings) == 3
+    assert all(limit in w for w in warnings)
+    assert "attempt 3/3" in warnings[-1]
+
+
 async def test_interrupting_a_reply_keeps_memory_consistent() -> None:
     started = asyncio.Event()
 
