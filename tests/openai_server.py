@@ -9,6 +9,12 @@ Each test scripts the answers, in order, and reads back what was sent::
         ...
         assert server.bodies[0]["messages"][0]["role"] == "system"
 
+A :func:`completion` is one whole answer sent the way the request asks: a
+``chat.completion`` JSON body when ``stream`` is false, SSE chunks (the text
+split in pieces) when it is true; so one script serves both transports::
+
+    server.add(completion('{"name": "add", "arguments": {"a": 1, "b": 2}}'))
+
 The server is a stdlib :class:`~http.server.ThreadingHTTPServer` on
 127.0.0.1 and a random port, in a thread of its own. A request that finds no
 scripted reply left gets a 418 whose message says so, so a test that sends one
@@ -29,11 +35,13 @@ from types import TracebackType
 from typing import Any
 
 __all__ = [
+    "CompletionReply",
     "FakeOpenAIServer",
     "JsonReply",
     "RecordedRequest",
     "SseReply",
     "chunk",
+    "completion",
     "error_reply",
     "finish_chunk",
     "reasoning_chunks",
@@ -74,7 +82,76 @@ class SseReply:
     delay: float = 0.0
 
 
-Reply = JsonReply | SseReply
+@dataclass(frozen=True)
+class CompletionReply:
+    """One whole answer, sent as the request asks: JSON, or SSE when it streams."""
+
+    text: str | None = None
+    tool_calls: tuple[tuple[str, str, str], ...] = ()
+    """``(call_id, name, arguments)`` of native tool calls."""
+    reasoning: str | None = None
+    finish_reason: str | None = None
+    """Default: ``tool_calls`` when there are calls, else ``stop``."""
+    usage: tuple[int, int] = (10, 5)
+    pieces: int = 3
+    """SSE: the text is sent in this many chunks (cut anywhere, as servers do)."""
+    delay: float = 0.0
+
+    def as_json(self) -> JsonReply:
+        """The ``chat.completion`` body."""
+        message: dict[str, Any] = {"role": "assistant", "content": self.text}
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                for i, n, a in self.tool_calls
+            ]
+        prompt, completion_tokens = self.usage
+        body = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "created": 1_700_000_000,
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": self._finish(),
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens,
+            },
+        }
+        return JsonReply(body, delay=self.delay)
+
+    def as_sse(self) -> SseReply:
+        """The same answer as chunks."""
+        chunks: list[dict[str, Any] | str] = []
+        if self.reasoning is not None:
+            chunks.extend(reasoning_chunks(self.reasoning))
+        if self.text:
+            size = max(1, -(-len(self.text) // max(1, self.pieces)))
+            chunks.extend(
+                text_chunks(*(self.text[i : i + size] for i in range(0, len(self.text), size)))
+            )
+        for index, (call_id, name, arguments) in enumerate(self.tool_calls):
+            half = len(arguments) // 2
+            chunks.extend(
+                tool_call_chunks(index, call_id, name, arguments[:half], arguments[half:])
+            )
+        reply = sse(chunks, finish=self._finish(), usage=self.usage)
+        return SseReply(reply.chunks, delay=self.delay)
+
+    def _finish(self) -> str:
+        return self.finish_reason or ("tool_calls" if self.tool_calls else "stop")
+
+
+Reply = JsonReply | SseReply | CompletionReply
 
 
 @dataclass(frozen=True)
@@ -188,6 +265,8 @@ class _Handler(BaseHTTPRequestHandler):
         reply = self.fake._record(RecordedRequest(self.path, headers, body))
         if not self.path.rstrip("/").endswith("/chat/completions"):
             reply = error_reply(404, f"fake server: no route {self.path}")
+        if isinstance(reply, CompletionReply):
+            reply = reply.as_sse() if body.get("stream") else reply.as_json()
         time.sleep(reply.delay)
         if isinstance(reply, JsonReply):
             self._json(reply)
@@ -240,6 +319,24 @@ def error_reply(
     """An OpenAI-style error answer: ``{"error": {"message": …}}``."""
     error = {"message": message, "type": "invalid_request_error", "param": None, "code": code}
     return JsonReply({"error": error}, status=status, headers=dict(headers or {}))
+
+
+def completion(
+    text: str | None = None,
+    *,
+    tool_calls: Iterable[tuple[str, str, str]] = (),
+    reasoning: str | None = None,
+    finish: str | None = None,
+    pieces: int = 3,
+) -> CompletionReply:
+    """A whole answer, sent as JSON or SSE as the request asks (see :class:`CompletionReply`)."""
+    return CompletionReply(
+        text=text,
+        tool_calls=tuple(tool_calls),
+        reasoning=reasoning,
+        finish_reason=finish,
+        pieces=pieces,
+    )
 
 
 def chunk(

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from openai.types.chat import ChatCompletionChunk
+from openai.types import CompletionUsage
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from fleetbus.models.model import TextDelta, ThinkingDelta
@@ -177,7 +178,7 @@ class _Call:
 
 @dataclass(slots=True)
 class StreamAnswer:
-    """What the stream said so far."""
+    """What the stream said so far (or the whole answer, when not streamed)."""
 
     text: list[str] = field(default_factory=list)
     thinking: list[str] = field(default_factory=list)
@@ -189,11 +190,7 @@ class StreamAnswer:
 
     def add(self, chunk: ChatCompletionChunk) -> list[TextDelta | ThinkingDelta]:
         """Take in one chunk; the deltas it carries."""
-        if chunk.usage is not None:
-            self.usage = Usage(
-                input_tokens=chunk.usage.prompt_tokens or 0,
-                output_tokens=chunk.usage.completion_tokens or 0,
-            )
+        self._add_usage(chunk.usage)
         self.model = chunk.model or self.model
         deltas: list[TextDelta | ThinkingDelta] = []
         for choice in chunk.choices or []:
@@ -218,6 +215,40 @@ class StreamAnswer:
             for call in delta.tool_calls or []:
                 self._add_call(call.index, call.id, call.function)
         return deltas
+
+    def add_completion(self, completion: ChatCompletion) -> list[TextDelta | ThinkingDelta]:
+        """Take in a whole answer (not streamed); its thinking and text as one delta each."""
+        self._add_usage(completion.usage)
+        self.model = completion.model or self.model
+        deltas: list[TextDelta | ThinkingDelta] = []
+        for choice in completion.choices or []:
+            if choice.index not in (0, None):
+                continue
+            self.choices = True
+            # A whole answer is finished even when a server leaves out the reason.
+            self.finish_reason = getattr(choice, "finish_reason", None) or "stop"
+            message = cast("ChatCompletionMessage | None", getattr(choice, "message", None))
+            if message is None:
+                continue
+            extra = message.model_extra or {}
+            thinking = next((extra[k] for k in _REASONING_FIELDS if extra.get(k)), None)
+            if isinstance(thinking, str):
+                self.thinking.append(thinking)
+                deltas.append(ThinkingDelta(thinking))
+            for piece in (message.content, message.refusal):
+                if piece:
+                    self.text.append(piece)
+                    deltas.append(TextDelta(piece))
+            for index, call in enumerate(message.tool_calls or []):
+                self._add_call(index, call.id, getattr(call, "function", None))
+        return deltas
+
+    def _add_usage(self, usage: CompletionUsage | None) -> None:
+        if usage is not None:
+            self.usage = Usage(
+                input_tokens=usage.prompt_tokens or 0,
+                output_tokens=usage.completion_tokens or 0,
+            )
 
     def _add_call(self, index: int | None, call_id: str | None, function: Any) -> None:
         if not isinstance(index, int):

@@ -11,18 +11,29 @@ A step that tried to write an action but could not be read becomes a tool
 call named :data:`FORMAT_ERROR_TOOL` whose ``raw_arguments`` hold the whole
 text: the agent answers it with an error result (as it does any malformed
 arguments), and the next request shows the model a format reminder with the
-parse error in place of that result. Pure functions; no I/O.
+parse error in place of that result. So does a step that reports an
+observation no tool made (``Observation from calculator: …`` written by the
+model itself): a call before it still counts, the invented result never does.
+
+Native requests show format errors the same way, as text
+(:func:`format_errors_as_text`): a call to a tool that was never offered, with
+arguments that are not JSON, is refused by some servers and misleads models.
+Pure functions; no I/O.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from fleetbus.models import _text_calls as tc
 from fleetbus.models._openai_format import output_text
+from fleetbus.models.model import FINISH_TOOL
 from fleetbus.protocol import (
     ChatMessage,
     ContentBlock,
@@ -37,11 +48,15 @@ __all__ = [
     "FORMAT_ERROR_TOOL",
     "Action",
     "as_text_messages",
+    "format_errors_as_text",
     "format_errors_in_a_row",
     "instructions",
     "loads_object",
     "parse_action",
+    "text_call_steps",
 ]
+
+loads_object = tc.loads_object
 
 FORMAT_ERROR_TOOL = "format_error"
 """The name of the tool call that stands for a step the model wrote in the
@@ -57,7 +72,8 @@ _ARGUMENT_KEYS = ("arguments", "args", "parameters", "input", "action_input", "t
 _FINAL_ACTIONS = frozenset({"final answer", "final_answer", "answer", "finish"})
 _ACTION_KEY = re.compile(r"""["']?\b(?:tool|answer|arguments|action)\b["']?\s*:""")
 _FENCE = re.compile(r"```[A-Za-z0-9_-]*")
-_WORDS = {"True": "true", "False": "false", "None": "null"}
+_NOISE = re.compile(r"```[A-Za-z0-9_-]*|</?tool_call>")
+"""Left of a step's text once its action is taken out: fences, tags."""
 _EMPTY_SCHEMA: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -112,8 +128,15 @@ def parse_action(text: str, *, must_call: bool = False) -> Action:
     ``must_call``); an object that looks like an attempt at an action but
     cannot be read gives an ``error`` for the model to see.
     """
+    observed = tc.find_observation(text)
+    if observed is not None:
+        before = text[: observed[0]]
+        action = parse_action(before, must_call=must_call) if before.strip() else None
+        if action is not None and action.tool is not None:
+            return action
+        return Action(error=tc.invented(observed[1]))
     error: str | None = None
-    for start, end in _object_spans(text):
+    for start, end in tc.json_spans(text, "{"):
         candidate = text[start:end]
         try:
             value = loads_object(candidate)
@@ -127,7 +150,7 @@ def parse_action(text: str, *, must_call: bool = False) -> Action:
         if action.error is not None:
             error = action.error
             continue
-        prose = _FENCE.sub("", text[:start] + text[end:]).strip()
+        prose = _NOISE.sub("", text[:start] + text[end:]).strip()
         return Action(action.tool, action.arguments, action.answer, prose)
     if error is not None:
         return Action(error=error)
@@ -137,28 +160,6 @@ def parse_action(text: str, *, must_call: bool = False) -> Action:
     if must_call:
         return Action(error="there is no JSON action in it, and this step must call a tool")
     return Action(answer=text.strip())
-
-
-def loads_object(text: str) -> dict[str, Any]:
-    """A JSON object, read tolerantly (the first object in ``text``).
-
-    Raises:
-        ValueError: no object could be read (the message says why).
-    """
-    spans = _object_spans(text)
-    candidate = text[spans[0][0] : spans[0][1]] if spans else text
-    problem = ""
-    strict = _to_json(candidate)
-    for attempt in (candidate, strict, _closed(strict)):
-        try:
-            value = json.loads(attempt, strict=False)
-        except ValueError as exc:
-            # Where the text as written went wrong: the repairs move the error.
-            problem = problem or str(exc)
-            continue
-        if isinstance(value, dict):
-            return value
-    raise ValueError(problem or "not a JSON object")
 
 
 def format_errors_in_a_row(messages: Sequence[ChatMessage]) -> int:
@@ -173,6 +174,70 @@ def format_errors_in_a_row(messages: Sequence[ChatMessage]) -> int:
             break
         count += 1
     return count
+
+
+def text_call_steps(messages: Sequence[ChatMessage]) -> int | None:
+    """How many assistant steps called tools in text (calls read from the
+    text, see :data:`~fleetbus.models._text_calls.TEXT_CALL_PREFIX`); ``None``
+    once any step made a native call. Format errors and structured answers
+    count neither way."""
+    steps = 0
+    for message in messages:
+        if message.role != "assistant":
+            continue
+        uses = [
+            b
+            for b in message.content
+            if isinstance(b, ToolUseBlock) and b.name not in (FORMAT_ERROR_TOOL, FINISH_TOOL)
+        ]
+        if any(not u.id.startswith(tc.TEXT_CALL_PREFIX) for u in uses):
+            return None
+        steps += bool(uses)
+    return steps
+
+
+def format_errors_as_text(
+    messages: Sequence[ChatMessage], offered: Collection[str]
+) -> list[ChatMessage]:
+    """For a native request: each format error as what the model wrote (an
+    assistant message) and a reminder (a user message) in place of its result."""
+    if not any(
+        isinstance(b, ToolUseBlock) and b.name == FORMAT_ERROR_TOOL
+        for m in messages
+        for b in m.content
+    ):
+        return list(messages)
+    errors: dict[str, ToolUseBlock] = {}
+    out: list[ChatMessage] = []
+    for message in messages:
+        if message.role == "assistant":
+            content: list[ContentBlock] = []
+            for block in message.content:
+                if isinstance(block, ToolUseBlock) and block.name == FORMAT_ERROR_TOOL:
+                    errors[block.id] = block
+                    block = TextBlock(text=block.raw_arguments or "")
+                content.append(block)
+            out.append(msgspec.structs.replace(message, content=content))
+            continue
+        answered = [b for b in message.content if isinstance(b, ToolResultBlock) and b.id in errors]
+        rest = [b for b in message.content if b not in answered]
+        if rest or not answered:
+            out.append(msgspec.structs.replace(message, content=rest))
+        out.extend(
+            ChatMessage(role="user", content=[TextBlock(text=_reminder(errors[b.id], offered))])
+            for b in answered
+        )
+    return out
+
+
+def _reminder(use: ToolUseBlock, offered: Collection[str]) -> str:
+    """What a native request says about a step that could not be used."""
+    error = tc.read_calls(use.raw_arguments or "", offered).error
+    why = f": {error}" if error else ""
+    return (
+        f"Your last message could not be used{why}. To use a tool, call it; its result "
+        "comes in the next message. Otherwise give your final answer."
+    )
 
 
 def as_text_messages(
@@ -256,6 +321,8 @@ def _observation(result: ToolResultBlock, use: ToolUseBlock | None) -> str:
 
 def _interpret(value: dict[str, Any]) -> Action | None:
     """An action from a JSON object; ``None`` when the object is not one."""
+    if isinstance(value.get("function"), dict):  # OpenAI's {"type": "function", "function": …}
+        value = value["function"]
     answer_key = next((k for k in _ANSWER_KEYS if k in value), None)
     if answer_key is not None:
         return Action(answer=_as_text(value[answer_key]))
@@ -280,105 +347,3 @@ def _interpret(value: dict[str, Any]) -> Action | None:
 
 def _as_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-
-
-def _object_spans(text: str) -> list[tuple[int, int]]:
-    """Where the top-level ``{…}`` objects are (the last one may run to the end)."""
-    spans: list[tuple[int, int]] = []
-    start = text.find("{")
-    while start != -1:
-        end = _closing(text, start)
-        spans.append((start, end))
-        start = text.find("{", end)
-    return spans
-
-
-def _closing(text: str, start: int) -> int:
-    """The index after the brace that closes the one at ``start`` (or the end)."""
-    depth = 0
-    quote = ""
-    i = start
-    while i < len(text):
-        c = text[i]
-        if quote:
-            if c == "\\":
-                i += 1
-            elif c == quote:
-                quote = ""
-        elif c in "\"'":
-            quote = c
-        elif c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        i += 1
-    return len(text)
-
-
-def _closed(text: str) -> str:
-    """``text`` with the brackets it leaves open closed, when only closing
-    brackets are missing (a model that stopped one brace short)."""
-    stack: list[str] = []
-    quote = False
-    escaped = False
-    for c in text:
-        if quote:
-            if escaped:
-                escaped = False
-            elif c == "\\":
-                escaped = True
-            elif c == '"':
-                quote = False
-        elif c == '"':
-            quote = True
-        elif c in "{[":
-            stack.append("}" if c == "{" else "]")
-        elif c in "}]" and stack:
-            stack.pop()
-    if quote or not text.rstrip().endswith(("}", "]")):
-        # Cut off inside a value: closing it would make up arguments.
-        return text
-    return text + "".join(reversed(stack))
-
-
-def _to_json(text: str) -> str:
-    """Sloppy JSON made strict: single-quoted strings and bare keys
-    double-quoted, trailing commas dropped, Python's ``True``/``False``/``None``
-    spelled as JSON's."""
-    out: list[str] = []
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c in "\"'":
-            j = i + 1
-            while j < n and text[j] != c:
-                j += 2 if text[j] == "\\" else 1
-            body = text[i + 1 : min(j, n)]
-            if c == "'":
-                body = body.replace("\\'", "'").replace('\\"', '"').replace('"', '\\"')
-            out.append(f'"{body}"')
-            i = j + 1
-        elif c == ",":
-            k = i + 1
-            while k < n and text[k].isspace():
-                k += 1
-            if k >= n or text[k] not in "}]":
-                out.append(c)
-            i += 1
-        elif c.isalpha() or c == "_":
-            j = i
-            while j < n and (text[j].isalnum() or text[j] == "_"):
-                j += 1
-            word = text[i:j]
-            k = j
-            while k < n and text[k].isspace():
-                k += 1
-            # A bare key ({tool: "add"}) is quoted; a bare value only if Python's.
-            out.append(json.dumps(word) if k < n and text[k] == ":" else _WORDS.get(word, word))
-            i = j
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)

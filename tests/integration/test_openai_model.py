@@ -1,10 +1,13 @@
 """OpenAIChatModel against a local fake OpenAI-compatible server: streaming,
-tool calls, retries and refusals, memory formatting, structured output, the
-text protocol for models without tool calling, and whole agent replies."""
+tool calls, the openai SDK's retries and refusals, memory formatting,
+structured output, the text protocol for models without tool calling, and
+whole agent replies. (Tool calls written as text, ``native_tools="auto"``:
+test_text_tool_calls.py.)"""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -40,7 +43,9 @@ from tests.openai_server import (
     usage_chunk,
 )
 
-FAST = OpenAIConfig(max_retries=2, backoff=0.0, connect_timeout=2.0, read_timeout=5.0)
+FAST = OpenAIConfig(max_retries=2, connect_timeout=2.0, read_timeout=5.0)
+SOON = {"retry-after-ms": "10"}
+"""The SDK honours this: retries in tests wait 10 ms, not its own 0.5 s and up."""
 NO_RETRY = ModelConfig(max_retries=0, backoff=0.0, timeout=15.0)
 ADD_SPEC = ToolSpec(
     name="add",
@@ -191,30 +196,37 @@ async def test_arguments_that_are_not_a_json_object_are_kept_raw(
 # -- failures ---------------------------------------------------------------------
 
 
-async def test_a_rate_limit_is_retried_after_the_retry_after_delay(
+async def test_a_rate_limit_is_retried_by_the_sdk_after_the_delay_it_asks_for(
     server: FakeOpenAIServer, model: OpenAIChatModel
 ) -> None:
-    server.add(error_reply(429, "slow down", headers={"Retry-After": "0"}))
+    server.add(error_reply(429, "slow down", headers={"retry-after-ms": "300"}))
     server.add(sse(text_chunks("done")))
 
+    started = asyncio.get_running_loop().time()
     _, final = await collect(model, ask())
 
     assert final.text == "done"
+    assert asyncio.get_running_loop().time() - started >= 0.3
     assert len(server.requests) == 2
+    # The SDK numbers its attempts: the second request is its first retry.
+    retries = [r.headers.get("x-stainless-retry-count") for r in server.requests]
+    assert retries == ["0", "1"]
 
 
-async def test_retry_after_is_capped_at_max_backoff(server: FakeOpenAIServer) -> None:
+async def test_a_retry_after_beyond_two_minutes_ends_the_call_at_once(
+    server: FakeOpenAIServer, model: OpenAIChatModel
+) -> None:
     server.add(error_reply(503, "busy", headers={"Retry-After": "3600"}))
-    server.add(error_reply(429, "busy", headers={"Retry-After": "Wed, 21 Oct 2037 07:28:00 GMT"}))
-    server.add(sse(text_chunks("ok")))
-    config = FAST.model_copy(update={"max_backoff": 0.05})
 
-    async with OpenAIChatModel("fake-model", base_url=server.url, config=config) as chat_model:
-        started = asyncio.get_running_loop().time()
-        _, final = await collect(chat_model, ask())
+    started = asyncio.get_running_loop().time()
+    error = await failure(model, ask())
 
-    assert final.text == "ok"
     assert asyncio.get_running_loop().time() - started < 2
+    assert error.retryable is False
+    assert str(error) == (
+        f"{server.url} failed 1 time(s) for model 'fake-model'; last: 503 busy (Retry-After: 3600)"
+    )
+    assert len(server.requests) == 1
 
 
 async def test_a_read_timeout_is_retried(server: FakeOpenAIServer) -> None:
@@ -231,20 +243,69 @@ async def test_a_read_timeout_is_retried(server: FakeOpenAIServer) -> None:
 async def test_server_errors_past_the_retries_are_not_retryable(
     server: FakeOpenAIServer, model: OpenAIChatModel
 ) -> None:
-    server.add(*[error_reply(500, "boom") for _ in range(3)])
+    server.add(*[error_reply(500, "boom", headers=SOON) for _ in range(3)])
 
     error = await failure(model, ask())
 
+    # Retried twice by the SDK (max_retries=2): not retryable by the agent again.
     assert error.retryable is False
-    assert "failed 3 time(s)" in str(error)
-    assert "500 boom" in str(error)
+    assert str(error) == f"{server.url} failed 3 time(s) for model 'fake-model'; last: 500 boom"
     assert len(server.requests) == 3
+
+
+async def test_without_sdk_retries_a_server_error_stays_retryable(
+    server: FakeOpenAIServer,
+) -> None:
+    server.add(error_reply(500, "boom"), error_reply(500, "boom"))
+    server.add(sse(text_chunks("second time lucky")))
+    config = FAST.model_copy(update={"max_retries": 0})
+
+    async with OpenAIChatModel("fake-model", base_url=server.url, config=config) as m:
+        error = await failure(m, ask())
+        assert error.retryable is True
+        # The agent's own retries apply then.
+        agent = Agent(
+            "a", "You help.", m, model_config=NO_RETRY.model_copy(update={"max_retries": 1})
+        )
+        final = await asyncio.wait_for(agent.reply("hello"), timeout=10)
+
+    assert final.content == "second time lucky"
+    assert len(server.requests) == 3
+
+
+async def test_a_timeout_names_its_limit_and_setting(server: FakeOpenAIServer) -> None:
+    server.add(*[SseReply(sse(text_chunks("late")).chunks, delay=1.0) for _ in range(2)])
+    config = FAST.model_copy(update={"read_timeout": 0.3, "max_retries": 1})
+
+    async with OpenAIChatModel("fake-model", base_url=server.url, config=config) as chat_model:
+        error = await failure(chat_model, ask())
+
+    assert str(error) == (
+        f"model 'fake-model' at {server.url} did not answer within 0.3 s "
+        "(OpenAIConfig.read_timeout / FLEETBUS_MODEL_TIMEOUT), 2 attempt(s)"
+    )
+    assert error.retryable is False
+    assert len(server.requests) == 2
+
+
+async def test_an_endpoint_that_cannot_be_reached_is_named_after_the_sdk_retries() -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}/v1"
+    config = FAST.model_copy(update={"max_retries": 1})
+
+    async with OpenAIChatModel("fake-model", base_url=url, config=config) as chat_model:
+        error = await failure(chat_model, ask())
+
+    assert str(error).startswith(f"cannot connect to {url} (")
+    assert str(error).endswith("), 2 attempt(s)")
+    assert error.retryable is False
 
 
 async def test_the_agent_falls_back_when_the_endpoint_keeps_failing(
     server: FakeOpenAIServer, model: OpenAIChatModel
 ) -> None:
-    server.add(*[error_reply(502, "bad gateway") for _ in range(3)])
+    server.add(*[error_reply(500, "boom", headers=SOON) for _ in range(3)])
     fallback = ScriptedModel(["The fallback answers."], name="backup")
     config = NO_RETRY.model_copy(update={"max_retries": 2, "fallback": fallback})
     agent = Agent("a", "You help.", model, model_config=config)
@@ -253,7 +314,7 @@ async def test_the_agent_falls_back_when_the_endpoint_keeps_failing(
 
     assert final.finished_reason == "completed"
     assert final.content == "The fallback answers."
-    # Not retried by the agent on top of the adapter: 3 attempts, then the fallback.
+    # Not retried by the agent on top of the SDK: 3 attempts, then the fallback.
     assert len(server.requests) == 3
     assert len(fallback.requests) == 1
 
@@ -346,6 +407,24 @@ async def test_an_error_event_in_the_stream_is_an_error(
 def test_the_model_name_is_required() -> None:
     with pytest.raises(ConfigError, match="FLEETBUS_MODEL"):
         OpenAIChatModel(base_url="http://127.0.0.1:1/v1")
+
+
+@pytest.mark.parametrize(
+    ("given", "mode"),
+    [("auto", "auto"), ("on", "on"), ("off", "off"), (True, "on"), (False, "off"), (" OFF", "off")],
+)
+def test_native_tools_is_a_tool_mode_and_old_booleans_still_work(given: object, mode: str) -> None:
+    assert OpenAIConfig().native_tools == "auto"
+    assert OpenAIConfig(native_tools=given).native_tools == mode
+
+
+def test_a_native_tools_that_is_not_a_tool_mode_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="native_tools must be 'auto', 'on' or 'off'"):
+        OpenAIConfig(native_tools="yes")
+    # model_copy does not validate: the model reads the mode again.
+    unchecked = OpenAIConfig().model_copy(update={"native_tools": "yes"})
+    with pytest.raises(ConfigError, match="not 'yes'"):
+        OpenAIChatModel("m", base_url="http://127.0.0.1:1/v1", config=unchecked)
 
 
 def test_openai_itself_needs_a_key() -> None:
@@ -608,9 +687,9 @@ async def test_response_format_answers_that_do_not_validate_are_asked_again(
     assert "celsius" in retry[-1]["content"]
 
 
-# -- the text protocol (native_tools=False) ---------------------------------------------
+# -- the text protocol (native_tools="off") ---------------------------------------------
 
-TEXT = FAST.model_copy(update={"native_tools": False})
+TEXT = FAST.model_copy(update={"native_tools": "off"})
 
 
 @pytest.mark.parametrize(
@@ -709,8 +788,10 @@ async def test_an_unreadable_action_is_a_format_error_not_a_guess(
     assert deltas == []
 
 
-async def test_a_given_client_is_used_without_its_own_retries(server: FakeOpenAIServer) -> None:
-    server.add(*[error_reply(500, "boom") for _ in range(3)])
+async def test_a_given_client_is_used_with_the_configured_retries(
+    server: FakeOpenAIServer,
+) -> None:
+    server.add(*[error_reply(500, "boom", headers=SOON) for _ in range(3)])
     client = AsyncOpenAI(base_url=server.url, api_key="sk-given", max_retries=5)
 
     try:
