@@ -44,4 +44,5 @@ class ReplySettings:
     offloader: Offloader | None
     tool_timeout: float | None
     max_repeated_failures: int
+    max_repeated_calls: int | None
     structured_retries: int

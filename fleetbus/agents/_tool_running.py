@@ -1,15 +1,25 @@
 """The tool calls of one reply: each checked (arguments, unknown tools,
 permissions, external tools, the internal ones), run one by one or at once,
 made durable as each result arrives, recorded in the model's order, watched
-for the same call failing again and again, and, when the reply ends early,
-closed with a result that tells what happened."""
+for loops — the same call failing again and again, a call repeated after it
+succeeded, a short cycle of calls — and, when the reply ends early, closed
+with a result that tells what happened.
+
+A structured answer asked for with a raw JSON Schema (no pydantic model) is
+checked here by hand — required fields, types, enums, nested objects and
+arrays, local ``$ref`` — because the ``jsonschema`` package is not a
+dependency of fleetbus; its length, range and format keywords are not checked.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
+import msgspec
 import pydantic
 
 from fleetbus.agents import events as ev
@@ -18,7 +28,7 @@ from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope, tool_result
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import StopReply
 from fleetbus.agents.offload import READ_OFFLOADED_SPEC, cut, read_offloaded
-from fleetbus.agents.state import PendingCall
+from fleetbus.agents.state import PendingCall, RecentCall
 from fleetbus.errors import FleetbusError
 from fleetbus.protocol import (
     TOOL_STATUSES,
@@ -29,6 +39,14 @@ from fleetbus.protocol import (
 )
 
 __all__ = ["ToolRunner"]
+
+_LOOK_BACK = 20
+"""Calls loop detection looks back at, at least (twice ``max_repeated_calls``
+when that is more): what the reply's saved state keeps of its calls."""
+_CYCLE_PERIODS = (2, 3)
+"""The cycles detected: A, B, A, B and A, B, C, A, B, C."""
+_LOOPS_KEPT = 8
+"""Loops shown to the model that the reply remembers."""
 
 
 class ToolRunner:
@@ -175,7 +193,7 @@ class ToolRunner:
             if structured_model is not None:
                 value = structured_model.model_validate(use.input).model_dump(mode="json")
             else:
-                value = _check_required(use.input, self.reply.structured_schema or {})
+                value = _check_schema(use.input, self.reply.structured_schema or {})
         except (pydantic.ValidationError, ValueError) as exc:
             self.reply.structured_failures += 1
             return tool_result(
@@ -239,7 +257,8 @@ class ToolRunner:
     def record(
         self, uses: list[ToolUseBlock], results: dict[str, ToolResultBlock], *, watch: bool = True
     ) -> FinalAnswer | None:
-        """Put results in memory (the model's order), emit them, watch for repeats."""
+        """Put results in memory (the model's order), emit them, watch for
+        repeated failures and loops; the reply's end if one ends it."""
         ended: FinalAnswer | None = None
         recorded = {use.id for use in uses}
         if self.reply.arrived:
@@ -247,11 +266,64 @@ class ToolRunner:
                 m for m in self.reply.arrived if not recorded & {b.id for b in m.tool_results}
             ]
         for use in uses:
-            block = results[use.id]
-            self._remember(use, block)
+            block = shown = results[use.id]
+            loop_end: str | None = None
+            if ended is None and watch:
+                shown, loop_end = self._watch_loops(use, block)
+            self._remember(use, shown)
             if ended is None and watch:
                 ended = self._watch_repeats(use, block)
+                if ended is None and loop_end is not None:
+                    ended = self.scope.finish("repeated_action", loop_end)
         return ended
+
+    def _watch_loops(
+        self, use: ToolUseBlock, block: ToolResultBlock
+    ) -> tuple[ToolResultBlock, str | None]:
+        """Keep the call among the reply's recent calls and look for a loop.
+
+        Returns:
+            the result to record — with a note showing the model its loop the
+            first time one is found — and, when a loop it was shown goes on,
+            the text the reply ends with.
+        """
+        limit = self.settings.max_repeated_calls
+        if limit is None or use.name == FINISH_TOOL:  # the finish tool has its own retries
+            return block, None
+        reply = self.reply
+        recent = reply.recent_calls
+        recent.append(RecentCall(signature=_signature(use), ok=block.state == "success"))
+        del recent[: -max(_LOOK_BACK, 2 * limit)]
+        loop = _find_loop(recent, limit)
+        if loop is None:
+            return block, None
+        call = _describe(use)
+        if loop.key in reply.loops_shown:
+            if len(loop.names) == 1:
+                return block, (
+                    f"Stopped: {call} was called {loop.times} times with the same arguments "
+                    "in this reply, and again after the model was told it repeats itself."
+                )
+            return block, (
+                f"Stopped: the calls {' → '.join(loop.names)} went round in a loop with the "
+                f"same arguments, and on after the model was told (the last: {call})."
+            )
+        reply.loops_shown = [*reply.loops_shown, loop.key][-_LOOPS_KEPT:]
+        if len(loop.names) == 1:
+            note = (
+                f"Loop warning: you have made this same call, {call}, {loop.times} times in this "
+                "reply, and it already succeeded: you have its result. Do not call it again "
+                "with these arguments: use what you found, do something else, or give your "
+                "final answer. Calling it again ends the reply."
+            )
+        else:
+            note = (
+                f"Loop warning: your last calls go round in a loop: {' → '.join(loop.names)}, "
+                f"{loop.times} times with the same arguments. Going round again brings nothing "
+                "new: use what you found, do something else, or give your final answer. "
+                "Another round ends the reply."
+            )
+        return _with_note(block, note), None
 
     def _watch_repeats(self, use: ToolUseBlock, block: ToolResultBlock) -> FinalAnswer | None:
         if block.state == "success":
@@ -319,11 +391,164 @@ class ToolRunner:
         )
 
 
-def _check_required(value: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
-    missing = [k for k in schema.get("required", []) if k not in value]
-    if missing:
-        raise ValueError(f"missing required field(s): {', '.join(missing)}")
+class _Loop(NamedTuple):
+    key: str
+    """The same for every call of the loop, however far round it is."""
+    names: list[str]
+    """The tool names of one round (one name: the same call repeated)."""
+    times: int
+    """How many times the call was made, or the cycle went round."""
+
+
+def _signature(use: ToolUseBlock) -> str:
+    """The call's tool and canonical arguments, in a few bytes: ``name:digest``."""
+    canonical = json.dumps(
+        use.input, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str
+    )
+    return f"{use.name}:{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
+
+
+def _tool_of(signature: str) -> str:
+    return signature.rsplit(":", 1)[0]
+
+
+def _find_loop(recent: list[RecentCall], limit: int) -> _Loop | None:
+    """The loop the last call of ``recent`` closes, if any: a short cycle gone
+    round twice (A, B, A, B), or the same call made ``limit`` times after it
+    succeeded."""
+    signatures = [c.signature for c in recent]
+    for period in _CYCLE_PERIODS:
+        last = signatures[-period:]
+        if len(signatures) < 2 * period or len(set(last)) == 1:
+            continue
+        if signatures[-2 * period : -period] != last:
+            continue
+        times = 2
+        while signatures[-(times + 1) * period : -times * period] == last:
+            times += 1
+        first = min(last[i:] + last[:i] for i in range(period))  # the same from any call
+        return _Loop("cycle:" + ",".join(first), [_tool_of(s) for s in last], times)
+    current = recent[-1]
+    same = [c for c in recent if c.signature == current.signature]
+    if len(same) >= limit and any(c.ok for c in same[:-1]):
+        return _Loop("call:" + current.signature, [_tool_of(current.signature)], len(same))
+    return None
+
+
+def _describe(use: ToolUseBlock) -> str:
+    args = json.dumps(use.input, ensure_ascii=False, default=str)
+    return f"{use.name}({args if len(args) <= 200 else args[:200] + '…'})"
+
+
+def _with_note(block: ToolResultBlock, note: str) -> ToolResultBlock:
+    """The result with ``note`` after it (the output becomes text)."""
+    output = block.output
+    text = (
+        output if isinstance(output, str) else json.dumps(output, ensure_ascii=False, default=str)
+    )
+    return msgspec.structs.replace(block, output=f"{text}\n\n{note}")
+
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: (
+        (isinstance(v, int) and not isinstance(v, bool))
+        or (isinstance(v, float) and v.is_integer())
+    ),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+}
+
+
+def _check_schema(value: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    """``value`` if it fits ``schema`` (the keywords listed in the module docstring).
+
+    Raises:
+        ValueError: it does not; the message lists the first problems.
+    """
+    problems = _problems(value, schema, schema, "")
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise ValueError("; ".join(problems[:5]) + more)
     return value
+
+
+def _problems(
+    value: Any, schema: Any, root: dict[str, Any], where: str, depth: int = 0
+) -> list[str]:
+    if not isinstance(schema, dict) or depth > 32:
+        return []
+    at = f"{where}: " if where else ""
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        return _problems(value, _resolve(root, ref), root, where, depth + 1)
+    problems: list[str] = []
+    for sub in schema.get("allOf") or []:
+        problems += _problems(value, sub, root, where, depth + 1)
+    for key in ("anyOf", "oneOf"):
+        options = schema.get(key)
+        if (
+            isinstance(options, list)
+            and options
+            and all(_problems(value, o, root, where, depth + 1) for o in options)
+        ):
+            problems.append(f"{at}fits none of the allowed shapes")
+    types = schema.get("type")
+    names = [types] if isinstance(types, str) else types if isinstance(types, list) else []
+    known = [t for t in names if t in _JSON_TYPES]
+    if known and not any(_JSON_TYPES[t](value) for t in known):
+        return [*problems, f"{at}should be {' or '.join(known)}, not {_json_type(value)}"]
+    enum = schema.get("enum")
+    if isinstance(enum, list) and value not in enum:
+        problems.append(f"{at}should be one of {json.dumps(enum, default=str)}")
+    if "const" in schema and value != schema["const"]:
+        problems.append(f"{at}should be {json.dumps(schema['const'], default=str)}")
+    if isinstance(value, dict):
+        properties = schema.get("properties")
+        properties = properties if isinstance(properties, dict) else {}
+        required = schema.get("required")
+        missing = [k for k in required or [] if isinstance(k, str) and k not in value]
+        if missing:
+            problems.append(f"{at}missing required field(s): {', '.join(missing)}")
+        for key, sub in properties.items():
+            if key in value:
+                path = f"{where}.{key}" if where else key
+                problems += _problems(value[key], sub, root, path, depth + 1)
+        if schema.get("additionalProperties") is False:
+            extra = [k for k in value if k not in properties]
+            if extra:
+                problems.append(f"{at}unexpected field(s): {', '.join(extra)}")
+    items = schema.get("items")
+    if isinstance(value, list) and isinstance(items, dict):
+        for index, item in enumerate(value):
+            problems += _problems(item, items, root, f"{where}[{index}]", depth + 1)
+    return problems
+
+
+def _resolve(root: dict[str, Any], ref: str) -> Any:
+    """The part of ``root`` a local ``$ref`` (``#/$defs/Name``) names; ``None``
+    (nothing checked) for a remote or unknown one."""
+    if not ref.startswith("#"):
+        return None
+    node: Any = root
+    for part in ref[1:].split("/"):
+        if not part:
+            continue
+        part = part.replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _json_type(value: Any) -> str:
+    for name in ("null", "boolean", "integer", "number", "string", "array", "object"):
+        if _JSON_TYPES[name](value):
+            return name
+    return type(value).__name__
 
 
 def _brief(exc: BaseException) -> str:

@@ -9,7 +9,8 @@
 
 Every failure on the way — the model erring or answering garbage, arguments
 that are not JSON or do not fit the schema, an unknown tool, a tool that
-raises or times out, a denied call, the same failing call repeated — becomes
+raises or times out, a denied call, the same failing call repeated, a model
+going round in a loop (a call repeated after it succeeded, a cycle) — becomes
 an observation the model sees or a clear ``finished_reason``; never a crash,
 a hang, or a memory where a tool call lacks its result.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
@@ -97,6 +99,11 @@ class Agent:
             the worker's, when ``None``).
         max_repeated_failures: the same failing call this many times in a
             row ends the reply (``repeated_action``).
+        max_repeated_calls: loop detection. The same call (tool and
+            arguments) made this many times in a reply after it succeeded, or
+            a short cycle of calls gone round twice (A, B, A, B), is shown to
+            the model in the call's result; going on ends the reply
+            (``repeated_action``). ``None`` turns it off.
         structured_retries: invalid or missing structured answers tolerated.
         checkpoint: awaited with the state ahead of every side effect (the
             input recorded, a step's tool calls before they are sent, each
@@ -122,6 +129,7 @@ class Agent:
         offloader: Offloader | None = None,
         tool_timeout: float | None = None,
         max_repeated_failures: int = 3,
+        max_repeated_calls: int | None = 3,
         structured_retries: int = 2,
         checkpoint: Callable[[AgentState], Awaitable[None]] | None = None,
     ) -> None:
@@ -131,6 +139,8 @@ class Agent:
             raise ConfigError("max_iters must be at least 1")
         if max_repeated_failures < 1:
             raise ConfigError("max_repeated_failures must be at least 1")
+        if max_repeated_calls is not None and max_repeated_calls < 2:
+            raise ConfigError("max_repeated_calls must be at least 2 (or None: no loop detection)")
         self.name = name
         self.system_prompt = system_prompt
         self.model = model
@@ -144,6 +154,7 @@ class Agent:
         self.offloader = offloader
         self.tool_timeout = tool_timeout
         self.max_repeated_failures = max_repeated_failures
+        self.max_repeated_calls = max_repeated_calls
         self.structured_retries = structured_retries
         self._checkpoint = checkpoint
         if state is not None:
@@ -193,6 +204,7 @@ class Agent:
             offloader=self.offloader,
             tool_timeout=self.tool_timeout,
             max_repeated_failures=self.max_repeated_failures,
+            max_repeated_calls=self.max_repeated_calls,
             structured_retries=self.structured_retries,
             checkpoint=checkpoint,
         )
@@ -261,6 +273,7 @@ class Agent:
         inputs: ReplyInput = None,
         *,
         structured_model: type[pydantic.BaseModel] | None = None,
+        structured_schema: dict[str, Any] | None = None,
         session_id: str | None = None,
     ) -> FinalAnswer:
         """Reply to ``inputs`` and return the final message.
@@ -272,11 +285,26 @@ class Agent:
                 the memory as it is.
             structured_model: the answer must validate against this model;
                 it is on the final message as ``structured``.
+            structured_schema: the same with a JSON Schema (of an object)
+                instead of a model. The answer is checked for types,
+                required and unexpected fields, enums, nested objects and
+                arrays and local ``$ref``s; not for lengths, ranges or
+                formats (``jsonschema`` is not a dependency). A
+                ``user_request`` or ``agent_message`` given as ``inputs``
+                can ask for one with its ``output_schema``; the arguments
+                win over it. A reply that continues (a resume, a restore)
+                keeps the schema it started with.
             session_id: carried by the reply's events and final message.
+
+        Raises:
+            ConfigError: both ``structured_model`` and ``structured_schema``.
         """
         final: FinalAnswer | None = None
         async for item in self.reply_stream(
-            inputs, structured_model=structured_model, session_id=session_id
+            inputs,
+            structured_model=structured_model,
+            structured_schema=structured_schema,
+            session_id=session_id,
         ):
             if isinstance(item, FinalAnswer):
                 final = item
@@ -288,9 +316,12 @@ class Agent:
         inputs: ReplyInput = None,
         *,
         structured_model: type[pydantic.BaseModel] | None = None,
+        structured_schema: dict[str, Any] | None = None,
         session_id: str | None = None,
     ) -> AsyncGenerator[Event | FinalAnswer, None]:
         """Reply, yielding each event as it happens and the final message last.
+
+        The arguments are those of :meth:`reply`.
 
         Leaving the iteration early (``break``) interrupts the reply: it starts
         no model call and no tool call until its events are read, so nothing
@@ -299,7 +330,12 @@ class Agent:
         once for ``async for … in agent.reply_stream(…)``) ends it
         ``interrupted`` with memory consistent. Replies of one agent run one
         at a time.
+
+        Raises:
+            ConfigError: both ``structured_model`` and ``structured_schema``.
         """
+        if structured_model is not None and structured_schema is not None:
+            raise ConfigError("give structured_model or structured_schema, not both")
         queue: asyncio.Queue[Event | FinalAnswer | None] = asyncio.Queue()
         reading = asyncio.Event()
         """Set while the reader waits on an empty queue: it has read everything."""
@@ -326,7 +362,9 @@ class Agent:
                 self._interrupted = False
                 self._running = asyncio.current_task()
                 try:
-                    return await self._reply(inputs, structured_model, session_id, emit, demand)
+                    return await self._reply(
+                        inputs, structured_model, structured_schema, session_id, emit, demand
+                    )
                 finally:
                     self._running = None
 
@@ -358,13 +396,14 @@ class Agent:
         self,
         inputs: ReplyInput,
         structured_model: type[pydantic.BaseModel] | None,
+        structured_schema: dict[str, Any] | None,
         session_id: str | None,
         emit: Callable[[Event | FinalAnswer], None],
         demand: Callable[[], Awaitable[Any]] | None = None,
     ) -> FinalAnswer:
         run: ReplyRun | None = None
         try:
-            prepared = self._prepare(inputs, structured_model, session_id)
+            prepared = self._prepare(inputs, structured_model, structured_schema, session_id)
             if isinstance(prepared, FinalAnswer):
                 emit(prepared)
                 return prepared
@@ -423,6 +462,7 @@ class Agent:
             offloader=self.offloader,
             tool_timeout=self.tool_timeout,
             max_repeated_failures=self.max_repeated_failures,
+            max_repeated_calls=self.max_repeated_calls,
             structured_retries=self.structured_retries,
         )
 
@@ -430,6 +470,7 @@ class Agent:
         self,
         inputs: ReplyInput,
         structured_model: type[pydantic.BaseModel] | None,
+        structured_schema: dict[str, Any] | None,
         session_id: str | None,
     ) -> tuple[ReplyState, ConfirmResult | ExternalResult | None] | FinalAnswer:
         state = self._state
@@ -445,20 +486,36 @@ class Agent:
                     finished_reason="error",
                 )
             return state.reply, inputs
-        if state.reply is not None:
-            if inputs is None and not state.reply.pending:
-                return state.reply, None  # continue a restored reply
-            self._abandon_reply()
-        for message in _as_messages(inputs):
-            state.memory.append(message)
+        if state.reply is not None and inputs is None and not state.reply.pending:
+            return state.reply, None  # continue a restored reply (with its schema)
         schema: dict[str, Any] | None = None
+        name: str | None = None
         if structured_model is not None:
             schema = structured_model.model_json_schema()
             schema.pop("title", None)
+            name = structured_model.__name__
+        else:
+            schema = structured_schema if structured_schema is not None else _schema_of(inputs)
+            if schema is not None:
+                if schema.get("type", "object") != "object":
+                    return FinalAnswer(
+                        sender=self.name,
+                        session_id=session_id or _session_of(inputs),
+                        content="The output schema must describe a JSON object "
+                        '("type": "object"): the answer is given as the arguments of a tool.',
+                        finished_reason="error",
+                    )
+                schema = copy.deepcopy(schema)
+                title = schema.get("title")
+                name = title if isinstance(title, str) else None
+        if state.reply is not None:
+            self._abandon_reply()
+        for message in _as_messages(inputs):
+            state.memory.append(message)
         reply = ReplyState(
             reply_id=new_id(),
             session_id=session_id or _session_of(inputs),
-            structured_name=structured_model.__name__ if structured_model else None,
+            structured_name=name,
             structured_schema=schema,
         )
         state.reply = reply
@@ -501,6 +558,13 @@ def _as_messages(inputs: Any) -> list[Msg]:
     if isinstance(inputs, Sequence):
         return [m for item in inputs for m in _as_messages(item)]
     raise ConfigError(f"cannot reply to a {type(inputs).__name__}")
+
+
+def _schema_of(inputs: Any) -> dict[str, Any] | None:
+    """The ``output_schema`` a request or agent message asks its answer in."""
+    if isinstance(inputs, UserRequest | AgentMessage):
+        return inputs.output_schema
+    return None
 
 
 def _session_of(inputs: Any) -> str | None:

@@ -18,7 +18,7 @@ from fleetbus.agents.messages import Msg
 from fleetbus.agents.permissions import Permissions
 from fleetbus.agents.plan import PlanNotebook
 
-__all__ = ["STATE_VERSION", "AgentState", "PendingCall", "ReplyState"]
+__all__ = ["STATE_VERSION", "AgentState", "PendingCall", "RecentCall", "ReplyState"]
 
 STATE_VERSION = 1
 """Bumped when a saved state can no longer be read by this code."""
@@ -34,6 +34,15 @@ class PendingCall(BaseModel):
     kind: Literal["confirm", "external"]
     rule: str | None = None
     """For ``confirm``: the rule that asked."""
+
+
+class RecentCall(BaseModel):
+    """One tool call of the reply, as loop detection remembers it."""
+
+    signature: str
+    """The tool's name and a digest of its canonical arguments (``name:digest``)."""
+    ok: bool
+    """Whether it succeeded."""
 
 
 class ReplyState(BaseModel):
@@ -52,6 +61,13 @@ class ReplyState(BaseModel):
     """The last failing call (tool name and canonical arguments)."""
     repeat_count: int = 0
     """How many times in a row that call failed."""
+    recent_calls: list[RecentCall] = Field(default_factory=list)
+    """The reply's last tool calls, oldest first: only as many as loop
+    detection looks at (a call repeated after it succeeded, a short cycle),
+    so the saved state stays bounded and a take-over goes on detecting."""
+    loops_shown: list[str] = Field(default_factory=list)
+    """The loops the model was already shown (a few keys): seen again, they
+    end the reply."""
     input_tokens: int = 0
     output_tokens: int = 0
     tool_calls: int = 0

@@ -28,6 +28,9 @@ def setup_logging(verbose: int) -> None:
     level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
     handler = RichHandler(console=err_console, show_path=False, rich_tracebacks=False)
     logging.basicConfig(level=level, format="%(message)s", datefmt="[%X]", handlers=[handler])
+    # stamina logs every scheduled retry at warning level; fleetbus reports the
+    # failures that matter itself, so its retries show from -vv on.
+    logging.getLogger("stamina").setLevel(logging.WARNING if verbose >= 2 else logging.ERROR)
 
 
 def run(main: Coroutine[Any, Any, int]) -> int:
@@ -82,6 +85,62 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
         help="copies JetStream keeps of each KV bucket and object store, 1-5 (default: "
         "$FLEETBUS_JS_REPLICAS, else 3 on a NATS cluster and 1 on a single server)",
     )
+
+
+def add_model_options(parser: argparse.ArgumentParser, *, fallback: bool = True) -> None:
+    """The model settings options: ``--model-timeout``, ``--model-retries``,
+    ``--model-temperature``, ``--model-max-tokens``, ``--model-tools``,
+    ``--model-base-url`` and (with ``fallback``) ``--model-fallback``; each
+    ``None`` when not given, and then the TOML spec or the
+    ``FLEETBUS_MODEL_*`` variable decides (see :func:`model_options`)."""
+    group = parser.add_argument_group("model settings (over TOML, over FLEETBUS_MODEL_*)")
+    group.add_argument(
+        "--model-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="seconds one model call may take (default 120)",
+    )
+    group.add_argument("--model-retries", type=int, metavar="N", help="retries of a failed call")
+    group.add_argument("--model-temperature", type=float, metavar="T", help="sampling temperature")
+    group.add_argument("--model-max-tokens", type=int, metavar="N", help="tokens per answer")
+    group.add_argument(
+        "--model-tools",
+        choices=("auto", "on", "off"),
+        help="how an OpenAI-compatible model calls tools: native calls (on), the text "
+        "protocol (off), or native with tool calls read from the text too (auto, default)",
+    )
+    group.add_argument(
+        "--model-base-url", metavar="URL", help="the OpenAI-compatible endpoint (OPENAI_BASE_URL)"
+    )
+    if fallback:
+        group.add_argument(
+            "--model-fallback", metavar="MODEL", help="a model string: takes over on failures"
+        )
+
+
+_MODEL_OPTIONS = (
+    "timeout",
+    "retries",
+    "temperature",
+    "max_tokens",
+    "tools",
+    "base_url",
+    "fallback",
+)
+
+
+def model_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The model settings given on the command line, by settings field name."""
+    given = {name: getattr(args, f"model_{name}", None) for name in _MODEL_OPTIONS}
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def model_option_args(options: dict[str, Any]) -> list[str]:
+    """``options`` (from :func:`model_options`) as command-line arguments again."""
+    out: list[str] = []
+    for name, value in options.items():
+        out += ["--model-" + name.replace("_", "-"), str(value)]
+    return out
 
 
 def _replica_count(text: str) -> int:

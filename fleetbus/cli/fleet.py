@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,28 @@ from fleetbus.agents.serving.service import AgentService
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.bus.subjects import check_name
-from fleetbus.cli._common import connect, console, err_console, fail, on_stop_signals, run
+from fleetbus.cli._common import (
+    add_model_options,
+    connect,
+    console,
+    err_console,
+    fail,
+    model_option_args,
+    model_options,
+    on_stop_signals,
+    run,
+)
 from fleetbus.errors import ConfigError, FleetbusError, RemoteError
+from fleetbus.models import ChatModel, ModelConfig, default_model
+from fleetbus.models.strings import (
+    BusModelRef,
+    ModelSettings,
+    check_model,
+    describe_model,
+    load_model_settings,
+    model_config_from_settings,
+    model_from_string,
+)
 from fleetbus.protocol import (
     AgentMessage,
     AnyMessage,
@@ -61,7 +81,14 @@ def add_fleet_commands(sub: Any, bus_options: Any) -> None:
         action="store_true",
         help="do not add the tools served on the bus to the agents' toolkits",
     )
+    p.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="the model of every agent of the spec, a model string: openai:NAME, bus:NAME, "
+        "offline or module:attr (default: the spec's, else $FLEETBUS_MODEL)",
+    )
     p.add_argument("--replica-id", help=argparse.SUPPRESS)
+    add_model_options(p)
     bus_options(p)
 
     p = sub.add_parser("ask", help="ask an agent; streams the reply as it happens")
@@ -104,24 +131,44 @@ def add_fleet_commands(sub: Any, bus_options: Any) -> None:
 # -- loading agents ------------------------------------------------------------------------
 
 
-def load_agents(spec: str) -> list[Agent]:
+def load_agents(
+    spec: str, *, model: str | None = None, settings: Mapping[str, Any] | None = None
+) -> list[Agent]:
     """The agents named by ``module:factory`` or a TOML file.
 
+    Args:
+        spec: ``module:factory`` (an Agent, a list of them, or a factory of
+            either) or a TOML file of ``[agent.NAME]`` tables.
+        model: a model string for every agent, over what the spec says.
+        settings: model settings by field name (``timeout``, ``retries``…),
+            over the spec's and the environment's.
+
+    A TOML agent's model is ``model``, else its ``model =`` key, else
+    ``FLEETBUS_MODEL``, else the offline model; its settings are ``settings``
+    over its ``[agent.NAME.model_settings]`` table over ``FLEETBUS_MODEL_*``.
+    A factory runs with ``model`` and ``settings`` in ``FLEETBUS_MODEL`` and
+    ``FLEETBUS_MODEL_*`` (so :func:`~fleetbus.models.default_model` sees
+    them); then ``model`` replaces each agent's model and the timeout,
+    retries and fallback of ``settings`` its ``ModelConfig``.
+
     Raises:
-        ConfigError: nothing loadable, or not agents.
+        ConfigError: nothing loadable, not agents, or a model that cannot be
+            configured.
     """
+    cli = {k: v for k, v in (settings or {}).items() if v is not None}
     if spec.endswith(".toml"):
-        return _agents_from_toml(Path(spec))
+        return _agents_from_toml(Path(spec), model, cli)
     module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"cannot import {module_name!r}: {exc}") from exc
-    target: Any = getattr(module, attr or "agents", None)
-    if target is None:
-        raise ConfigError(f"module {module_name!r} has no attribute {attr or 'agents'!r}")
-    if callable(target) and not isinstance(target, Agent):
-        target = target()
+    with _model_environment(model, cli):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ConfigError(f"cannot import {module_name!r}: {exc}") from exc
+        target: Any = getattr(module, attr or "agents", None)
+        if target is None:
+            raise ConfigError(f"module {module_name!r} has no attribute {attr or 'agents'!r}")
+        if callable(target) and not isinstance(target, Agent):
+            target = target()
     agents = (
         [target]
         if isinstance(target, Agent)
@@ -134,12 +181,40 @@ def load_agents(spec: str) -> list[Agent]:
     names = [a.name for a in agents]
     if len(set(names)) != len(names):
         raise ConfigError(f"{spec} defines agents with the same name: {names}")
+    if model is not None or cli:
+        merged = load_model_settings(cli=cli)
+        # Only what the command line gave overrides the factory's own ModelConfig.
+        given = ModelSettings.model_construct(**{k: getattr(merged, k) for k in cli})
+        for agent in agents:
+            if model is not None:
+                agent.model = model_from_string(model, merged)
+            agent.model_config = model_config_from_settings(given, base=agent.model_config)
     return agents
 
 
-def _agents_from_toml(path: Path) -> list[Agent]:
-    """``[agent.NAME]`` tables: system_prompt, model ("offline" or module:attr),
-    tools (MODULE[:ATTR] specs), max_iters, allow/ask/deny rule lists."""
+@contextlib.contextmanager
+def _model_environment(model: str | None, cli: Mapping[str, Any]) -> Iterator[None]:
+    """``FLEETBUS_MODEL`` and ``FLEETBUS_MODEL_*`` set from the command line, for a
+    while: a factory that builds its model from the environment sees them."""
+    values = {f"FLEETBUS_MODEL_{k.upper()}": str(v) for k, v in cli.items()}
+    if model is not None:
+        values["FLEETBUS_MODEL"] = model
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _agents_from_toml(path: Path, model: str | None, cli: Mapping[str, Any]) -> list[Agent]:
+    """``[agent.NAME]`` tables: system_prompt, model (a model string),
+    model_settings (a table), tools (MODULE[:ATTR] specs), max_iters,
+    allow/ask/deny rule lists."""
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -156,11 +231,12 @@ def _agents_from_toml(path: Path) -> list[Agent]:
         for tool_spec in table.get("tools", []):
             for t in load_toolkit(tool_spec):
                 toolkit.add(t)
+        chat_model, model_config = _toml_model(path, name, table, model, cli)
         agents.append(
             Agent(
                 name,
                 str(table.get("system_prompt", "")),
-                _model(str(table.get("model", "offline")), path),
+                chat_model,
                 toolkit=toolkit,
                 max_iters=int(table.get("max_iters", 10)),
                 permissions=Permissions.from_strings(
@@ -170,22 +246,30 @@ def _agents_from_toml(path: Path) -> list[Agent]:
                     default=table.get("default", "allow"),
                 ),
                 plan=bool(table.get("plan", False)),
+                model_config=model_config,
             )
         )
     return agents
 
 
-def _model(spec: str, path: Path) -> Any:
-    if spec == "offline":
-        from fleetbus.models.offline import OfflineModel
-
-        return OfflineModel()
-    module_name, _, attr = spec.partition(":")
+def _toml_model(
+    path: Path, name: str, table: dict[str, Any], model: str | None, cli: Mapping[str, Any]
+) -> tuple[ChatModel, ModelConfig]:
+    """An agent table's model and ModelConfig: the command line over the table
+    over the environment."""
+    where = f"{path}: agent.{name}"
+    toml_settings = table.get("model_settings", {})
+    if not isinstance(toml_settings, dict):
+        raise ConfigError(f"{where}.model_settings is not a table")
+    settings = load_model_settings(toml=toml_settings, cli=cli, where=f"{where}.model_settings")
+    text = model if model is not None else table.get("model")
+    if text is not None and not isinstance(text, str):
+        raise ConfigError(f"{where}.model is not a string")
     try:
-        target = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"{path}: cannot load the model {spec!r}: {exc}") from exc
-    return target() if callable(target) and not hasattr(target, "stream") else target
+        chat_model = default_model(settings) if text is None else model_from_string(text, settings)
+        return chat_model, model_config_from_settings(settings)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
 
 
 # -- fleetbus agent ------------------------------------------------------------------------
@@ -195,15 +279,57 @@ def cmd_agent(args: argparse.Namespace) -> int:
     """Serve agents; with ``--replicas N``, supervise N processes doing so."""
     if args.replicas < 1:
         raise ConfigError("--replicas must be at least 1")
-    agents = load_agents(args.spec)  # fail here, once, on a bad spec
+    # Fail here, once, on a bad spec or a model that cannot be configured.
+    agents = load_agents(args.spec, model=args.model, settings=model_options(args))
     if args.replicas > 1:
+        run(_check_models_once(args, agents))
         return _supervise(args)
     return run(_serve_agents(args, agents))
+
+
+async def _check_models_once(args: argparse.Namespace, agents: list[Agent]) -> int:
+    """Check the models once before starting replicas (that would each fail)."""
+    bus = await connect(args.nats, args.prefix)
+    try:
+        await _prepare_models(bus, agents)
+    finally:
+        await bus.close()
+    return 0
+
+
+MODEL_WAIT = 10.0
+"""Seconds ``fleetbus agent`` waits at start for a model worker of a ``bus:NAME`` model."""
+
+
+async def _prepare_models(bus: Bus, agents: list[Agent]) -> None:
+    """Bind ``bus:NAME`` models (fallbacks too) to ``bus``, then check that
+    each agent's own model can be reached: stop now rather than fail every reply.
+
+    Raises:
+        ConfigError: a model cannot be reached.
+    """
+    checked: set[int] = set()
+    for agent in agents:
+        for model in (agent.model, agent.model_config.fallback):
+            if isinstance(model, BusModelRef) and model.bus is None:
+                model.bind(bus)
+        if id(agent.model) not in checked:
+            checked.add(id(agent.model))
+            await check_model(agent.model, timeout=MODEL_WAIT)
 
 
 async def _serve_agents(args: argparse.Namespace, agents: list[Agent]) -> int:
     bus = await connect(args.nats, args.prefix, args.replica_id)
     try:
+        await _prepare_models(bus, agents)
+        for agent in agents:
+            fallback = agent.model_config.fallback
+            also = f", fallback {describe_model(fallback)}" if fallback is not None else ""
+            console.print(
+                f"{agent.name}: model {describe_model(agent.model)}{also}",
+                highlight=False,
+                soft_wrap=True,
+            )
         if not args.no_remote_tools:
             await _add_remote_tools(bus, agents)
         services = [
@@ -296,6 +422,9 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         out += ["--topic", topic]
     if args.no_remote_tools:
         out.append("--no-remote-tools")
+    if args.model is not None:
+        out += ["--model", args.model]
+    out += model_option_args(model_options(args))
     if args.nats:
         out += ["--nats", args.nats]
     if args.prefix:

@@ -1,27 +1,51 @@
 """``fleetbus model-worker``: serve a model on the bus, holding its API key.
 
-``--model offline`` serves the rule-based :class:`~fleetbus.agents.OfflineModel`
-(no network); any other name an OpenAI-compatible model. Until the command is
-wired into ``fleetbus``, run it as
+``--model`` (default ``FLEETBUS_MODEL``) is a model string
+(:mod:`fleetbus.models.strings`): ``openai:NAME`` (or a bare name) an
+OpenAI-compatible model, ``offline`` the rule-based
+:class:`~fleetbus.models.OfflineModel` (no network), ``module:attr`` a
+ChatModel made in Python; not ``bus:NAME``. It is served as its name
+(``openai:gpt-4.1`` as ``gpt-4-1``, ``offline`` as ``offline``), so agents use
+``bus:gpt-4-1``. The
+``--model-*`` options (over ``FLEETBUS_MODEL_*``) set its timeout, retries,
+temperature, max tokens, tool mode and endpoint. The worker exits 1 at once
+when the endpoint takes no connection. Also runs on its own as
 ``python -m fleetbus.cli.model_worker_cmd --model offline``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
 
-from fleetbus.cli._common import connect, console, guarded, on_stop_signals, run, setup_logging
+from fleetbus.cli._common import (
+    add_model_options,
+    connect,
+    console,
+    guarded,
+    model_options,
+    on_stop_signals,
+    run,
+    setup_logging,
+)
 from fleetbus.errors import ConfigError
 from fleetbus.models.model import ChatModel
+from fleetbus.models.strings import (
+    ModelSettings,
+    check_model,
+    load_model_settings,
+    model_from_string,
+    parse_model_string,
+)
 
 __all__ = ["add_parser", "cmd", "main", "serve_name"]
 
 _NOT_A_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
-_OPENAI_MODULE = "fleetbus.models.openai_model"
+_CALL_TIMEOUT = 300.0
+"""Seconds one call may take on the worker, unless the model timeout says otherwise."""
 
 
 def serve_name(model: str) -> str:
@@ -37,9 +61,9 @@ def add_parser(
     p = sub.add_parser("model-worker", help="serve a model on the bus (API key and rate limits)")
     p.add_argument(
         "--model",
-        required=True,
-        metavar="NAME",
-        help="'offline' (no network), or an OpenAI-compatible model name",
+        metavar="MODEL",
+        help="a model string: openai:NAME (an OpenAI-compatible endpoint), offline (no "
+        "network) or module:attr (default: $FLEETBUS_MODEL)",
     )
     p.add_argument(
         "--serve-as",
@@ -54,36 +78,46 @@ def add_parser(
     p.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish calls on stop"
     )
+    add_model_options(p, fallback=False)
     bus_options(p)
 
 
-def _model(name: str) -> ChatModel:
-    if name == "offline":
-        from fleetbus.models.offline import OfflineModel
+def _model(args: argparse.Namespace) -> tuple[ChatModel, ModelSettings, str]:
+    """The model to serve, its settings (the command line over
+    ``FLEETBUS_MODEL_*``), and the name it is served as by default.
 
-        return OfflineModel()
-    try:
-        # Imported by name: the adapter is optional and may be absent.
-        module = importlib.import_module(_OPENAI_MODULE)
-        factory = module.OpenAIChatModel
-    except (ImportError, AttributeError) as exc:
+    Raises:
+        ConfigError: no model named, ``bus:NAME``, or a model that cannot be configured.
+    """
+    text = args.model or os.environ.get("FLEETBUS_MODEL", "").strip()
+    if not text:
         raise ConfigError(
-            f"the OpenAI adapter is unavailable ({exc}); only --model offline works here"
-        ) from exc
-    model = factory(name)
-    if not isinstance(model, ChatModel):
-        raise ConfigError(f"{_OPENAI_MODULE}.OpenAIChatModel is not a ChatModel")
-    return model
+            "name the model to serve: --model openai:NAME (or offline), or set FLEETBUS_MODEL"
+        )
+    spec = parse_model_string(text)
+    if spec.kind == "bus":
+        raise ConfigError(
+            f"{text} is already served on the bus; a model worker serves openai:NAME, "
+            "offline or module:attr"
+        )
+    settings = load_model_settings(cli=model_options(args))
+    where = "--model" if args.model else "FLEETBUS_MODEL"
+    try:
+        model = model_from_string(text, settings)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    return model, settings, serve_name(model.name if spec.kind == "python" else spec.name)
 
 
 def cmd(args: argparse.Namespace) -> int:
     """Serve the model until SIGTERM/SIGINT, then drain and exit 0."""
     from fleetbus.models.model_worker import ModelWorker
 
-    model = _model(args.model)
-    served = args.serve_as or serve_name(args.model)
+    model, settings, default_name = _model(args)
+    served = args.serve_as or default_name
 
     async def serve() -> int:
+        await check_model(model)  # before connecting: an unreachable endpoint stops it
         bus = await connect(args.nats, args.prefix, args.worker_id)
         try:
             worker = ModelWorker(
@@ -95,6 +129,7 @@ def cmd(args: argparse.Namespace) -> int:
                 requests_per_minute=args.rpm,
                 tokens_per_minute=args.tpm,
                 drain_timeout=args.drain_timeout,
+                call_timeout=settings.timeout or _CALL_TIMEOUT,
             )
             on_stop_signals(worker.stop)
             limits = "".join(

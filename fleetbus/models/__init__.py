@@ -1,12 +1,13 @@
 """Models: the ``ChatModel`` seam every agent reasons through, the
 OpenAI-compatible adapter (its wire format and text protocol), the offline
 model, models served on the bus (``BusChatModel`` and the ``ModelWorker`` that
-serves them), and the default model of a fleet. Never imports ``agents``."""
+serves them), model strings and settings (``model_from_string``,
+``ModelSettings``), and the default model of a fleet. Never imports ``agents``."""
 
 from typing import TYPE_CHECKING, Any
 
 from fleetbus.models.bus_model import BusChatModel
-from fleetbus.models.defaults import default_model, describe_default_model
+from fleetbus.models.defaults import default_model, default_model_config, describe_default_model
 from fleetbus.models.model import (
     FINISH_TOOL,
     ChatModel,
@@ -19,6 +20,13 @@ from fleetbus.models.model import (
 )
 from fleetbus.models.model_worker import ModelWorker
 from fleetbus.models.offline import OfflineModel
+from fleetbus.models.strings import (
+    BusModelRef,
+    ModelSettings,
+    load_model_settings,
+    model_config_from_settings,
+    model_from_string,
+)
 
 if TYPE_CHECKING:
     from fleetbus.models.openai_model import OpenAIChatModel, OpenAIConfig
@@ -36,11 +44,13 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "FINISH_TOOL",
     "BusChatModel",
+    "BusModelRef",
     "ChatModel",
     "ModelConfig",
     "ModelError",
     "ModelRequest",
     "ModelResponse",
+    "ModelSettings",
     "ModelWorker",
     "OfflineModel",
     "OpenAIChatModel",
@@ -48,5 +58,9 @@ __all__ = [
     "TextDelta",
     "ThinkingDelta",
     "default_model",
+    "default_model_config",
     "describe_default_model",
+    "load_model_settings",
+    "model_config_from_settings",
+    "model_from_string",
 ]

@@ -1,42 +1,87 @@
-"""Which model an agent gets when none is named: the configured
-OpenAI-compatible endpoint, else the built-in offline model."""
+"""Which model an agent gets when none is named: the model string in
+``FLEETBUS_MODEL`` (see :mod:`fleetbus.models.strings`), else the built-in
+offline model, which is always announced as such."""
 
 from __future__ import annotations
 
 import os
 
-from fleetbus.models.model import ChatModel
+from fleetbus.bus import Bus
+from fleetbus.errors import ConfigError
+from fleetbus.models.model import ChatModel, ModelConfig
 from fleetbus.models.offline import OfflineModel
+from fleetbus.models.strings import (
+    OFFLINE_DESCRIPTION,
+    ModelSettings,
+    load_model_settings,
+    model_config_from_settings,
+    model_from_string,
+    parse_model_string,
+)
 
-__all__ = ["default_model", "describe_default_model"]
+__all__ = ["default_model", "default_model_config", "describe_default_model"]
 
 
-def _endpoint_configured() -> bool:
-    return bool(os.environ.get("FLEETBUS_MODEL")) and bool(
-        os.environ.get("OPENAI_API_KEY") or os.environ.get("OPENAI_BASE_URL")
-    )
+def _configured() -> str:
+    return os.environ.get("FLEETBUS_MODEL", "").strip()
 
 
-def default_model() -> ChatModel:
-    """``OpenAIChatModel()`` when ``FLEETBUS_MODEL`` and ``OPENAI_API_KEY`` or
-    ``OPENAI_BASE_URL`` are set, else :class:`OfflineModel`.
+def default_model(settings: ModelSettings | None = None, *, bus: Bus | None = None) -> ChatModel:
+    """The model ``FLEETBUS_MODEL`` names (a model string), else :class:`OfflineModel`.
+
+    A bare name in ``FLEETBUS_MODEL`` (``gpt-4o-mini``) is an OpenAI-compatible
+    model when ``OPENAI_BASE_URL`` or ``OPENAI_API_KEY`` is set.
+
+    Args:
+        settings: the model's settings (default: ``FLEETBUS_MODEL_*``).
+        bus: the bus of a ``bus:NAME`` model (else bound later).
 
     Raises:
-        ConfigError: the endpoint settings are incomplete.
+        ConfigError: ``FLEETBUS_MODEL`` names a model that cannot be configured
+            (e.g. ``openai:NAME`` with neither ``OPENAI_BASE_URL`` nor
+            ``OPENAI_API_KEY``); the message names the variable.
     """
-    if _endpoint_configured():
-        from fleetbus.models.openai_model import OpenAIChatModel
+    text = _configured()
+    if not text:
+        return OfflineModel()
+    try:
+        return model_from_string(text, settings, bus=bus)
+    except ConfigError as exc:
+        raise ConfigError(f"FLEETBUS_MODEL: {exc}") from exc
 
-        return OpenAIChatModel()
-    return OfflineModel()
+
+def default_model_config(
+    settings: ModelSettings | None = None, *, bus: Bus | None = None
+) -> ModelConfig:
+    """``ModelConfig`` with the timeout, retries and fallback of ``settings``
+    (default: ``FLEETBUS_MODEL_TIMEOUT``, ``FLEETBUS_MODEL_RETRIES``,
+    ``FLEETBUS_MODEL_FALLBACK``).
+
+    Raises:
+        ConfigError: a bad value, or a fallback that is not a usable model string.
+    """
+    return model_config_from_settings(
+        settings if settings is not None else load_model_settings(), bus=bus
+    )
 
 
 def describe_default_model() -> str:
-    """One line for people: which model :func:`default_model` gives."""
-    if _endpoint_configured():
-        where = os.environ.get("OPENAI_BASE_URL") or "the OpenAI API"
-        return f"{os.environ['FLEETBUS_MODEL']} at {where}"
-    return (
-        "built-in offline model (deterministic, no network; set FLEETBUS_MODEL and "
-        "OPENAI_API_KEY or OPENAI_BASE_URL for a real one)"
-    )
+    """One line for people: which model :func:`default_model` gives (or why
+    it cannot)."""
+    text = _configured()
+    if not text:
+        return OFFLINE_DESCRIPTION
+    try:
+        spec = parse_model_string(text)
+        url = load_model_settings().base_url or os.environ.get("OPENAI_BASE_URL")
+    except ConfigError as exc:
+        return f"FLEETBUS_MODEL={text}, which is not usable: {exc}"
+    if spec.kind == "offline":
+        return OFFLINE_DESCRIPTION
+    if spec.kind == "bus":
+        return f"bus:{spec.name} (model workers on the bus)"
+    if spec.kind == "python":
+        return f"{spec.name} (a model made in Python)"
+    if not url and not os.environ.get("OPENAI_API_KEY"):
+        return f"FLEETBUS_MODEL={text}, which is not usable: set OPENAI_BASE_URL or OPENAI_API_KEY"
+    return f"openai:{spec.name} at {url or 'the OpenAI API'}"

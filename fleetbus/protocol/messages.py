@@ -154,6 +154,10 @@ class UserRequest(Message, frozen=True, kw_only=True, tag="user_request"):
     """The request: text, or content blocks."""
     metadata: dict[str, Any] = msgspec.field(default_factory=dict)
     """Free-form data for the agent and its middleware."""
+    output_schema: dict[str, Any] | None = None
+    """The JSON Schema (of an object) the answer must fit: the reply ends
+    with the validated object in ``final_answer.structured``, or with
+    ``error`` when the model gives none that fits."""
 
 
 class LlmPrompt(Message, frozen=True, kw_only=True, tag="llm_prompt"):
@@ -256,6 +260,9 @@ class AgentMessage(Message, frozen=True, kw_only=True, tag="agent_message"):
     """Display name of the speaking agent."""
     reply: bool = True
     """Sent to an inbox: ``True`` asks for a reply, ``False`` only adds to memory."""
+    output_schema: dict[str, Any] | None = None
+    """With ``reply=True``: the JSON Schema the answer must fit, as in
+    ``user_request``."""
 
 
 class Event(Message, frozen=True, kw_only=True, tag="event"):

@@ -12,6 +12,7 @@ import pytest
 
 from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus
+from fleetbus.errors import StoreError
 from fleetbus.protocol import AnyMessage, FinalAnswer, UserRequest, to_builtins
 from tests.integration.cluster import NatsCluster, stream_info
 from tests.integration.test_sessions_durable import (
@@ -27,6 +28,19 @@ from tests.integration.test_sessions_durable import (
 )
 
 pytestmark = pytest.mark.slow
+
+
+async def open_store(bus: Bus, timeout: float = 30.0) -> SessionStore:
+    """The session store, once every bucket has a leader again (the other
+    buckets' leaders may have been on the killed node too)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            return await SessionStore.open(bus, owner="test")
+        except StoreError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 @pytest.mark.timeout(150)
@@ -79,7 +93,7 @@ async def test_replies_finish_when_the_sessions_leader_is_killed(
         )
         new_leader = await nats_cluster.stream_leader(bus, stream, exclude=leader)
     assert new_leader != leader
-    store = await SessionStore.open(bus, owner="test")
+    store = await open_store(bus)
     for session, text in texts.items():
         finals = [m for m in got[session] if isinstance(m, FinalAnswer)]
         assert len(finals) == 1

@@ -9,6 +9,7 @@ instance unless told otherwise::
     async for item in writer.reply_stream("Shorter, please."):   # same session
         print(item)                 # each event as it happens, the final answer last
     await writer.observe("The release moved to Friday.")
+    notes = await writer.reply("As a list.", schema=ReleaseNotes)  # notes.structured
 
 The contract with the server: a ``user_request`` or an ``agent_message`` with
 ``reply=True`` is answered by the ``final_answer`` of the reply; an
@@ -44,9 +45,16 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Final, Protocol
 
 import msgspec
+import pydantic
 
 from fleetbus.bus import Observation, Subjects
-from fleetbus.errors import BusError, CallTimeoutError, RemoteError, UnexpectedMessageError
+from fleetbus.errors import (
+    BusError,
+    CallTimeoutError,
+    ConfigError,
+    RemoteError,
+    UnexpectedMessageError,
+)
 from fleetbus.protocol import (
     AgentMessage,
     AnyMessage,
@@ -67,7 +75,7 @@ from fleetbus.protocol import (
     new_id,
 )
 
-__all__ = ["MessageBus", "RemoteAgent", "RemoteInput"]
+__all__ = ["MessageBus", "OutputSchema", "RemoteAgent", "RemoteInput"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +104,10 @@ _STATUS_CODES: dict[str, str] = {
 }
 
 _Request = UserRequest | AgentMessage | ConfirmResult | ExternalResult
+
+OutputSchema = dict[str, Any] | type[pydantic.BaseModel]
+"""The shape a reply's answer is asked in: a JSON Schema, or a pydantic model
+(its JSON Schema is sent)."""
 
 
 class MessageBus(Protocol):
@@ -185,6 +197,7 @@ class RemoteAgent:
         *,
         session_id: str | None = None,
         timeout: float | None = None,
+        schema: OutputSchema | None = None,
     ) -> FinalAnswer:
         """Ask the agent to reply and return its final answer.
 
@@ -202,6 +215,14 @@ class RemoteAgent:
             session_id: the conversation, for this call only.
             timeout: seconds the whole reply may take; the instance's
                 ``timeout`` by default.
+            schema: ask for a structured answer: a JSON Schema of an object,
+                or a pydantic model (its schema is sent), carried as the
+                request's ``output_schema``. The answer's ``structured`` is
+                the object the agent validated (a dict: validate it into the
+                model if you want one); a model that gives none that fits
+                ends the reply ``error``. Only with a new request (text,
+                blocks, a ``user_request`` or an ``agent_message``): a resumed
+                reply keeps the schema it started with.
 
         Raises:
             RemoteError: the agent answered an ``error`` message.
@@ -210,8 +231,10 @@ class RemoteAgent:
             CallTimeoutError: no answer within ``timeout``.
             NoRespondersError: nobody serves the agent.
             InvalidSubjectError: the session id cannot be a subject token.
+            ConfigError: a ``schema`` with a ``confirm_result`` or
+                ``external_result``.
         """
-        stream = self.reply_stream(inputs, session_id=session_id, timeout=timeout)
+        stream = self.reply_stream(inputs, session_id=session_id, timeout=timeout, schema=schema)
         async with contextlib.aclosing(stream):
             async for item in stream:
                 if isinstance(item, FinalAnswer):
@@ -224,6 +247,7 @@ class RemoteAgent:
         *,
         session_id: str | None = None,
         timeout: float | None = None,
+        schema: OutputSchema | None = None,
     ) -> AsyncGenerator[Event | FinalAnswer, None]:
         """Ask the agent to reply, yielding each event as it happens and the
         final answer last, once.
@@ -254,6 +278,7 @@ class RemoteAgent:
                 (the time the reader spends between items included; what
                 arrived in time is still handed out); the instance's
                 ``timeout`` (300 s unless set) by default.
+            schema: what :meth:`reply` takes.
 
         Raises:
             RemoteError: the agent answered an ``error`` message.
@@ -263,8 +288,10 @@ class RemoteAgent:
                 the agent and the session).
             NoRespondersError: nobody serves the agent.
             InvalidSubjectError: the session id cannot be a subject token.
+            ConfigError: a ``schema`` with a ``confirm_result`` or
+                ``external_result``.
         """
-        message = self._message(inputs, session_id or self._session_id)
+        message = self._message(inputs, session_id or self._session_id, _json_schema(schema))
         session = message.session_id
         assert session is not None
         limit = self.timeout if timeout is None else timeout
@@ -476,8 +503,11 @@ class RemoteAgent:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _message(self, inputs: RemoteInput | None, session: str) -> _Request:
-        """The request to send: in ``session``, with a new ``call_id``."""
+    def _message(
+        self, inputs: RemoteInput | None, session: str, schema: dict[str, Any] | None
+    ) -> _Request:
+        """The request to send: in ``session``, with a new ``call_id`` (and
+        ``schema`` as its ``output_schema``, when given)."""
         if isinstance(inputs, AgentMessage):
             return msgspec.structs.replace(
                 inputs,
@@ -485,8 +515,22 @@ class RemoteAgent:
                 sender=inputs.sender or self.sender,
                 session_id=session,
                 call_id=new_id(),
+                output_schema=inputs.output_schema if schema is None else schema,
             )
-        if isinstance(inputs, UserRequest | ConfirmResult | ExternalResult):
+        if isinstance(inputs, UserRequest):
+            return msgspec.structs.replace(
+                inputs,
+                sender=inputs.sender or self.sender,
+                session_id=session,
+                call_id=new_id(),
+                output_schema=inputs.output_schema if schema is None else schema,
+            )
+        if isinstance(inputs, ConfirmResult | ExternalResult):
+            if schema is not None:
+                raise ConfigError(
+                    f"a schema goes with a new request, not a {type(inputs).__name__}: "
+                    "the paused reply keeps the schema it started with"
+                )
             return msgspec.structs.replace(
                 inputs, sender=inputs.sender or self.sender, session_id=session, call_id=new_id()
             )
@@ -495,6 +539,7 @@ class RemoteAgent:
             session_id=session,
             call_id=new_id(),
             content=[] if inputs is None else inputs,
+            output_schema=schema,
         )
 
     def _answer(
@@ -562,6 +607,16 @@ class RemoteAgent:
                 self._name,
                 extra={"session_id": session},
             )
+
+
+def _json_schema(schema: OutputSchema | None) -> dict[str, Any] | None:
+    """``schema`` as a JSON Schema (a model's, without its title, as a local
+    agent offers it)."""
+    if schema is None or isinstance(schema, dict):
+        return schema
+    rendered = schema.model_json_schema()
+    rendered.pop("title", None)
+    return rendered
 
 
 async def _flush(bus: MessageBus, timeout: float) -> None:

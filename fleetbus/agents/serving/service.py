@@ -7,7 +7,9 @@ the bus. It serves ``<prefix>.agent.<name>.inbox`` in queue group
 - ``user_request`` (or ``agent_message`` with ``reply=True``): run a reply in
   the message's session and answer ``final_answer``; every event of the reply
   is published on ``<prefix>.events.<agent>.<session_id>``, the final answer
-  too;
+  too. A message's ``output_schema`` reaches the agent with the message (the
+  agent reads it, see ``Agent.reply``) and is saved with the reply it starts,
+  so a take-over, which resumes without the message, keeps asking for it;
 - ``agent_message`` with ``reply=False``: add it to the session's memory and
   answer an ``event`` named ``observed``;
 - ``confirm_result`` / ``external_result``: resume the session's paused reply;
@@ -38,6 +40,7 @@ from typing import Any
 
 import orjson
 
+from fleetbus._retry import Retry
 from fleetbus.agents.agent import Agent
 from fleetbus.agents.serving.sessions import Lease, SessionStatus, SessionStore
 from fleetbus.agents.state import AgentState
@@ -318,13 +321,11 @@ class AgentService(Lifecycle):
             if stored is not None and orphan_to:  # a dead owner's answer, maybe unsent
                 await self._publish(orphan_to, stored)
                 orphan_to = None
-        recording = [False]
-        deadline = self.lease_ttl
 
         async def checkpoint(state: AgentState) -> None:
             if state.reply is None or state.paused:
                 return  # the end of a reply: written below with its answer and status
-            await self._save(lease, deadline, state=state, input_recorded=recording[0])
+            await self._save(lease, self.lease_ttl, state=state, input_recorded=run.recording)
 
         agent = self.agent.clone(state=record.state, checkpoint=checkpoint)
         # (input, who waits for its answer, whether it is the pending input)
@@ -336,25 +337,16 @@ class AgentService(Lifecycle):
             phases.append((orphan_message, orphan_to, inputs is None))
         if inputs is not None:
             phases.append((inputs, answer_to, True))
-        events = self.bus.subjects.events(self.name, session)
         self._running[session] = agent
         final: FinalAnswer | None = None
-        last_to: str | None = None
         lost = False
         try:
             async with asyncio.TaskGroup() as tg:
+                # Renewed until released: the end is written, sent and released
+                # under the lease, so nobody takes a session that is ending.
                 renewing = tg.create_task(self._renew(lease))
                 try:
-                    for index, (phase_input, phase_to, pending) in enumerate(phases):
-                        recording[0] = pending
-                        if isinstance(phase_input, AgentMessage) and not phase_input.reply:
-                            await agent.observe(phase_input)
-                            continue
-                        final = await self._stream(agent, phase_input, session, events, run)
-                        if index == len(phases) - 1:
-                            last_to = phase_to  # answered once its end is written
-                        elif phase_to and final is not None:
-                            await self._publish(phase_to, final)
+                    final = await self._serve_phases(agent, phases, session, run, lease)
                 finally:
                     renewing.cancel()
         except* SessionLost:
@@ -367,26 +359,46 @@ class AgentService(Lifecycle):
                 "%s: session %s was lost to another replica; stopping", self.name, session
             )
             return None
+        return final
+
+    async def _serve_phases(
+        self,
+        agent: Agent,
+        phases: list[tuple[Any, str | None, bool]],
+        session: str,
+        run: _Run,
+        lease: Lease,
+    ) -> FinalAnswer | None:
+        """Run each phase; write the end, send the last answer, release."""
+        events = self.bus.subjects.events(self.name, session)
+        final: FinalAnswer | None = None
+        last_to: str | None = None
+        for index, (phase_input, phase_to, pending) in enumerate(phases):
+            run.recording = pending
+            if isinstance(phase_input, AgentMessage) and not phase_input.reply:
+                await agent.observe(phase_input)
+                continue
+            final = await self._stream(agent, phase_input, session, events, run)
+            if index == len(phases) - 1:
+                last_to = phase_to  # answered once its end is written
+            elif phase_to and final is not None:
+                await self._publish(phase_to, final)
         if final is None:
             status: SessionStatus = "paused" if agent.state.paused else "idle"
         else:
             status = _STATUS.get(final.finished_reason, "done")
-        try:
-            await self._save(
-                lease,
-                deadline,
-                state=agent.state,
-                status=status,
-                final=to_builtins(final) if final is not None else None,
-                input_recorded=True,
-            )
-            if last_to and final is not None:
-                await self._publish(last_to, final)
-            assert self.store is not None
-            await self.store.release(lease)
-        except SessionLost:
-            logger.warning("%s: session %s was lost at its end", self.name, session)
-            return None
+        await self._save(
+            lease,
+            self.lease_ttl,
+            state=agent.state,
+            status=status,
+            final=to_builtins(final) if final is not None else None,
+            input_recorded=True,
+        )
+        if last_to and final is not None:
+            await self._publish(last_to, final)
+        assert self.store is not None
+        await self.store.release(lease)
         return final
 
     async def _deliver(
@@ -412,24 +424,28 @@ class AgentService(Lifecycle):
     async def _save(self, lease: Lease, deadline: float, **what: Any) -> None:
         """Save, retrying a failing store for up to ``deadline`` seconds; past
         that this replica cannot vouch for the session any more: it stops."""
-        assert self.store is not None
-        delay = 0.05
-        started = time.monotonic()
-        while True:
+        store = self.store
+        assert store is not None
+        record = lease.record
+
+        async def save() -> None:
             try:
-                await self.store.save(lease, **what)
-                return
+                await store.save(lease, **what)
             except StoreError as exc:
-                if time.monotonic() - started >= deadline:
-                    record = lease.record
-                    raise SessionLost(
-                        f"session {record.session_id} could not be saved for {deadline:g} s: {exc}",
-                        agent=record.agent,
-                        session_id=record.session_id,
-                    ) from exc
-                logger.warning("%s: saving session failed, retrying: %s", self.name, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                logger.warning(
+                    "%s: saving session %s failed: %s", self.name, record.session_id, exc
+                )
+                raise
+
+        retry = Retry(on=StoreError, attempts=None, backoff=0.05, max_backoff=1.0, timeout=deadline)
+        try:
+            await retry.call(save)
+        except StoreError as exc:
+            raise SessionLost(
+                f"session {record.session_id} could not be saved for {deadline:g} s: {exc}",
+                agent=record.agent,
+                session_id=record.session_id,
+            ) from exc
 
     async def _stream(
         self, agent: Agent, inputs: Any, session: str, events: str, run: _Run
@@ -654,6 +670,8 @@ class _Run:
 
     users: int = 0
     cancelled: bool = False
+    recording: bool = False
+    """The phase running serves the request recorded with the lease."""
 
 
 def _decode_input(data: dict[str, Any] | None) -> AnyMessage | None:

@@ -410,7 +410,7 @@ class SessionStore:
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, 0.25)
                         continue
-            elif take_over and entry is not None and entry.revision != lease_revision:
+            elif take_over and (entry is None or entry.revision != lease_revision):
                 raise SessionBusyError(
                     f"session {session_id} of {agent} needs no take-over",
                     agent=agent,
@@ -498,7 +498,9 @@ class SessionStore:
             lease.epoch = lease.lease_revision = epoch
             lease.next_chunk = 0
             lease.seq = 0
-            update: dict[str, Any] = {"status": "running", "owner": self.owner}
+            update: dict[str, Any] = {"owner": self.owner}
+            if record.status == "running" or not take_over:
+                update["status"] = "running"  # (an answer to re-send keeps its status)
             if not take_over:
                 update.update(reply_to=reply_to, pending_input=pending_input)
             try:
