@@ -297,8 +297,9 @@ async def _check_models_once(args: argparse.Namespace, agents: list[Agent]) -> i
     return 0
 
 
-MODEL_WAIT = 10.0
-"""Seconds ``fleetbus agent`` waits at start for a model worker of a ``bus:NAME`` model."""
+MODEL_WAIT = float(os.environ.get("FLEETBUS_MODEL_WAIT", "10"))
+"""Seconds ``fleetbus agent`` waits at start for a model worker of a ``bus:NAME``
+model (``FLEETBUS_MODEL_WAIT``)."""
 
 
 async def _prepare_models(bus: Bus, agents: list[Agent]) -> None:

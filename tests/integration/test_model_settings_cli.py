@@ -228,7 +228,7 @@ async def test_a_model_worker_serves_a_model_string_and_an_agent_uses_it_by_bus_
         ),
         (
             ("agent", "fleetbus.cli.demo_fleet:agents"),
-            {"FLEETBUS_MODEL": "bus:nobody"},
+            {"FLEETBUS_MODEL": "bus:nobody", "FLEETBUS_MODEL_WAIT": "1"},
             "error: model bus:nobody: no model worker serves it on prefix",
         ),
     ],
