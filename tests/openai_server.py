@@ -18,7 +18,12 @@ split in pieces) when it is true; so one script serves both transports::
 The server is a stdlib :class:`~http.server.ThreadingHTTPServer` on
 127.0.0.1 and a random port, in a thread of its own. A request that finds no
 scripted reply left gets a 418 whose message says so, so a test that sends one
-call too many fails with a readable error instead of hanging.
+call too many fails with a readable error instead of hanging; unless the
+server has a ``fallback``, the reply to every request past the script (a
+model that answers anything, any number of times)::
+
+    with FakeOpenAIServer(fallback=completion("I do not know.")) as server:
+        ...
 """
 
 from __future__ import annotations
@@ -168,11 +173,14 @@ class FakeOpenAIServer:
 
     Attributes:
         requests: every request received, in order.
+        fallback: the reply to a request that finds no scripted reply left
+            (``None``: a 418 saying so).
     """
 
-    def __init__(self, replies: Iterable[Reply] = ()) -> None:
+    def __init__(self, replies: Iterable[Reply] = (), *, fallback: Reply | None = None) -> None:
         self._replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
         self.requests: list[RecordedRequest] = []
+        self.fallback = fallback
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -234,6 +242,8 @@ class FakeOpenAIServer:
         try:
             return self._replies.get_nowait()
         except queue.Empty:
+            if self.fallback is not None:
+                return self.fallback
             n = len(self.requests)
             return error_reply(418, f"fake server: no scripted reply left for request #{n}")
 

@@ -97,6 +97,12 @@ def add_fleet_commands(sub: Any, bus_options: Any) -> None:
     p.add_argument("--session", help="continue this session (default: a new one)")
     p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
+    p.add_argument(
+        "--schema",
+        metavar="FILE",
+        type=Path,
+        help="a JSON Schema (of an object) the answer must fit; prints the structured answer",
+    )
     bus_options(p)
 
     p = sub.add_parser("sessions", help="list agent sessions with their status")
@@ -437,11 +443,42 @@ def _child_args(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    """Ask an agent, streaming its reply; exit 1 when it ends in error."""
+    """Ask an agent, streaming its reply; exit 1 when it ends in error.
+
+    With ``--schema FILE`` the request carries that JSON Schema as its
+    ``output_schema`` and the answer's ``structured`` object is printed.
+
+    Raises:
+        ConfigError: an invalid session id, or a schema file that cannot be
+            read or is not the JSON Schema of an object.
+    """
     session = args.session or f"s-{new_id()[:12]}"
     check_name(session, what="session id")
-    request = UserRequest(sender="cli", session_id=session, content=args.text)
+    schema = None if args.schema is None else _read_output_schema(args.schema)
+    request = UserRequest(sender="cli", session_id=session, content=args.text, output_schema=schema)
     return run(_converse(args, args.agent, session, request))
+
+
+def _read_output_schema(path: Path) -> dict[str, Any]:
+    """The JSON Schema in ``path``, checked to describe an object (the answer
+    is given as the arguments of a tool).
+
+    Raises:
+        ConfigError: the file cannot be read, is not JSON, or is not the
+            schema of an object.
+    """
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read the schema {path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise ConfigError(f"the schema {path} is not JSON: {exc}") from exc
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        raise ConfigError(
+            f'the schema {path} is not the JSON Schema of an object ("type": "object"): '
+            "the answer is given as the arguments of a tool"
+        )
+    return schema
 
 
 async def _converse(

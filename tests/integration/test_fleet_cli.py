@@ -21,9 +21,11 @@ from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus, EmbeddedServer
 from fleetbus.protocol import AgentMessage, Event, FinalAnswer, TextBlock, UserRequest, decode
 from tests.helpers import spawn, stop, wait_for_workers, workers
+from tests.openai_server import FakeOpenAIServer, completion
 
 TOOLS = "tests.integration.worker_tools"
-CLI_ENV = {"FLEETBUS_CONNECT_TIMEOUT": "2"}
+CLI_ENV = {"FLEETBUS_CONNECT_TIMEOUT": "2", "COLUMNS": "1000"}
+"""Rich wraps lines at the terminal's width: one error line must stay one line."""
 LATENCY = re.compile(r"\[\d+\.\d ms\]")
 CLOCK = re.compile(r"\d\d:\d\d:\d\d\.\d{3} ")
 
@@ -405,14 +407,29 @@ async def test_replicas_share_the_asks_and_stop_with_their_supervisor(
     assert [pid for pid in pids if alive(pid)] == []
 
 
-async def test_mistakes_are_one_clear_line(nats_server: EmbeddedServer, prefix: str) -> None:
+async def test_mistakes_are_one_clear_line(
+    nats_server: EmbeddedServer, prefix: str, tmp_path: Path
+) -> None:
     on_bus = ("--nats", nats_server.url, "--prefix", prefix)
+    missing, broken, a_list = (
+        tmp_path / "missing.json",
+        tmp_path / "broken.json",
+        tmp_path / "list.json",
+    )
+    broken.write_text('{"type": "object",')
+    a_list.write_text('{"type": "array", "items": {"type": "string"}}')
     cases: list[tuple[list[str], str]] = [
         (["agent", "no.such:thing", *on_bus], "cannot import 'no.such'"),
         (["ask", "nobody", "hi", *on_bus], f"no responders on {prefix}.agent.nobody.inbox"),
         (["ask", "echo", "hi", "--session", "a b", *on_bus], "invalid session id 'a b'"),
         (["confirm", "unknown-session", "--allow", "x", *on_bus], "no session 'unknown-session'"),
         (["cancel", "unknown-session", *on_bus], "no session 'unknown-session'"),
+        (["ask", "echo", "hi", "--schema", str(missing), *on_bus], "cannot read the schema"),
+        (["ask", "echo", "hi", "--schema", str(broken), *on_bus], f"schema {broken} is not JSON"),
+        (
+            ["ask", "echo", "hi", "--schema", str(a_list), *on_bus],
+            f"the schema {a_list} is not the JSON Schema of an object",
+        ),
     ]
     results = await asyncio.gather(*(run_cli(*args) for args, _ in cases))
     for (args, message), (code, out) in zip(cases, results, strict=True):
@@ -440,3 +457,50 @@ async def test_watch_counts_no_undecodable_message_when_sessions_are_listed(
         code, out = await watching.finish(timeout=10)
     assert code == 0, out
     assert "undecodable" not in out
+
+
+async def test_ask_with_a_schema_prints_the_structured_answer(
+    nats_server: EmbeddedServer, bus: Bus, tmp_path: Path
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "temp_c": {"type": "integer"}},
+        "required": ["city", "temp_c"],
+    }
+    schema_file = tmp_path / "forecast.json"
+    schema_file.write_text(json.dumps(schema))
+    spec = tmp_path / "agents.toml"
+    spec.write_text('[agent.forecaster]\nsystem_prompt = "You forecast."\nmodel = "openai:m"\n')
+    on_bus = ("--nats", nats_server.url, "--prefix", bus.prefix)
+    with FakeOpenAIServer() as endpoint:
+        # The model answers through the finish tool, once per ask.
+        for n in (1, 2):
+            endpoint.add(
+                completion(
+                    tool_calls=[(f"call_{n}", "generate_response", '{"city": "Oslo", "temp_c": 7}')]
+                )
+            )
+        env = {**CLI_ENV, "OPENAI_BASE_URL": endpoint.url}
+        proc = spawn(["agent", str(spec), "--no-remote-tools", *on_bus], env=env)
+        try:
+            await Output(proc).wait_for("serving forecaster")
+            code, out = await run_cli(
+                "ask", "forecaster", "Oslo tomorrow?", "--schema", str(schema_file), *on_bus
+            )
+            json_code, json_out = await run_cli(
+                "ask", "forecaster", "Oslo?", "--schema", str(schema_file), "--json", *on_bus
+            )
+        finally:
+            stop(proc)
+    assert code == 0, out
+    lines = out.strip().splitlines()
+    assert lines[-2].startswith("✓ completed"), out
+    assert json.loads(lines[-1]) == {"city": "Oslo", "temp_c": 7}  # printed after the end
+    assert json_code == 0, json_out
+    final = decode(json_out.splitlines()[-1].encode())
+    assert isinstance(final, FinalAnswer)
+    assert final.structured == {"city": "Oslo", "temp_c": 7}
+    # The schema went with the request: the model was offered it as the finish tool.
+    for body in endpoint.bodies:
+        (finish,) = [t for t in body["tools"] if t["function"]["name"] == "generate_response"]
+        assert finish["function"]["parameters"] == schema
