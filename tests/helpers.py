@@ -4,6 +4,7 @@ for serving an agent in the test's own process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,11 +12,15 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetbus.agents import Agent, AgentService
+from fleetbus.agents import Agent, AgentService, AgentState
+from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus, ToolClient
+from fleetbus.errors import SessionLost
+from fleetbus.protocol import UserRequest, to_builtins
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,3 +168,61 @@ async def wait_for_file(directory: Path, pattern: str, timeout: float = 10.0) ->
             return found[0]
         await asyncio.sleep(0.01)
     raise AssertionError(f"no {pattern} in {directory} after {timeout}s")
+
+
+@dataclass
+class Ghost:
+    """A replica frozen mid-reply (see :func:`ghost_reply`)."""
+
+    task: asyncio.Task[None]
+    dead: asyncio.Event
+
+    async def stop(self) -> None:
+        self.dead.set()
+        self.task.cancel()
+        with contextlib.suppress(BaseException):
+            await self.task
+
+
+async def ghost_reply(
+    bus: Bus,
+    agent: Agent,
+    request: UserRequest,
+    reply_to: str,
+    *,
+    freeze_after: int,
+) -> Ghost:
+    """A replica of ``agent`` that takes ``request`` like :class:`AgentService`
+    does (the lease, the request recorded with it) and dies after
+    ``freeze_after`` saves (0: right after taking the request): it stops
+    writing and renewing, like a SIGKILLed process."""
+    session = request.session_id
+    assert session is not None
+    store = await SessionStore.open(bus, owner=f"{agent.name}@ghost", lease_ttl=1.0)
+    lease = await store.acquire(
+        agent.name,
+        session,
+        fresh=agent.clone().state,
+        reply_to=reply_to,
+        pending_input=to_builtins(request),
+    )
+    saves = 0
+    dead = asyncio.Event()
+
+    async def checkpoint(state: AgentState) -> None:
+        nonlocal saves
+        if saves >= freeze_after:
+            await dead.wait()  # set only to end the test: the process is gone
+            raise SessionLost("the ghost is gone", agent=agent.name, session_id=session)
+        saves += 1
+        await store.save(lease, state=state, status="running", input_recorded=True)
+
+    ghost = agent.clone(state=lease.record.state, checkpoint=checkpoint)
+
+    async def run() -> None:
+        async for _ in ghost.reply_stream(request, session_id=session):
+            pass
+
+    task = asyncio.create_task(run())
+    await asyncio.sleep(0.3)  # let it get as far as it will
+    return Ghost(task, dead)

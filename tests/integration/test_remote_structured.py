@@ -9,16 +9,15 @@ schema the reply started with."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
-from fleetbus.agents import Agent, AgentState, RemoteAgent
+from fleetbus.agents import Agent, RemoteAgent
 from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus, EmbeddedServer
-from fleetbus.errors import ConfigError, SessionLost
+from fleetbus.errors import ConfigError
 from fleetbus.models import FINISH_TOOL
 from fleetbus.protocol import (
     AgentMessage,
@@ -32,7 +31,7 @@ from fleetbus.protocol import (
     to_builtins,
 )
 from fleetbus.testing import ScriptedModel
-from tests.helpers import serving
+from tests.helpers import ghost_reply, serving
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -212,34 +211,9 @@ async def test_a_take_over_keeps_asking_for_the_schema(
     # The ghost: takes the request like a service, saves, then freezes.
     ghost_model = ScriptedModel([finish({"city": "Ghost", "celsius": 0})], repeat_last=True)
     definition = Agent("forecaster", "", ghost_model)
-    store = await SessionStore.open(bus, owner="forecaster@ghost", lease_ttl=1.0)
     request = UserRequest(sender="test", session_id=session, content="Oslo?", output_schema=SCHEMA)
-    lease = await store.acquire(
-        "forecaster",
-        session,
-        fresh=definition.clone().state,
-        reply_to=reply_to,
-        pending_input=to_builtins(request),
-    )
-    saves = 0
-    dead = asyncio.Event()
-
-    async def checkpoint(state: AgentState) -> None:
-        nonlocal saves
-        if saves >= freeze_after:
-            await dead.wait()
-            raise SessionLost("the ghost is gone", agent="forecaster", session_id=session)
-        saves += 1
-        await store.save(lease, state=state, status="running", input_recorded=True)
-
-    ghost = definition.clone(state=lease.record.state, checkpoint=checkpoint)
-
-    async def run_ghost() -> None:
-        async for _ in ghost.reply_stream(request, session_id=session):
-            pass
-
-    ghost_task = asyncio.create_task(run_ghost())
-    await asyncio.sleep(0.3)
+    ghost = await ghost_reply(bus, definition, request, reply_to, freeze_after=freeze_after)
+    store = await SessionStore.open(bus, owner="test")
     if freeze_after == 1:
         saved = await store.get("forecaster", session)
         assert saved is not None
@@ -254,10 +228,7 @@ async def test_a_take_over_keeps_asking_for_the_schema(
                 while not any(isinstance(m, FinalAnswer) for m in got):  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
     finally:
-        dead.set()
-        ghost_task.cancel()
-        with contextlib.suppress(BaseException):
-            await ghost_task
+        await ghost.stop()
         await sub.unsubscribe()
 
     [final] = [m for m in got if isinstance(m, FinalAnswer)]

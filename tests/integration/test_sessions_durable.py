@@ -16,7 +16,6 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -24,7 +23,6 @@ import pytest
 from fleetbus.agents import Agent, AgentService, AgentState, ContextConfig, Msg
 from fleetbus.agents.serving.sessions import SessionStore, session_key
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
-from fleetbus.errors import SessionLost
 from fleetbus.models import ModelRequest
 from fleetbus.models.model import ModelResponse, ModelStreamItem
 from fleetbus.protocol import (
@@ -40,8 +38,8 @@ from fleetbus.protocol import (
     to_builtins,
 )
 from fleetbus.tools_workers import Toolkit, ToolWorker, tool
+from tests.helpers import ghost_reply, wait_for_workers
 from tests.helpers import serving as serve_agent
-from tests.helpers import wait_for_workers
 
 AGENT = "keeper"
 
@@ -80,6 +78,10 @@ class StepModel:
         yield ModelResponse(
             content=[TextBlock(text="answer: " + ",".join(str(b.output) for b in done))]
         )
+
+
+def ask(session: str, text: str) -> UserRequest:
+    return UserRequest(sender="test", session_id=session, content=text)
 
 
 def assert_consistent(memory: list[Msg]) -> None:
@@ -138,60 +140,6 @@ async def make_agent(bus: Bus, model: StepModel, **kwargs: Any) -> Agent:
     return Agent(AGENT, "", model, toolkit=toolkit, **kwargs)
 
 
-async def ghost_reply(
-    bus: Bus,
-    agent: Agent,
-    session: str,
-    text: str,
-    reply_to: str,
-    *,
-    freeze_after: int,
-) -> Ghost:
-    """A replica that takes ``text`` for ``session`` and dies after
-    ``freeze_after`` saves (0: right after taking the request)."""
-    store = await SessionStore.open(bus, owner=f"{AGENT}@ghost", lease_ttl=1.0)
-    request = UserRequest(sender="test", session_id=session, content=text)
-    lease = await store.acquire(
-        AGENT,
-        session,
-        fresh=agent.clone().state,
-        reply_to=reply_to,
-        pending_input=to_builtins(request),
-    )
-    saves = 0
-    dead = asyncio.Event()
-
-    async def checkpoint(state: AgentState) -> None:
-        nonlocal saves
-        if saves >= freeze_after:
-            await dead.wait()  # set only to end the test: the process is gone
-            raise SessionLost("the ghost is gone", agent=AGENT, session_id=session)
-        saves += 1
-        await store.save(lease, state=state, status="running", input_recorded=True)
-
-    ghost = agent.clone(state=lease.record.state, checkpoint=checkpoint)
-
-    async def run() -> None:
-        async for _ in ghost.reply_stream(request, session_id=session):
-            pass
-
-    task = asyncio.create_task(run())
-    await asyncio.sleep(0.3)  # let it get as far as it will
-    return Ghost(task, dead)
-
-
-@dataclass
-class Ghost:
-    task: asyncio.Task[None]
-    dead: asyncio.Event
-
-    async def stop(self) -> None:
-        self.dead.set()
-        self.task.cancel()
-        with contextlib.suppress(BaseException):
-            await self.task
-
-
 async def answers(bus: Bus, subject: str) -> tuple[list[AnyMessage], Callable[[], Awaitable[None]]]:
     got: list[AnyMessage] = []
 
@@ -225,8 +173,7 @@ async def test_a_replica_killed_at_any_save_is_taken_over_exactly_there(
         ghost = await ghost_reply(
             bus,
             await make_agent(bus, StepModel()),
-            "s1",
-            text,
+            ask("s1", text),
             inbox,
             freeze_after=freeze_after,
         )
@@ -264,7 +211,7 @@ async def test_an_in_flight_call_is_resent_with_its_call_id_and_runs_once(
         got, stop_got = await answers(bus, inbox)
         # Frozen after saving the call: the worker runs it, the owner dies.
         ghost = await ghost_reply(
-            bus, await make_agent(bus, StepModel()), "s2", "solo", inbox, freeze_after=2
+            bus, await make_agent(bus, StepModel()), ask("s2", "solo"), inbox, freeze_after=2
         )
         await wait_until(lambda: runs == ["solo"])
         async with serving(nats_server.url, bus.prefix, await make_agent(bus, StepModel())):
@@ -320,7 +267,7 @@ async def test_fifty_idle_agents_leave_no_consumers_and_still_recover(
                     counts.append(await count_consumers(bus))
                 inbox = bus.nc.new_inbox()
                 got, stop_got = await answers(bus, inbox)
-                ghost = await ghost_reply(bus, agent, "late", "gamma", inbox, freeze_after=1)
+                ghost = await ghost_reply(bus, agent, ask("late", "gamma"), inbox, freeze_after=1)
                 await wait_until(lambda: any(isinstance(m, FinalAnswer) for m in got))
                 counts.append(await count_consumers(bus))
                 await ghost.stop()
@@ -382,7 +329,7 @@ async def test_a_session_larger_than_max_payload_completes_and_resumes(
     # A take-over of the large session: killed right after recording the input.
     inbox = bus.nc.new_inbox()
     got, stop_got = await answers(bus, inbox)
-    ghost = await ghost_reply(bus, agent, "big", "last one", inbox, freeze_after=1)
+    ghost = await ghost_reply(bus, agent, ask("big", "last one"), inbox, freeze_after=1)
     async with serving(nats_server.url, bus.prefix, agent.clone()):
         await wait_until(lambda: any(isinstance(m, FinalAnswer) for m in got))
     await ghost.stop()

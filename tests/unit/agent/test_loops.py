@@ -14,6 +14,7 @@ from fleetbus.agents import Agent, AgentState, Msg
 from fleetbus.protocol import ToolResultBlock
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
+from tests.unit.agent.test_failures import assert_consistent
 
 WARNING = "Loop warning"
 
@@ -59,13 +60,6 @@ def seen_result(model: ScriptedModel, request: int) -> ToolResultBlock:
     block = message.content[0]
     assert isinstance(block, ToolResultBlock)
     return block
-
-
-def assert_consistent(memory: list[Msg]) -> None:
-    """Every tool_use has exactly one tool_result, and vice versa."""
-    used = [u.id for m in memory for u in m.tool_uses]
-    answered = [r.id for m in memory for r in m.tool_results]
-    assert sorted(used) == sorted(answered)
 
 
 def warned(memory: list[Msg]) -> list[ToolResultBlock]:
