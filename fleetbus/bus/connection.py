@@ -69,8 +69,11 @@ class Bus:
         client_name: str,
         drain_timeout: float = 5.0,
         js_replicas: int | None = None,
+        reconnects: Reconnects | None = None,
     ) -> None:
         self._nc = nc
+        self.reconnects = reconnects or Reconnects()
+        """Signals each re-established connection (requests in flight resend)."""
         self.subjects = subjects
         self.client_name = client_name
         self._drain_timeout = drain_timeout
@@ -119,6 +122,7 @@ class Bus:
         client_name = options.name or f"{socket.gethostname()}-{os.getpid()}"
         nc = NATS()
         last_error: list[BaseException] = []
+        reconnects = Reconnects()
 
         async def error_cb(exc: Exception) -> None:
             last_error[:] = [exc]
@@ -131,6 +135,7 @@ class Bus:
 
         async def reconnected_cb() -> None:
             logger.warning("reconnected to NATS at %s", _url(nc))
+            reconnects.happened()
 
         kwargs = options.nats_kwargs()
         kwargs.setdefault("name", client_name)
@@ -159,7 +164,30 @@ class Bus:
             client_name=client_name,
             drain_timeout=options.drain_timeout,
             js_replicas=options.js_replicas,
+            reconnects=reconnects,
         )
+
+    async def _await_reply(self, subject: str, data: bytes, timeout: float) -> Msg:
+        """One request; a reconnection while it waits ends it as unanswered.
+
+        A reply published while this client was away is lost, and waiting out
+        the whole timeout for it (a tool call's 30 s) would stall every call
+        in flight across a server's fail-over: the retry, with the same
+        ``call_id``, goes out as soon as the connection is back.
+        """
+        reconnected = self.reconnects.next()
+        request = asyncio.ensure_future(self._nc.request(subject, data, timeout=timeout))
+        waiter = asyncio.ensure_future(reconnected.wait())
+        try:
+            await asyncio.wait({request, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
+            if not request.done():
+                request.cancel()
+                await asyncio.wait({request})
+        if request.cancelled():
+            raise nats.errors.TimeoutError
+        return request.result()
 
     @property
     def nc(self) -> NATS:
@@ -262,6 +290,8 @@ class Bus:
             if sent > 1 and isinstance(message, ToolCall):
                 data = encode(msgspec.structs.replace(message, attempt=sent))
             try:
+                if sent < max(1, attempts):  # an attempt is left to resend with
+                    return await self._await_reply(subject, data, timeout)
                 return await self._nc.request(subject, data, timeout=timeout)
             except nats.errors.TimeoutError:
                 logger.debug(
@@ -413,6 +443,24 @@ class Bus:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+class Reconnects:
+    """The connection's re-establishments, as events to wait on."""
+
+    def __init__(self) -> None:
+        self._next = asyncio.Event()
+        self.count = 0
+
+    def next(self) -> asyncio.Event:
+        """Set when the connection is next re-established."""
+        return self._next
+
+    def happened(self) -> None:
+        """The connection is back: wake who waits, and arm the next event."""
+        self.count += 1
+        event, self._next = self._next, asyncio.Event()
+        event.set()
 
 
 class Observation:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 
 import pytest
 
@@ -319,3 +320,40 @@ async def test_flushes_given_up_or_cancelled_leave_the_connection_working(bus: B
                 assert isinstance(message, UserRequest)
                 break
     await bus.flush()
+
+
+async def test_a_request_in_flight_is_sent_again_as_soon_as_the_connection_is_back(
+    bus: Bus,
+) -> None:
+    """A reply published while the client was away is lost: the retry (same
+    call_id) goes out when the connection is re-established, not after the
+    whole timeout; on the last attempt the request keeps waiting instead."""
+    seen: list[int] = []
+    stop = asyncio.Event()
+
+    async def second_attempt_only(request: Request) -> ToolResult | None:
+        message = request.message
+        assert isinstance(message, ToolCall)
+        seen.append(message.attempt)
+        if message.attempt < 2:
+            return None  # "lost": never answered
+        return ToolResult(tool_name="x", call_id=message.call_id, status="success", content="ok")
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(bus.serve("lossy.echo", second_attempt_only, stop=stop))
+        await bus.flush()
+        asking = tg.create_task(
+            bus.request(
+                "lossy.echo", ToolCall(tool_name="x", call_id="c-9"), timeout=30, attempts=3
+            )
+        )
+        while not seen:  # noqa: ASYNC110 - the handler records the first attempt
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        bus.reconnects.happened()  # as after a server's fail-over
+        reply = await asyncio.wait_for(asking, 5)
+        stop.set()
+    assert isinstance(reply, ToolResult)
+    assert reply.call_id == "c-9"
+    assert seen[:2] == [1, 2]
+    assert time.monotonic() - started < 5
