@@ -328,6 +328,11 @@ def loads_value(text: str) -> Any:
         ValueError: no value could be read (the message says why).
     """
     problem = ""
+    stripped = text.strip()
+    if stripped.startswith("{{") and stripped.endswith("}}"):
+        # Doubled braces, as a chat template's escaping leaks them: small
+        # models write {{"name": …, "arguments": {…}}}.
+        text = stripped[1:-1]
     strict = _to_json(text)
     for attempt in (text, strict, _closed(strict)):
         try:

@@ -73,6 +73,13 @@ CALC = {"expr": "17 * 23 + 4"}
             id="unclosed-tag",
         ),
         pytest.param(
+            # Seen from Qwen2.5-Coder-1.5B through llama.cpp: the template's braces leak.
+            '{{"name": "calculator", "arguments": {"expr": "17 * 23 + 4"}}}',
+            [TextCall("calculator", CALC)],
+            "",
+            id="doubled-braces",
+        ),
+        pytest.param(
             'First {"name": "calculator", "arguments": {"expr": "1 + 1"}} then '
             '{"tool": "search", "args": {"query": "y"}}',
             [TextCall("calculator", {"expr": "1 + 1"}), TextCall("search", {"query": "y"})],
