@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -39,18 +38,13 @@ from fleetbus.models.strings import (
     load_model_settings,
     model_from_string,
     parse_model_string,
+    served_name,
 )
 
-__all__ = ["add_parser", "cmd", "main", "serve_name"]
+__all__ = ["add_parser", "cmd", "main"]
 
-_NOT_A_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
 _CALL_TIMEOUT = 300.0
 """Seconds one call may take on the worker, unless the model timeout says otherwise."""
-
-
-def serve_name(model: str) -> str:
-    """The subject name a model is served as by default: ``gpt-4.1`` -> ``gpt-4-1``."""
-    return _NOT_A_TOKEN.sub("-", model)
 
 
 def add_parser(
@@ -106,7 +100,7 @@ def _model(args: argparse.Namespace) -> tuple[ChatModel, ModelSettings, str]:
         model = model_from_string(text, settings)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
-    return model, settings, serve_name(model.name if spec.kind == "python" else spec.name)
+    return model, settings, served_name(model.name if spec.kind == "python" else spec.name)
 
 
 def cmd(args: argparse.Namespace) -> int:

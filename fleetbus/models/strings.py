@@ -57,6 +57,7 @@ __all__ = [
     "model_config_from_settings",
     "model_from_string",
     "parse_model_string",
+    "served_name",
 ]
 
 MODEL_SYNTAX = "openai:NAME, bus:NAME, offline, or module:attr"
@@ -159,7 +160,7 @@ def parse_model_string(text: str) -> ModelString:
 
     Raises:
         ConfigError: an empty string, ``openai:`` or ``bus:`` without a name,
-            or a bus name that is not a subject token.
+            or a bus name that is empty once made a subject token.
     """
     text = text.strip()
     prefix, colon, rest = text.partition(":")
@@ -171,12 +172,24 @@ def parse_model_string(text: str) -> ModelString:
         if not rest:
             raise ConfigError(f"model string {text!r} names no model; write {MODEL_SYNTAX}")
         if prefix == "bus":
-            check_name(rest, what="model name")
-            return ModelString("bus", rest)
+            # Found under the name its workers serve it as: bus:gpt-4.1 is gpt-4-1.
+            name = served_name(rest)
+            check_name(name, what="model name")
+            return ModelString("bus", name)
         return ModelString("openai", rest)
     if colon and _DOTTED.fullmatch(prefix) and _DOTTED.fullmatch(rest):
         return ModelString("python", text)
     return ModelString("openai", text, explicit=False)
+
+
+_NOT_A_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def served_name(model: str) -> str:
+    """The subject token a model is served under: ``gpt-4.1`` -> ``gpt-4-1``.
+    ``fleetbus model-worker`` serves a model so by default, and ``bus:NAME``
+    looks for it so, whether NAME is written with the dots or without."""
+    return _NOT_A_TOKEN.sub("-", model)
 
 
 def model_from_string(

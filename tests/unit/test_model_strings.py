@@ -88,7 +88,7 @@ def test_the_reserved_prefixes_are_never_python() -> None:
         ("", "empty model string"),
         ("openai:", "names no model"),
         ("bus:", "names no model"),
-        ("bus:gpt-4.1", "invalid model name"),
+        ("bus:" + "x" * 200, "invalid model name"),
     ],
 )
 def test_malformed_strings_are_config_errors(text: str, message: str) -> None:
@@ -374,3 +374,14 @@ def test_a_factory_sees_the_command_line_and_model_overrides_its_agents(
     # The environment is as it was.
     assert "FLEETBUS_MODEL" not in os.environ
     assert os.environ["FLEETBUS_MODEL_TIMEOUT"] == "200"
+
+
+def test_a_bus_model_is_found_under_the_name_its_workers_serve_it_as() -> None:
+    """``fleetbus model-worker --model openai:qwen2.5-coder`` serves it as
+    ``qwen2-5-coder``; ``bus:qwen2.5-coder`` finds it there."""
+    from fleetbus.models.strings import served_name
+
+    assert served_name("qwen2.5-coder-1.5b-instruct") == "qwen2-5-coder-1-5b-instruct"
+    with_dots = model_from_string("bus:qwen2.5-coder")
+    without = model_from_string("bus:qwen2-5-coder")
+    assert with_dots.name == without.name
