@@ -456,3 +456,33 @@ async def test_a_session_stored_whole_by_an_earlier_version_is_read_and_continue
     record = await again.get(AGENT, "v1")
     assert record is not None
     assert [m.text for m in record.state.memory] == ["old times", "new times"]
+
+
+async def test_a_save_cancelled_in_flight_does_not_pass_for_the_next_one(bus: Bus) -> None:
+    """A save cancelled after its write went out (an interrupt during a
+    checkpoint) lands all the same; the next save must then write over it,
+    not mistake it for its own (found by a cancel arriving as a reply started:
+    the session stayed running with no answer stored)."""
+    store = await SessionStore.open(bus, owner="test")
+    lease = await store.acquire(AGENT, "cut", fresh=AgentState(agent_name=AGENT))
+    state = lease.record.state
+    state.memory.append(Msg.text_message("user", "hello"))
+    real_update = store.heads.update
+    calls = 0
+
+    async def landed_then_cancelled(key: str, value: bytes, *, revision: int) -> int:
+        nonlocal calls
+        calls += 1
+        revision = await real_update(key, value, revision=revision)
+        if calls == 1:
+            raise asyncio.CancelledError  # the caller stopped waiting: the ack is lost
+        return revision
+
+    store.heads.update = landed_then_cancelled  # type: ignore[method-assign]
+    with contextlib.suppress(asyncio.CancelledError):
+        await store.save(lease, state=state, status="running")
+    await store.save(lease, state=state, status="idle", final={"content": "bye"})
+    await store.release(lease)
+    record = await (await SessionStore.open(bus, owner="reader")).get(AGENT, "cut")
+    assert record is not None
+    assert (record.status, record.final) == ("idle", {"content": "bye"})

@@ -551,7 +551,16 @@ class SessionStore:
 
     async def _drop_lease(self, key: str, revision: int) -> None:
         try:
-            await self.leases.delete(key, revision=revision)
+            try:
+                await self.leases.delete(key, revision=revision)
+            except RevisionMismatchError:
+                # A renewal of ours may have landed after its writer stopped
+                # waiting; anyone else's lease stays.
+                entry = await self.leases.get_or_none(key)
+                if entry is None or _lease_owner(entry.value) != self.owner:
+                    logger.info("lease of %s was taken over before its release", key)
+                    return
+                await self.leases.delete(key, revision=entry.revision)
         except RevisionMismatchError:
             logger.info("lease of %s was taken over before its release", key)
         except StoreError as exc:
@@ -636,6 +645,7 @@ class SessionStore:
             chunks = _add_range(chunks, lease.epoch, next_chunk)
             next_chunk += 1
             tail, tail_bytes = [], 0
+        write_id = new_id()
         head = {
             "format": _FORMAT,
             "agent": record.agent,
@@ -644,6 +654,7 @@ class SessionStore:
             "owner": record.owner,
             "epoch": lease.epoch,
             "seq": lease.seq + 1,
+            "write": write_id,
             "created_at": record.created_at.isoformat(),
             "updated_at": record.updated_at.isoformat(),
             "final": record.final,
@@ -658,7 +669,7 @@ class SessionStore:
             if create:
                 revision = await self.heads.create(key, value)
             else:
-                revision = await self._update_head(lease, key, value)
+                revision = await self._update_head(lease, key, value, write_id)
         except BaseException:
             await self._drop_blob(blob)
             raise
@@ -673,22 +684,29 @@ class SessionStore:
         if lease.record.state is not state:
             lease.record.state = state
 
-    async def _update_head(self, lease: Lease, key: str, value: bytes) -> int:
+    async def _update_head(self, lease: Lease, key: str, value: bytes, write_id: str) -> int:
+        """Compare-and-set the head. A mismatch is ours to resolve when the head
+        still carries this owner's epoch: this very write landed but its
+        acknowledgement was lost (a fail-over), or an earlier write of ours
+        landed after its writer stopped waiting (a cancelled save). Only
+        another epoch means the session was taken over."""
         record = lease.record
-        try:
-            return await self.heads.update(key, value, revision=lease.revision)
-        except RevisionMismatchError:
-            read = await self._read_head(key)
-            if read is not None and (read[1].get("epoch"), read[1].get("seq")) == (
-                lease.epoch,
-                lease.seq + 1,
-            ):
-                return read[0]  # our write landed, unacknowledged
-            raise SessionLost(
-                f"session {record.session_id} of {record.agent} was taken over",
-                agent=record.agent,
-                session_id=record.session_id,
-            ) from None
+        revision = lease.revision
+        for _ in range(3):
+            try:
+                return await self.heads.update(key, value, revision=revision)
+            except RevisionMismatchError:
+                read = await self._read_head(key)
+                if read is None or read[1].get("epoch") != lease.epoch:
+                    break
+                if read[1].get("write") == write_id:
+                    return read[0]  # this write landed, unacknowledged
+                revision = read[0]  # an earlier write of ours landed late: write over it
+        raise SessionLost(
+            f"session {record.session_id} of {record.agent} was taken over",
+            agent=record.agent,
+            session_id=record.session_id,
+        )
 
     async def _write_chunk(self, key: str, messages: list[dict[str, Any]]) -> None:
         value, _ = await self._pack(key, orjson.dumps(messages))
