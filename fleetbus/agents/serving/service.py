@@ -18,11 +18,16 @@ the bus. It serves ``<prefix>.agent.<name>.inbox`` in queue group
 - ``cancel``: interrupt the session's reply (also on the control subject,
   which every replica hears).
 
-Sessions live in JetStream KV (:class:`SessionStore`), saved after every step
-with compare-and-set under a lease. A replica that dies mid-reply leaves a
-lease that expires; any replica — or the restarted process — takes the
-session over from its last saved step, finishes it, stores and publishes the
-final answer, and answers the original request if its requester still waits.
+Sessions live in JetStream (:class:`SessionStore`), written ahead of every
+side effect under a lease: the request when it is taken, the input before any
+work, a step's tool calls before they are sent, each result as it arrives,
+and the end — status and final answer — before the answer is sent and the
+lease released. A replica that dies leaves a lease that goes silent;
+:class:`~fleetbus.agents.serving.sessions.Recovery` in any replica finds it
+without scanning the store, and that replica takes the session over from its
+last write, finishes it, stores and publishes the final answer, and answers
+the original request. A replica that loses its session stops quietly: only
+the owner answers.
 """
 
 from __future__ import annotations
@@ -103,7 +108,8 @@ class AgentService(Lifecycle):
             dies holding one delays its session this long.
         concurrency: sessions run at once by this replica.
         busy_wait: seconds a message waits for its session to be free.
-        recover_interval: seconds between scans for sessions to take over.
+        recover_interval: seconds between checks of the running sessions' lease
+            timers (no store scan: see :class:`Recovery`).
         drain_timeout: seconds running replies get to finish on stop.
     """
 
