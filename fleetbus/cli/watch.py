@@ -69,6 +69,8 @@ __all__ = ["watch"]
 logger = logging.getLogger(__name__)
 
 INBOX_WILDCARD: Final = "_INBOX.>"
+_EARLY_REPLY_WINDOW: Final = 2.0
+"""Seconds a reply read before its request is held for it."""
 """Where nats-py clients (and so fleetbus requests) receive their replies."""
 _REMEMBERED: Final = 10_000
 """How many pending calls and reply subjects are remembered, the oldest forgotten first."""
@@ -157,6 +159,9 @@ class _Watcher:
         """When each pending tool call was seen, by (kind, call_id)."""
         self.replies: _Bounded[str, bool] = _Bounded()
         """Reply subjects of the fleet's requests: whether the request was shown."""
+        self.early: _Bounded[str, tuple[float, _Msg]] = _Bounded()
+        """Replies read before their request: the two subscriptions are read by
+        two tasks, so a reply can come first; held until its request, briefly."""
         self.shown = 0
         self.skipped = 0
         """Payloads that could not be decoded."""
@@ -175,7 +180,10 @@ class _Watcher:
             return  # JetStream or service traffic delivered to an inbox ($KV.…, $JS.…)
         inbox = msg.subject.startswith("_INBOX.")
         if inbox and msg.subject not in self.replies:
-            return  # a reply to someone else's request: another fleet, discovery, JetStream
+            # Someone else's reply (another fleet, discovery, JetStream), or
+            # one whose request this watcher has not read yet.
+            self.early.remember(msg.subject, (time.monotonic(), msg))
+            return
         try:
             message = decode(msg.data)
         except ProtocolError as exc:
@@ -185,10 +193,15 @@ class _Watcher:
         wanted = self.wanted(message, msg.subject) or (inbox and self.replies[msg.subject])
         if msg.reply and not inbox:
             self.replies.remember(msg.reply, wanted)
+            held = self.early.pop(msg.reply, None)
+        else:
+            held = None
         latency = self.pair(message)
         if wanted:
             self.shown += 1
             self.print(message, msg.subject, latency)
+        if held is not None and time.monotonic() - held[0] < _EARLY_REPLY_WINDOW:
+            self.receive(held[1])  # its request is known now
 
     def pair(self, message: Message) -> float | None:
         """Milliseconds since the call a result answers, when that call was seen."""
