@@ -16,12 +16,13 @@ import pytest
 
 import fleetbus
 from fleetbus.bus import Bus, ToolClient
-from fleetbus.models import ModelConfig, ModelError, ModelRequest, ModelResponse
+from fleetbus.models import ModelConfig, ModelError, ModelRequest
 from fleetbus.models.model import ModelStreamItem, TextDelta
 from fleetbus.models.openai_model import OpenAIChatModel, OpenAIConfig
 from fleetbus.protocol import ChatMessage, TextBlock, ToolSpec, ToolUseBlock
 from fleetbus.tools_workers import Toolkit, ToolWorker
 from fleetbus.tools_workers.builtin import calculator
+from tests.integration.test_openai_model import collect
 from tests.openai_server import FakeOpenAIServer, JsonReply, completion
 
 NO_RETRY = ModelConfig(max_retries=0, timeout=15.0)
@@ -70,18 +71,6 @@ def ask(text: str = "What is 17 * 23 + 4?", **kwargs: Any) -> ModelRequest:
     return ModelRequest(
         messages=[ChatMessage(role="user", content=[TextBlock(text=text)])], **kwargs
     )
-
-
-async def collect(
-    chat_model: OpenAIChatModel, request: ModelRequest
-) -> tuple[list[ModelStreamItem], ModelResponse]:
-    async def run() -> list[ModelStreamItem]:
-        return [item async for item in chat_model.stream(request)]
-
-    items = await asyncio.wait_for(run(), timeout=10)
-    final = items[-1]
-    assert isinstance(final, ModelResponse)
-    return items[:-1], final
 
 
 def shown(deltas: list[ModelStreamItem]) -> str:
