@@ -9,6 +9,7 @@ subpackage (``fleetbus.protocol``, ``fleetbus.bus``, ``fleetbus.tools_workers``,
 from fleetbus._version import __version__
 from fleetbus.agents import (
     Agent,
+    AgentHost,
     AgentService,
     AgentState,
     BudgetLimit,
@@ -25,6 +26,7 @@ from fleetbus.tools_workers import Tool, Toolkit, ToolWorker, tool
 
 __all__ = [
     "Agent",
+    "AgentHost",
     "AgentService",
     "AgentState",
     "BudgetLimit",

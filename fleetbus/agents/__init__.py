@@ -17,13 +17,23 @@ from fleetbus.agents.middleware import BudgetLimit, Middleware, ReplyContext, St
 from fleetbus.agents.offload import DirectoryOffloader, ObjectStoreOffloader, Offloader
 from fleetbus.agents.permissions import Decision, PermissionRule, Permissions
 from fleetbus.agents.plan import Plan, PlanNotebook, SubTask
-from fleetbus.agents.serving import AgentService, RemoteAgent, SessionRecord, SessionStore
+from fleetbus.agents.serving import (
+    AgentHost,
+    AgentService,
+    AgentSource,
+    RemoteAgent,
+    SessionRecord,
+    SessionStore,
+)
 from fleetbus.agents.state import AgentState, PendingCall, ReplyState
+from fleetbus.agents.talk import talk_tools
 from fleetbus.agents.tools import ToolSource
 
 __all__ = [
     "Agent",
+    "AgentHost",
     "AgentService",
+    "AgentSource",
     "AgentState",
     "ApproxTokenCounter",
     "BudgetLimit",
@@ -56,4 +66,5 @@ __all__ = [
     "ToolSource",
     "fanout_pipeline",
     "sequential_pipeline",
+    "talk_tools",
 ]

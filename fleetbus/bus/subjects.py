@@ -97,6 +97,29 @@ class Subjects:
         ``<prefix>.agent.<name>.control``, no queue group."""
         return f"{self.prefix}.agent.{check_name(agent_name, what='agent name')}.control"
 
+    def all_agent_inboxes(self) -> str:
+        """Wildcard over every agent's inbox: ``<prefix>.agent.*.inbox`` (a host
+        serving a population)."""
+        return f"{self.prefix}.agent.*.inbox"
+
+    def all_agent_controls(self) -> str:
+        """Wildcard over every agent's control subject: ``<prefix>.agent.*.control``."""
+        return f"{self.prefix}.agent.*.control"
+
+    def host_queue(self, group: str) -> str:
+        """Queue group shared by the replicas of an agent host: ``host.<group>``."""
+        return f"host.{check_name(group, what='host group')}"
+
+    def host_topic_queue(self, group: str) -> str:
+        """Queue group in which the replicas of a host observe topics, so one
+        replica records each broadcast: ``host.<group>.topics``."""
+        return f"host.{check_name(group, what='host group')}.topics"
+
+    @staticmethod
+    def agent_of(subject: str) -> str:
+        """The agent name in an inbox or control subject (its next-to-last token)."""
+        return subject.rsplit(".", 2)[-2]
+
     def topic_queue(self, agent_name: str) -> str:
         """Queue group in which the replicas of an agent observe topics, so
         one replica records each broadcast: ``agent.<name>.topics``."""
@@ -105,6 +128,10 @@ class Subjects:
     def topic(self, topic: str) -> str:
         """A broadcast topic: ``<prefix>.topic.<topic>``."""
         return f"{self.prefix}.topic.{check_name(topic, what='topic')}"
+
+    def topic_stream(self, topic: str) -> str:
+        """The JetStream stream that keeps a durable topic's messages."""
+        return f"{self.prefix.replace('.', '_')}_topic_{check_name(topic, what='topic')}"
 
     def model(self, model_name: str) -> str:
         """Request/reply subject of a model worker: ``<prefix>.model.<name>``."""

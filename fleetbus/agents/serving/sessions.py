@@ -36,7 +36,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
@@ -751,17 +751,19 @@ class SessionStore:
 
     def recovery(
         self,
-        agent: str,
-        take_over: Callable[[str, int], Awaitable[None]],
+        agents: str | Sequence[str] | None,
+        take_over: Callable[[str, str, int], Awaitable[None]],
         *,
+        serves: Callable[[str], bool] | None = None,
         interval: float = 2.0,
         resync_interval: float = 30.0,
     ) -> Recovery:
-        """The recovery machinery of one agent (see :class:`Recovery`)."""
+        """The recovery machinery of some agents, or all (see :class:`Recovery`)."""
         return Recovery(
             self,
-            agent,
+            agents,
             take_over,
+            serves=serves,
             interval=interval,
             resync_interval=resync_interval,
         )
@@ -776,22 +778,26 @@ class _Watched:
 
 
 class Recovery:
-    """Finds the sessions of ``agent`` whose owner stopped renewing its lease,
-    and hands each to ``take_over(session_id, lease_revision)``.
+    """Finds the sessions whose owner stopped renewing its lease, and hands
+    each to ``take_over(agent, session_id, lease_revision)``.
 
-    Lease writes are followed through a plain subscription (no JetStream
+    Lease writes are followed through plain subscriptions (no JetStream
     consumer); each running session has a timer, restarted by every renewal
     heard. A lease silent for longer than ``lease_ttl`` is read; if it is
     still at the revision read before, its owner is dead. Only leases of
     running sessions exist, so idle sessions cost nothing. Every
-    ``resync_interval`` seconds (and after a reconnection) the lease keys of
-    the agent are listed — one request, no consumer — to learn of leases
-    whose writes were missed.
+    ``resync_interval`` seconds (and after a reconnection) the lease keys are
+    listed — one request per pattern, no consumer — to learn of leases whose
+    writes were missed.
 
     Args:
         store: the session store.
-        agent: the agent's name.
+        agents: the agent followed, or several (a subscription each), or
+            ``None`` for every agent of the fleet (one subscription: a host
+            serving a population).
         take_over: called for each session found dead.
+        serves: with ``agents=None``, which agent names to act for (the
+            leases of others are ignored).
         interval: seconds between checks of the timers.
         resync_interval: seconds between listings of the lease keys.
     """
@@ -799,37 +805,57 @@ class Recovery:
     def __init__(
         self,
         store: SessionStore,
-        agent: str,
-        take_over: Callable[[str, int], Awaitable[None]],
+        agents: str | Sequence[str] | None,
+        take_over: Callable[[str, str, int], Awaitable[None]],
         *,
+        serves: Callable[[str], bool] | None = None,
         interval: float = 2.0,
         resync_interval: float = 30.0,
     ) -> None:
         self.store = store
-        self.agent = agent
         self._take_over = take_over
         self.interval = interval
         self.resync_interval = resync_interval
         self.watched: dict[str, _Watched] = {}
+        """Running sessions by lease key (``<agent>.<session>``)."""
         self._gone: set[str] = set()
-        self._updates = KeyUpdates(store.bus, store.leases, f"{agent}.*", self._heard)
-        self._prefix = f"{agent}."
+        if agents is None:
+            self._patterns = ["*.*"]
+        else:
+            self._patterns = [f"{a}.*" for a in ([agents] if isinstance(agents, str) else agents)]
+        self._serves = serves
+        self._updates = [
+            KeyUpdates(store.bus, store.leases, pattern, self._heard) for pattern in self._patterns
+        ]
         self._reconnects = -1
         self._resynced = 0.0
 
+    @property
+    def agent(self) -> str:
+        """What is followed, for log lines."""
+        return ", ".join(p[:-2] if p != "*.*" else "every agent" for p in self._patterns)
+
+    def _ours(self, key: str) -> bool:
+        return self._serves is None or self._serves(key.partition(".")[0])
+
     def _heard(self, key: str, value: bytes | None) -> None:
-        session = key[len(self._prefix) :]
+        if not self._ours(key):
+            return
         owner = _lease_owner(value) if value else None
         if owner is None:
-            self.watched.pop(session, None)
-            self._gone.add(session)
+            self.watched.pop(key, None)
+            self._gone.add(key)
             return
-        self._gone.discard(session)
-        watched = self.watched.get(session)
+        self._gone.discard(key)
+        watched = self.watched.get(key)
         if watched is None:
-            self.watched[session] = _Watched(None, time.monotonic())
+            self.watched[key] = _Watched(None, time.monotonic())
         else:
             watched.since = time.monotonic()
+
+    @property
+    def _reconnects_seen(self) -> int:
+        return self._updates[0].reconnects
 
     async def start(self) -> None:
         """Follow the lease writes and learn the current leases.
@@ -838,28 +864,30 @@ class Recovery:
             BusError: the subscription failed.
             StoreError: the listing failed.
         """
-        await self._updates.start()
+        for updates in self._updates:
+            await updates.start()
         await self._resync()
 
     async def close(self) -> None:
-        """Stop following (the subscription is removed)."""
-        await self._updates.close()
+        """Stop following (the subscriptions are removed)."""
+        for updates in self._updates:
+            await updates.close()
 
     async def _resync(self) -> None:
-        reconnects = self._updates.reconnects
+        reconnects = self._reconnects_seen
         if reconnects != self._reconnects:
             self._gone.clear()  # writes may have been missed while away
             self._reconnects = reconnects
         self._resynced = time.monotonic()
-        for key in await self.store.leases.subjects(f"{self.agent}.*"):
-            session = key[len(self._prefix) :]
-            if session in self.watched or session in self._gone:
-                continue
-            entry = await self.store.leases.get_or_none(key)
-            if entry is None or _lease_owner(entry.value) is None:
-                self._gone.add(session)
-                continue
-            self.watched[session] = _Watched(entry.revision, time.monotonic())
+        for pattern in self._patterns:
+            for key in await self.store.leases.subjects(pattern):
+                if key in self.watched or key in self._gone or not self._ours(key):
+                    continue
+                entry = await self.store.leases.get_or_none(key)
+                if entry is None or _lease_owner(entry.value) is None:
+                    self._gone.add(key)
+                    continue
+                self.watched[key] = _Watched(entry.revision, time.monotonic())
 
     async def check(self) -> None:
         """Look at the timers once: confirm silent leases, take over dead ones.
@@ -870,23 +898,23 @@ class Recovery:
         now = time.monotonic()
         if (
             now - self._resynced >= self.resync_interval
-            or self._updates.reconnects != self._reconnects
+            or self._reconnects_seen != self._reconnects
         ):
             await self._resync()
         ttl = self.store.lease_ttl
-        for session, watched in list(self.watched.items()):
+        for key, watched in list(self.watched.items()):
             if now - watched.since <= ttl:
                 continue
-            key = session_key(self.agent, session)
             entry = await self.store.leases.get_or_none(key)
             if entry is None or _lease_owner(entry.value) is None:
-                self.watched.pop(session, None)
+                self.watched.pop(key, None)
                 continue
             if entry.revision != watched.revision:
                 watched.revision, watched.since = entry.revision, time.monotonic()
                 continue
-            self.watched.pop(session, None)
-            await self._take_over(session, entry.revision)
+            self.watched.pop(key, None)
+            agent, _, session = key.partition(".")
+            await self._take_over(agent, session, entry.revision)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Check every ``interval`` seconds until ``stop`` is set."""

@@ -1,0 +1,153 @@
+"""Tools with which an agent on the bus talks from its own loop.
+
+Opt in per agent by adding them to its toolkit::
+
+    agent = Agent("alice", "...", model, toolkit=Toolkit(talk_tools()))
+
+- ``send_message(to, message, wait_for_reply=False)``: a direct message to
+  another agent's inbox, recorded in the recipient's memory in this reply's
+  session; with ``wait_for_reply`` the recipient answers and the answer is
+  the tool's result.
+- ``publish(topic, message)``: a broadcast on ``<prefix>.topic.<topic>``,
+  recorded by every agent observing the topic.
+
+They work while the agent is served by an
+:class:`~fleetbus.agents.serving.AgentHost` (or ``AgentService``), which
+tells them the bus, the agent's name and the session; elsewhere they answer
+with an error the model sees.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass
+from typing import Final
+
+from fleetbus.bus import Bus
+from fleetbus.bus.subjects import check_name
+from fleetbus.errors import BusError, FleetbusError, ToolError
+from fleetbus.protocol import AgentMessage, ErrorMessage, Event, FinalAnswer, TextBlock
+from fleetbus.tools_workers.tool import Tool, tool
+
+__all__ = ["MAX_TALK_CHARS", "REPLY_TIMEOUT", "publish", "send_message", "talk_tools"]
+
+MAX_TALK_CHARS: Final = 8000
+"""Longest message the talk tools send, in characters."""
+
+REPLY_TIMEOUT: Final = 120.0
+"""Seconds ``send_message(wait_for_reply=True)`` waits for the answer."""
+
+_DELIVERY_TIMEOUT: Final = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Speaker:
+    bus: Bus
+    name: str
+    session: str
+
+
+_speaker: contextvars.ContextVar[_Speaker | None] = contextvars.ContextVar(
+    "fleetbus_speaker", default=None
+)
+
+
+def speaking(bus: Bus, name: str, session: str) -> contextvars.Token[_Speaker | None]:
+    """Let the talk tools of the reply about to run speak as ``name`` in
+    ``session`` (the host calls this; tasks started later inherit it)."""
+    return _speaker.set(_Speaker(bus, name, session))
+
+
+def hush(token: contextvars.Token[_Speaker | None]) -> None:
+    """Undo :func:`speaking`."""
+    _speaker.reset(token)
+
+
+def _who() -> _Speaker:
+    speaker = _speaker.get()
+    if speaker is None:
+        raise ToolError("this agent is not served on the bus: it cannot send messages")
+    return speaker
+
+
+def _text(message: str) -> str:
+    if not message.strip():
+        raise ToolError("the message is empty")
+    if len(message) > MAX_TALK_CHARS:
+        raise ToolError(f"the message is {len(message)} characters; the limit is {MAX_TALK_CHARS}")
+    return message
+
+
+async def _send_message(to: str, message: str, wait_for_reply: bool = False) -> str:
+    """Send a direct message to another agent of the fleet.
+
+    Args:
+        to: the other agent's name.
+        message: what to tell it.
+        wait_for_reply: wait for its answer and return it (it replies in
+            this conversation); otherwise it only hears the message.
+    """
+    me = _who()
+    try:
+        check_name(to, what="agent name")
+    except FleetbusError as exc:
+        raise ToolError(str(exc)) from exc
+    if to == me.name:
+        raise ToolError("that is yourself; name another agent")
+    note = AgentMessage(
+        sender=me.name,
+        session_id=me.session,
+        name=me.name,
+        content=[TextBlock(text=_text(message))],
+        reply=wait_for_reply,
+    )
+    timeout = REPLY_TIMEOUT if wait_for_reply else _DELIVERY_TIMEOUT
+    try:
+        answer = await me.bus.request(me.bus.subjects.agent_inbox(to), note, timeout=timeout)
+    except BusError as exc:
+        raise ToolError(f"the message to {to} was not delivered: {exc}") from exc
+    if isinstance(answer, ErrorMessage):
+        raise ToolError(f"{to} could not take the message: {answer.message}")
+    if isinstance(answer, FinalAnswer):
+        return str(answer.content)
+    if isinstance(answer, Event):
+        return f"delivered to {to}"
+    raise ToolError(f"{to} answered with an unexpected {type(answer).__name__}")
+
+
+async def _publish(topic: str, message: str) -> str:
+    """Publish a message on a topic: every agent observing the topic hears it.
+
+    Args:
+        topic: the topic's name.
+        message: what to announce.
+    """
+    me = _who()
+    try:
+        subject = me.bus.subjects.topic(topic)
+    except FleetbusError as exc:
+        raise ToolError(str(exc)) from exc
+    note = AgentMessage(
+        sender=me.name,
+        session_id=me.session,
+        name=me.name,
+        content=[TextBlock(text=_text(message))],
+        reply=False,
+    )
+    try:
+        await me.bus.publish(subject, note)
+    except BusError as exc:
+        raise ToolError(f"the message was not published on {topic}: {exc}") from exc
+    return f"published on {topic}"
+
+
+send_message: Tool = tool(name="send_message", concurrency_safe=True)(_send_message)
+"""The tool ``send_message``."""
+
+publish: Tool = tool(name="publish", concurrency_safe=True)(_publish)
+"""The tool ``publish``."""
+
+
+def talk_tools() -> list[Tool]:
+    """``send_message`` and ``publish``, to add to an agent's toolkit."""
+    return [send_message, publish]
