@@ -21,10 +21,27 @@ without it ``ScriptedModel`` estimates usage from the repr of the whole
 history on every call, a model-side cost that grows with the conversation and
 would blur the loop's own. Memory grows by two messages an iteration and is
 part of the cost: whatever the loop does over the whole conversation each
-step makes the figures grow with ``--iterations``.
+step makes the figures grow with ``--iterations``. The script calls the same
+tool with the same arguments every step, so these agents run without loop
+detection (``max_repeated_calls=None``), as the hand-written loop does.
 
-Prints one JSON line. Target: the remote case under 1 ms an iteration
-(median, uvloop when measured).
+``memory``: the cost of a step against the length of the conversation. One
+agent for each of ``--memory-sizes`` (10, 100 and 1,000) prior messages
+(earlier replies: a request, a noop call, its result, an answer) replies with
+``--memory-iterations`` steps (two noop calls, then the answer; the tool
+in-process, loop detection on), the sizes taking turns; before each reply its
+memory is cut back to its prior messages, so each reply starts at its size.
+The first replies (warm-up) are not measured: an agent works on each message
+of its memory once, and the figures are its steady state, as for an agent
+that has answered many requests. Measured: the median of reply time /
+steps, for each size, and ``ratio_1000_10``, the figure at 1,000 messages
+over the one at 10 (the largest size over the smallest): 1 when a step does
+not grow with memory. The prior messages are frozen out of the garbage
+collector (``gc.freeze``): a larger heap makes full collections slower, which
+is not the loop's work.
+
+Prints one JSON line. Targets: the remote case under 1 ms an iteration
+(median, uvloop when measured); ``ratio_1000_10`` at most 1.5.
 """
 
 from __future__ import annotations
@@ -52,7 +69,7 @@ from typing import IO, Any
 # script runs from bench/, where the module is top-level.
 from _noop_tools import noop
 
-from fleetbus.agents import Agent
+from fleetbus.agents import Agent, Msg
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
 from fleetbus.models.model import ModelRequest, ModelResponse
 from fleetbus.protocol import ChatMessage, TextBlock, ToolResultBlock, ToolUseBlock, Usage
@@ -64,6 +81,7 @@ ROOT = HERE.parent
 SYSTEM_PROMPT = "You call noop until you are done."
 PROMPT = "Call noop."
 TARGET_REMOTE_US = 1000.0
+TARGET_MEMORY_RATIO = 1.5
 
 RunTool = Callable[[ToolUseBlock], Awaitable[ToolResultBlock]]
 
@@ -153,7 +171,14 @@ def script(iterations: int) -> list[Turn]:
 async def agent_reply(toolkit: Toolkit, iterations: int) -> float:
     """Seconds of one ``Agent.reply()``; checks it ran every call and answered."""
     model = ScriptedModel(script(iterations))
-    agent = Agent("bench", SYSTEM_PROMPT, model, toolkit=toolkit, max_iters=iterations)
+    agent = Agent(
+        "bench",
+        SYSTEM_PROMPT,
+        model,
+        toolkit=toolkit,
+        max_iters=iterations,
+        max_repeated_calls=None,
+    )
     started = time.perf_counter()
     final = await agent.reply(PROMPT)
     elapsed = time.perf_counter() - started
@@ -295,6 +320,81 @@ async def measure(
     return results
 
 
+# -- a step against the length of memory ---------------------------------------------
+
+
+def prior_messages(count: int) -> list[Msg]:
+    """``count`` messages of earlier replies: a request, a noop call, its
+    result, an answer; a request and an answer to make up the count."""
+    messages: list[Msg] = []
+    while len(messages) + 4 <= count:
+        use = ToolUseBlock(id=f"call_prior_{len(messages)}", name="noop", input={})
+        result = ToolResultBlock(id=use.id, name="noop", output=None)
+        messages += [
+            Msg.text_message("user", PROMPT),
+            Msg(role="assistant", name="bench", content=[use]),
+            Msg(role="tool", name="noop", content=[result]),
+            Msg.text_message("assistant", "Done.", name="bench"),
+        ]
+    while len(messages) < count:
+        if len(messages) % 2 == 0:
+            messages.append(Msg.text_message("user", PROMPT))
+        else:
+            messages.append(Msg.text_message("assistant", "Done.", name="bench"))
+    return messages
+
+
+async def memory_reply(agent: Agent, prior: int, iterations: int) -> float:
+    """Seconds of one reply of ``agent`` with its memory cut back to ``prior`` messages."""
+    del agent.memory[prior:]
+    agent.model = ScriptedModel(script(iterations))
+    started = time.perf_counter()
+    final = await agent.reply(PROMPT)
+    elapsed = time.perf_counter() - started
+    results = [b for m in agent.memory[prior:] for b in m.tool_results]
+    if final.finished_reason != "completed" or len(results) != iterations - 1:
+        raise RuntimeError(f"the agent ended {final.finished_reason!r}: {final.content!r}")
+    return elapsed
+
+
+async def measure_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """Median microseconds a step at each memory size (see the module docstring)."""
+    sizes, iterations = args.memory_sizes, args.memory_iterations
+    toolkit = Toolkit([noop])
+    agents: dict[int, Agent] = {}
+    for size in sizes:
+        agent = Agent(
+            "bench", SYSTEM_PROMPT, ScriptedModel(), toolkit=toolkit, max_iters=iterations
+        )
+        agent.memory.extend(prior_messages(size))
+        agents[size] = agent
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    gc.collect()
+    gc.freeze()
+    try:
+        async with asyncio.timeout(args.deadline):
+            for index in range(args.warmup + args.runs):
+                order = sizes if index % 2 == 0 else sizes[::-1]
+                for size in order:
+                    elapsed = await memory_reply(agents[size], size, iterations)
+                    if index >= args.warmup:
+                        times[size].append(elapsed / iterations * 1e6)
+    finally:
+        gc.unfreeze()
+    step_us = {str(size): round(statistics.median(times[size]), 1) for size in sizes}
+    smallest, largest = min(sizes), max(sizes)
+    ratio = statistics.median(times[largest]) / statistics.median(times[smallest])
+    return {
+        "iterations": iterations,
+        "tool_calls": iterations - 1,
+        "step_us": step_us,
+        "step_min_max_us": {
+            str(size): [round(min(times[size]), 1), round(max(times[size]), 1)] for size in sizes
+        },
+        f"ratio_{largest}_{smallest}": round(ratio, 2),
+    }
+
+
 def run_loop(kind: str, coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
     if kind == "uvloop":
         import uvloop
@@ -317,9 +417,20 @@ def main() -> None:
         "--loops", default=default_loops(), help="event loops to measure (default: %(default)s)"
     )
     parser.add_argument("--deadline", type=float, default=25.0, help="seconds a loop may take")
+    parser.add_argument(
+        "--memory-sizes",
+        type=lambda text: sorted({int(n) for n in text.split(",")}),
+        default=[10, 100, 1000],
+        help="prior messages in memory, comma-separated (default: 10,100,1000)",
+    )
+    parser.add_argument(
+        "--memory-iterations", type=int, default=3, help="model steps a reply at each memory size"
+    )
     args = parser.parse_args()
     if args.iterations < 2 or args.runs < 1 or args.warmup < 0:
         parser.error("need --iterations >= 2, --runs >= 1, --warmup >= 0")
+    if args.memory_iterations < 2 or len(args.memory_sizes) < 2 or min(args.memory_sizes) < 0:
+        parser.error("need --memory-iterations >= 2 and two --memory-sizes or more, >= 0")
     # SIGTERM (a CI timeout) unwinds like Ctrl-C, so the worker and the
     # server are stopped on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -342,9 +453,13 @@ def main() -> None:
             with worker_process(server.url, prefix, kind) as worker:
                 report[kind] = run_loop(kind, measure(server.url, prefix, worker, args))
     target_loop = "uvloop" if "uvloop" in kinds else kinds[0]
+    memory = run_loop(target_loop, measure_memory(args))
+    report["memory"] = {"loop": target_loop, **memory}
+    memory_ratio = memory[f"ratio_{max(args.memory_sizes)}_{min(args.memory_sizes)}"]
     report["targets_loop"] = target_loop
     report["targets_met"] = {
         "remote_under_1ms": report[target_loop]["remote"]["fleetbus_us"] < TARGET_REMOTE_US,
+        "memory_ratio_at_most_1_5": memory_ratio <= TARGET_MEMORY_RATIO,
     }
     report["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report, separators=(",", ":")))

@@ -1,16 +1,20 @@
 """The model calls of one reply: the prompt and the tools offered, retries
 with jittered backoff and the fallback model, the streaming of one call under
-its timeout, the last words without tools, and compression before a step."""
+its timeout, the last words without tools, and compression before a step.
+
+Nothing here goes over the whole memory at every step: the prompt, the token
+count compression checks and the tool call ids come from the state's
+:class:`~fleetbus.agents.state.MemoryIndex`, which works on each message once.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import Any
 
 import msgspec
@@ -74,11 +78,8 @@ class ModelCalls:
         self.settings = scope.settings
         self.state = scope.state
         self.reply = scope.reply
-
-    @functools.cached_property
-    def _used_ids(self) -> set[str]:
-        """Every tool call id of the conversation (updated as calls are added)."""
-        return {u.id for m in self.state.memory for u in m.tool_uses}
+        self._specs_tokens: tuple[list[ToolSpec], int] | None = None
+        """The tool specs last counted, and their tokens."""
 
     def prompt(self, *extra: Msg) -> list[ChatMessage]:
         """The messages of the next model call: system prompt, memory, plan hint, ``extra``."""
@@ -86,7 +87,7 @@ class ModelCalls:
         for middleware in self.settings.middlewares:
             system = middleware.system_prompt(system, self.scope.ctx)
         messages = [ChatMessage(role="system", content=[TextBlock(text=system)])] if system else []
-        messages.extend(m.to_chat() for m in self.state.memory if "hint" not in m.marks)
+        messages += self.state.memory_index().chats
         if self.state.plan is not None:
             hint = self.state.plan.hint()
             if hint:
@@ -111,11 +112,8 @@ class ModelCalls:
                 options=dict(self.settings.model_config.options),
             )
             response = await self.call_model(request)
-            return Msg(
-                role="assistant",
-                name=self.settings.name,
-                content=_fix_ids(response, self._used_ids),
-            )
+            used = self.state.memory_index().call_ids
+            return Msg(role="assistant", name=self.settings.name, content=_fix_ids(response, used))
 
         call = self.scope.onion("on_reasoning", step)
         return await call()
@@ -245,12 +243,24 @@ class ModelCalls:
         return text
 
     async def maybe_compress(self) -> None:
-        """Compress memory if it is over the context's threshold."""
+        """Compress memory if it is over the context's threshold.
+
+        Memory's tokens come from the state's index: the sum of its messages'
+        counts, each message counted once — what :func:`compress` counts
+        first, counts adding up (see
+        :class:`~fleetbus.agents.compression.TokenCounter`). Only past the
+        threshold does :func:`compress` go over memory.
+        """
         settings = self.settings
         config = settings.context
         counter = settings.token_counter
-        specs = json.dumps([msgspec.to_builtins(s) for s in tool_specs(self.scope)])
-        system_tokens = counter.count_text(settings.system_prompt) + counter.count_text(specs)
+        system_tokens = counter.count_text(settings.system_prompt) + self._tools_tokens(counter)
+        try:
+            tokens = self.state.memory_index().tokens(counter)
+        except Exception:  # compress() counts again, and logs why it cannot
+            tokens = None
+        if tokens is not None and system_tokens + tokens <= config.trigger_tokens:
+            return
         model = settings.model
 
         async def summarize(messages: list[Msg]) -> Any:
@@ -272,16 +282,29 @@ class ModelCalls:
         if result.summary is not None:
             self.state.summary = result.summary
 
+    def _tools_tokens(self, counter: Any) -> int:
+        """The tokens of the tool specs on offer (counted again only when they change)."""
+        specs = tool_specs(self.scope)
+        last = self._specs_tokens
+        if last is not None and last[0] == specs:
+            return last[1]
+        text = json.dumps([msgspec.to_builtins(s) for s in specs])
+        tokens: int = counter.count_text(text)
+        self._specs_tokens = (specs, tokens)
+        return tokens
 
-def _fix_ids(response: ModelResponse, used: set[str]) -> list[Any]:
-    """Give every tool call an id unique in the conversation (adding it to
-    ``used``): some models omit ids or reuse them across turns."""
+
+def _fix_ids(response: ModelResponse, used: Container[str]) -> list[Any]:
+    """Give every tool call an id unique in the conversation (``used``: the
+    ids in memory) and in the response: some models omit ids or reuse them
+    across turns."""
     content: list[Any] = []
+    taken: set[str] = set()
     for block in response.content:
-        if isinstance(block, ToolUseBlock) and (not block.id or block.id in used):
-            block = msgspec.structs.replace(block, id=f"call_{new_id()[:16]}")
         if isinstance(block, ToolUseBlock):
-            used.add(block.id)
+            if not block.id or block.id in used or block.id in taken:
+                block = msgspec.structs.replace(block, id=f"call_{new_id()[:16]}")
+            taken.add(block.id)
         content.append(block)
     return content
 

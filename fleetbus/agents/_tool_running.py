@@ -347,16 +347,21 @@ class ToolRunner:
         )
 
     def unanswered_uses(self) -> list[ToolUseBlock]:
-        """Tool calls of the last assistant message that have no result."""
-        answered = {b.id for m in self.state.memory for b in m.tool_results}
-        waiting = {p.call_id for p in self.reply.pending}
+        """Tool calls of the last assistant message that have no result.
+
+        Only the messages after it are read: a result comes after its call,
+        and call ids are unique in memory (the model calls make them so).
+        """
+        answered: set[str] = set()
         for message in reversed(self.state.memory):
             if message.role == "assistant":
+                waiting = {p.call_id for p in self.reply.pending}
                 return [
                     u for u in message.tool_uses if u.id not in answered and u.id not in waiting
                 ]
             if message.role == "user":
                 return []
+            answered.update(b.id for b in message.tool_results)
         return []
 
     def close_open_calls(self, state: ToolStatus, text: str) -> None:

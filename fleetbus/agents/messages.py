@@ -104,5 +104,18 @@ class Msg(BaseModel):
         return self.model_copy(update={"marks": self.marks | set(marks)})
 
     def to_chat(self) -> ChatMessage:
-        """As a protocol ``ChatMessage`` (what a model is sent)."""
-        return ChatMessage(role=self.role, content=list(self.content), name=self.name or None)
+        """As a protocol ``ChatMessage`` (what a model is sent).
+
+        Made once per message and then reused (it is frozen; do not change its
+        content list): an agent sends its whole memory at every step.
+        """
+        # Kept in __dict__ as functools.cached_property keeps its value: pydantic
+        # neither serializes nor compares it. model_copy copies it along, so it
+        # is checked against the content, role and name it was made from.
+        made = self.__dict__.get("_chat")
+        if made is not None and made[0] is self.content and made[1] == (self.role, self.name):
+            chat: ChatMessage = made[2]
+            return chat
+        chat = ChatMessage(role=self.role, content=list(self.content), name=self.name or None)
+        self.__dict__["_chat"] = (self.content, (self.role, self.name), chat)
+        return chat
