@@ -104,9 +104,36 @@ class Retry:
                 (or the deadline comes), or the first one ``on`` does not
                 retry.
         """
+        # The first attempt runs outside stamina: setting up its retry
+        # context costs more than a fast call (a store write), and most
+        # first attempts succeed. A failure it would retry is replayed as
+        # stamina's first attempt, so the schedule is stamina's all the same.
+        started = asyncio.get_running_loop().time()
+        try:
+            return await fn(*args, **kwargs)
+        except Exception as exc:
+            if not self._retries(exc):
+                raise
+            first: BaseException = exc
+        return await self._retry(fn, args, kwargs, first, started)
+
+    def _retries(self, exc: Exception) -> bool:
+        on = self.on
+        if isinstance(on, type | tuple):
+            return isinstance(exc, on)
+        return bool(on(exc))
+
+    async def _retry(
+        self,
+        fn: Callable[..., Awaitable[_T]],
+        args: tuple[object, ...],
+        kwargs: dict[str, object],
+        first: BaseException,
+        started: float,
+    ) -> _T:
         attempts, timeout = self.attempts, self.timeout
         if timeout is not None and timeout <= 0:
-            attempts, timeout = 1, None  # stamina warns on timeout=0; it means this
+            raise first  # no retries
         on = self.on
         if not isinstance(on, type | tuple):
             on = _only_exceptions(on)
@@ -120,8 +147,9 @@ class Retry:
         ).__aiter__()
         # stamina schedules no retry past its timeout, but lets a wait begun
         # before it run on; the deadline cuts that wait short.
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        deadline = None if timeout is None else started + timeout
         failure: BaseException | None = None
+        replay: BaseException | None = first
         while True:
             try:
                 async with asyncio.timeout_at(deadline):
@@ -133,6 +161,9 @@ class Retry:
                 break
             with attempt:
                 try:
+                    if replay is not None:  # the first attempt, made in call()
+                        replayed, replay = replay, None
+                        raise replayed
                     return await fn(*args, **kwargs)
                 except BaseException as exc:
                     failure = exc

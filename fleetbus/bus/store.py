@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 
 # JetStream's "wrong last sequence" API error codes (a compare-and-set lost).
 _WRONG_LAST_SEQUENCE = (10071, 10164)
+_KV_OPERATION = "KV-Operation"
+_EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,7 @@ class KeyValueStore:
         self._kv = kv
         self._js: JetStreamContext = js if js is not None else kv._js
         self.bucket = bucket
+        self._prefix: str = getattr(kv, "_pre", None) or Subjects.kv_keys(bucket, "")
 
     async def get(self, key: str) -> Entry:
         """The current value of ``key``.
@@ -198,17 +201,22 @@ class KeyValueStore:
         except (nats.errors.Error, TimeoutError) as exc:
             raise _store_error(exc, f"update {key!r}") from exc
 
-    async def delete(self, key: str, *, revision: int | None = None) -> None:
-        """Delete ``key`` (a no-op if it does not exist); with ``revision``,
-        only if the key is still at that revision (compare-and-delete).
+    async def delete(self, key: str, *, revision: int | None = None) -> int:
+        """Delete ``key``; with ``revision``, only if the key is still at that
+        revision (compare-and-delete). Returns the revision of the deletion
+        marker: a compare-and-set :meth:`update` against it writes the key
+        again without reading it first.
 
         Raises:
             RevisionMismatchError: ``revision`` was given and someone else
                 wrote the key since.
             StoreError: the delete failed.
         """
+        headers = {_KV_OPERATION: "DEL"}
+        if revision:
+            headers[_EXPECTED_LAST] = str(revision)
         try:
-            await self._kv.delete(key, last=revision)
+            ack = await self._js.publish(f"{self._prefix}{key}", headers=headers)
         except nats.js.errors.APIError as exc:
             if revision is not None and exc.err_code in _WRONG_LAST_SEQUENCE:
                 raise RevisionMismatchError(
@@ -219,6 +227,25 @@ class KeyValueStore:
             raise _store_error(exc, f"delete {key!r}") from exc
         except (nats.errors.Error, TimeoutError) as exc:
             raise _store_error(exc, f"delete {key!r}") from exc
+        return int(ack.seq)
+
+    async def revision(self, key: str) -> int | None:
+        """The revision of ``key``'s last write, a deletion included (``None``:
+        never written, or purged): what :meth:`update` compares against.
+
+        Raises:
+            StoreError: the read failed.
+        """
+        try:
+            entry = await self._kv.get(key)
+        except nats.js.errors.KeyDeletedError as exc:
+            marker = exc.entry
+            return int(marker.revision) if marker is not None and marker.revision else None
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, f"get {key!r}") from exc
+        return int(entry.revision or 0) or None
 
     async def subjects(self, pattern: str = ">") -> list[str]:
         """The keys matching ``pattern`` (``*`` and ``>`` wildcards) that hold a

@@ -9,20 +9,21 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
 from fleetbus.agents import Agent, Permissions
+from fleetbus.agents.serving.host import AgentHost, AgentSource
 from fleetbus.agents.serving.remote import RemoteAgent
-from fleetbus.agents.serving.service import AgentService
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.bus.subjects import check_name
@@ -62,7 +63,7 @@ from fleetbus.protocol import (
     new_id,
     to_builtins,
 )
-from fleetbus.tools_workers import Toolkit, load_toolkit
+from fleetbus.tools_workers import RemoteToolProxy, Toolkit, load_toolkit
 
 __all__ = ["add_fleet_commands", "commands", "load_agents", "stream_reply"]
 
@@ -70,12 +71,33 @@ __all__ = ["add_fleet_commands", "commands", "load_agents", "stream_reply"]
 def add_fleet_commands(sub: Any, bus_options: Any) -> None:
     """Add the fleet commands to the ``fleetbus`` parser."""
     p = sub.add_parser("agent", help="serve agents on the bus (module:factory or a TOML file)")
-    p.add_argument("spec", metavar="SPEC", help="module:factory returning Agent(s), or agents.toml")
+    p.add_argument(
+        "spec",
+        metavar="SPEC",
+        help="module:factory returning Agent(s) or a population (an AgentSource), or agents.toml",
+    )
     p.add_argument(
         "--replicas", type=int, default=1, help="processes serving each agent (default 1)"
     )
+    p.add_argument(
+        "--group",
+        help="serve with wildcard subscriptions in queue group host.GROUP, shared by every "
+        "process started with this group (default for a population: its name)",
+    )
     p.add_argument("--topic", action="append", default=[], help="a broadcast topic to observe")
+    p.add_argument(
+        "--durable-topics",
+        action="store_true",
+        help="keep the topics in JetStream streams, so a host that was down catches up",
+    )
     p.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a session lease lasts")
+    p.add_argument(
+        "--checkpoints",
+        choices=("step", "reply"),
+        default="step",
+        help="write sessions ahead of every side effect (step, the default), or only when a "
+        "request is taken and answered (reply: half the writes; a take-over reruns the reply)",
+    )
     p.add_argument(
         "--no-remote-tools",
         action="store_true",
@@ -161,6 +183,24 @@ def load_agents(
         ConfigError: nothing loadable, not agents, or a model that cannot be
             configured.
     """
+    served = load_served(spec, model=model, settings=settings)
+    if not isinstance(served, list):
+        raise ConfigError(f"{spec} is a population of agents, not a list of them")
+    return served
+
+
+def load_served(
+    spec: str, *, model: str | None = None, settings: Mapping[str, Any] | None = None
+) -> list[Agent] | PopulationSpec:
+    """What ``fleetbus agent SPEC`` serves: agents (see :func:`load_agents`),
+    or a population — an :class:`~fleetbus.agents.serving.AgentSource` that
+    builds its agents on demand, each given ``model`` and ``settings`` as it
+    is built.
+
+    Raises:
+        ConfigError: nothing loadable, not agents, or a model that cannot be
+            configured.
+    """
     cli = {k: v for k, v in (settings or {}).items() if v is not None}
     if spec.endswith(".toml"):
         return _agents_from_toml(Path(spec), model, cli)
@@ -173,8 +213,11 @@ def load_agents(
         target: Any = getattr(module, attr or "agents", None)
         if target is None:
             raise ConfigError(f"module {module_name!r} has no attribute {attr or 'agents'!r}")
-        if callable(target) and not isinstance(target, Agent):
+        if callable(target) and not isinstance(target, Agent | AgentSource):
             target = target()
+    if isinstance(target, AgentSource) and not isinstance(target, Agent | list | tuple):
+        name = getattr(target, "name", None) or attr or module_name.rpartition(".")[2]
+        return PopulationSpec(target, re.sub(r"[^A-Za-z0-9_-]", "-", str(name))[:64], model, cli)
     agents = (
         [target]
         if isinstance(target, Agent)
@@ -183,19 +226,85 @@ def load_agents(
         else []
     )
     if not agents or not all(isinstance(a, Agent) for a in agents):
-        raise ConfigError(f"{spec} is not an Agent, a list of agents, or a factory of them")
+        raise ConfigError(
+            f"{spec} is not an Agent, a list of agents, a population, or a factory of them"
+        )
     names = [a.name for a in agents]
     if len(set(names)) != len(names):
         raise ConfigError(f"{spec} defines agents with the same name: {names}")
-    if model is not None or cli:
-        merged = load_model_settings(cli=cli)
-        # Only what the command line gave overrides the factory's own ModelConfig.
-        given = ModelSettings.model_construct(**{k: getattr(merged, k) for k in cli})
-        for agent in agents:
-            if model is not None:
-                agent.model = model_from_string(model, merged)
-            agent.model_config = model_config_from_settings(given, base=agent.model_config)
+    for agent in agents:
+        _apply_model(agent, model, cli)
     return agents
+
+
+def _apply_model(agent: Agent, model: str | None, cli: Mapping[str, Any]) -> None:
+    """Give ``agent`` the model and settings of the command line, if any."""
+    if model is None and not cli:
+        return
+    merged = load_model_settings(cli=cli)
+    # Only what the command line gave overrides the factory's own ModelConfig.
+    given = ModelSettings.model_construct(**{k: getattr(merged, k) for k in cli})
+    if model is not None:
+        agent.model = model_from_string(model, merged)
+    agent.model_config = model_config_from_settings(given, base=agent.model_config)
+
+
+class PopulationSpec:
+    """A population served by ``fleetbus agent``: each agent it builds gets
+    the command line's model and settings, and the tools served on the bus
+    (once :meth:`with_remote_tools` found them).
+
+    Args:
+        source: the population.
+        name: the host group it is served in by default.
+        model: a model string for every agent.
+        cli: model settings from the command line.
+    """
+
+    def __init__(
+        self, source: AgentSource, name: str, model: str | None, cli: Mapping[str, Any]
+    ) -> None:
+        self.source = source
+        self.name = name
+        self._model = model
+        self._cli = dict(cli)
+        self._remote: list[RemoteToolProxy] = []
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.source
+
+    def __iter__(self) -> Iterator[str]:
+        if not isinstance(self.source, Iterable):
+            raise ConfigError(f"the population {self.name} cannot list its agents")
+        return iter(self.source)
+
+    def agent(self, name: str) -> Agent:
+        agent = self.source.agent(name)
+        _apply_model(agent, self._model, self._cli)
+        if self._remote:
+            if agent.toolkit is None:
+                agent.toolkit = Toolkit()
+            if isinstance(agent.toolkit, Toolkit):
+                for proxy in self._remote:
+                    if proxy.name not in agent.toolkit:
+                        agent.toolkit.add(proxy, group="remote")
+        return agent
+
+    def sample(self) -> Agent:
+        """One agent of the population (to check its model), built now.
+
+        Raises:
+            ConfigError: the population is empty or cannot list its agents.
+        """
+        for name in self:
+            return self.agent(name)
+        raise ConfigError(f"the population {self.name} has no agents")
+
+    async def with_remote_tools(self, client: ToolClient) -> list[str]:
+        """Find the tools served on the bus; every agent built from now on has them."""
+        found = await client.discover(timeout=1.0)
+        self._remote = [RemoteToolProxy(spec, client) for spec in found.values()]
+        return sorted(found)
 
 
 @contextlib.contextmanager
@@ -286,18 +395,22 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise ConfigError("--replicas must be at least 1")
     # Fail here, once, on a bad spec or a model that cannot be configured.
-    agents = load_agents(args.spec, model=args.model, settings=model_options(args))
+    served = load_served(args.spec, model=args.model, settings=model_options(args))
     if args.replicas > 1:
-        run(_check_models_once(args, agents))
+        run(_check_models_once(args, served))
         return _supervise(args)
-    return run(_serve_agents(args, agents))
+    return run(_serve_agents(args, served))
 
 
-async def _check_models_once(args: argparse.Namespace, agents: list[Agent]) -> int:
+def _to_check(served: list[Agent] | PopulationSpec) -> list[Agent]:
+    return served if isinstance(served, list) else [served.sample()]
+
+
+async def _check_models_once(args: argparse.Namespace, served: list[Agent] | PopulationSpec) -> int:
     """Check the models once before starting replicas (that would each fail)."""
     bus = await connect(args.nats, args.prefix)
     try:
-        await _prepare_models(bus, agents)
+        await _prepare_models(bus, _to_check(served))
     finally:
         await bus.close()
     return 0
@@ -325,42 +438,45 @@ async def _prepare_models(bus: Bus, agents: list[Agent]) -> None:
             await check_model(agent.model, timeout=MODEL_WAIT)
 
 
-async def _serve_agents(args: argparse.Namespace, agents: list[Agent]) -> int:
+async def _serve_agents(args: argparse.Namespace, served: list[Agent] | PopulationSpec) -> int:
     bus = await connect(args.nats, args.prefix, args.replica_id)
     try:
-        await _prepare_models(bus, agents)
-        for agent in agents:
+        sample = _to_check(served)
+        await _prepare_models(bus, sample)
+        for agent in sample:
             fallback = agent.model_config.fallback
             also = f", fallback {describe_model(fallback)}" if fallback is not None else ""
+            who = agent.name if isinstance(served, list) else f"population {served.name}"
             console.print(
-                f"{agent.name}: model {describe_model(agent.model)}{also}",
+                f"{who}: model {describe_model(agent.model)}{also}",
                 highlight=False,
                 soft_wrap=True,
             )
         if not args.no_remote_tools:
-            await _add_remote_tools(bus, agents)
-        services = [
-            AgentService(
-                bus,
-                agent,
-                replica_id=f"{agent.name}@{args.replica_id}" if args.replica_id else None,
-                topics=args.topic,
-                lease_ttl=args.lease_ttl,
-            )
-            for agent in agents
-        ]
-
-        def stop() -> None:
-            for service in services:
-                service.stop()
-
-        on_stop_signals(stop)
+            await _add_remote_tools(bus, served)
+        group = args.group or (None if isinstance(served, list) else served.name)
+        label = group or (
+            served[0].name if isinstance(served, list) and len(served) == 1 else "host"
+        )
+        host = AgentHost(
+            bus,
+            served,
+            group=group,
+            replica_id=f"{label}@{args.replica_id}" if args.replica_id else None,
+            topics=args.topic,
+            durable_topics=args.durable_topics,
+            lease_ttl=args.lease_ttl,
+            concurrency=16 if group is None else 256,
+            checkpoints=args.checkpoints,
+        )
+        on_stop_signals(host.stop)
         async with asyncio.TaskGroup() as tg:
-            for service in services:
-                tg.create_task(service.run())
-            for service in services:
-                await service.wait_ready(30)
-            names = ", ".join(a.name for a in agents)
+            tg.create_task(host.run())
+            await host.wait_ready(30)
+            if isinstance(served, list):
+                names = ", ".join(a.name for a in served)
+            else:
+                names = f"population {served.name} (group {group})"
             console.print(f"serving {names} on {bus.connected_url} (prefix {bus.prefix})")
         console.print("agents stopped")
     finally:
@@ -368,8 +484,18 @@ async def _serve_agents(args: argparse.Namespace, agents: list[Agent]) -> int:
     return 0
 
 
-async def _add_remote_tools(bus: Bus, agents: list[Agent]) -> None:
-    for agent in agents:
+async def _add_remote_tools(bus: Bus, served: list[Agent] | PopulationSpec) -> None:
+    if isinstance(served, PopulationSpec):
+        client = ToolClient(bus, sender=f"host.{served.name}")
+        try:
+            added = await served.with_remote_tools(client)
+        except FleetbusError as exc:
+            err_console.print(f"[yellow]no remote tools for {served.name}: {exc}[/]")
+            return
+        if added:
+            console.print(f"population {served.name}: remote tools {', '.join(added)}")
+        return
+    for agent in served:
         if agent.toolkit is None:
             agent.toolkit = Toolkit()
         if not isinstance(agent.toolkit, Toolkit):
@@ -427,6 +553,12 @@ def _child_args(args: argparse.Namespace) -> list[str]:
     out = ["agent", args.spec, "--replicas", "1", "--lease-ttl", str(args.lease_ttl)]
     for topic in args.topic:
         out += ["--topic", topic]
+    if args.group:
+        out += ["--group", args.group]
+    if args.durable_topics:
+        out.append("--durable-topics")
+    if args.checkpoints != "step":
+        out += ["--checkpoints", args.checkpoints]
     if args.no_remote_tools:
         out.append("--no-remote-tools")
     if args.model is not None:

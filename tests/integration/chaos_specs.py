@@ -171,14 +171,14 @@ def _arm_self_kills() -> None:
 
     async def die_before_delete(
         self: KeyValueStore, key: str, *, revision: int | None = None
-    ) -> None:
+    ) -> int:
         if (
             self.bucket.endswith("session_leases")
             and key == session_key(AGENT, DIE_STORED)
             and _first_time(DIE_STORED)
         ):
             os.kill(os.getpid(), signal.SIGKILL)
-        await delete(self, key, revision=revision)
+        return await delete(self, key, revision=revision)
 
     Bus.publish = publish_then_die  # type: ignore[method-assign]
     KeyValueStore.delete = die_before_delete  # type: ignore[method-assign]

@@ -59,7 +59,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import orjson
 
@@ -180,6 +180,12 @@ class AgentHost(Lifecycle):
             timers (no store scan: see :class:`Recovery`).
         drain_timeout: seconds running replies get to finish on stop.
         cache_size: agent definitions kept built (an :class:`AgentSource`'s).
+        checkpoints: ``"step"`` (the default) writes ahead of every side
+            effect, so a take-over resumes where the reply was; ``"reply"``
+            writes only when a request is taken and when its reply ends, so a
+            take-over runs the reply again from its input (its tool calls
+            too, under new call ids): half the writes, for agents whose
+            replies are short and whose tools may run twice (simulations).
 
     Raises:
         ConfigError: no group with agents that cannot be listed, two agents
@@ -201,7 +207,11 @@ class AgentHost(Lifecycle):
         recover_interval: float = 2.0,
         drain_timeout: float = 30.0,
         cache_size: int = 1024,
+        checkpoints: Literal["step", "reply"] = "step",
     ) -> None:
+        if checkpoints not in ("step", "reply"):
+            raise ConfigError(f"checkpoints is 'step' or 'reply', not {checkpoints!r}")
+        self.checkpoints = checkpoints
         if isinstance(agents, Mapping):
             agents = _Named(agents.values())
         elif not isinstance(agents, AgentSource):
@@ -434,7 +444,7 @@ class AgentHost(Lifecycle):
             return await self.store.acquire(
                 name,
                 session,
-                fresh=self.definition(name).clone().state,
+                fresh=lambda: self.definition(name).clone().state,
                 reply_to=reply_to,
                 pending_input=to_builtins(message),
                 wait=self.busy_wait,
@@ -494,7 +504,7 @@ class AgentHost(Lifecycle):
                 orphan_to = None
 
         async def checkpoint(state: AgentState) -> None:
-            if state.reply is None or state.paused:
+            if state.reply is None or state.paused or self.checkpoints == "reply":
                 return  # the end of a reply: written below with its answer and status
             await self._save(lease, self.lease_ttl, state=state, input_recorded=run.recording)
 

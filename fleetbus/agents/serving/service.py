@@ -9,6 +9,7 @@ sessions are written and taken over: see :mod:`fleetbus.agents.serving.host`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 from fleetbus.agents.agent import Agent
 from fleetbus.agents.serving.host import AgentHost
@@ -35,6 +36,7 @@ class AgentService(AgentHost):
         recover_interval: seconds between checks of the running sessions' lease
             timers (no store scan: see :class:`Recovery`).
         drain_timeout: seconds running replies get to finish on stop.
+        checkpoints: ``"step"`` or ``"reply"`` (see :class:`AgentHost`).
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class AgentService(AgentHost):
         busy_wait: float = 60.0,
         recover_interval: float = 2.0,
         drain_timeout: float = 30.0,
+        checkpoints: Literal["step", "reply"] = "step",
     ) -> None:
         super().__init__(
             bus,
@@ -62,6 +65,7 @@ class AgentService(AgentHost):
             busy_wait=busy_wait,
             recover_interval=recover_interval,
             drain_timeout=drain_timeout,
+            checkpoints=checkpoints,
         )
         self.agent = agent
         self.name = agent.name

@@ -79,6 +79,8 @@ _BLOBS = "session_blobs"
 _FORMAT = 2
 _BLOB_REF = b'{"$blob":'
 _LEASE_KEEP = 24 * 3600.0
+_RELEASED_KEPT = 20_000
+"""Leases released here whose revision is remembered (about 100 bytes each)."""
 """Seconds the lease bucket keeps a record (renewals keep live ones fresh);
 a session left running while no replica of its agent ran for longer than
 this is resumed by its next message instead of by recovery."""
@@ -198,6 +200,9 @@ class SessionStore:
         self.lease_ttl = lease_ttl
         self._cache: OrderedDict[str, tuple[int, Lease]] = OrderedDict()
         self._cache_size = cache_size
+        # The revision of the deletion marker each lease released here left:
+        # the next acquire writes against it without reading the lease first.
+        self._released: OrderedDict[str, int] = OrderedDict()
         self._blobs: ObjectStore | None = None
         self._inline_limit = max(4096, bus.max_payload - _HEADROOM)
 
@@ -350,7 +355,7 @@ class SessionStore:
         agent: str,
         session_id: str,
         *,
-        fresh: AgentState | None = None,
+        fresh: AgentState | Callable[[], AgentState] | None = None,
         reply_to: str | None = None,
         pending_input: dict[str, Any] | None = None,
         wait: float = 0.0,
@@ -363,7 +368,7 @@ class SessionStore:
         Args:
             agent: the agent's name.
             session_id: the session.
-            fresh: the state a new session starts with.
+            fresh: the state a new session starts with (or what makes it).
             reply_to: where the request being served wants its answer.
             pending_input: the request being served (JSON), stored with the
                 lease so that a take-over can serve it if this replica dies
@@ -385,6 +390,28 @@ class SessionStore:
         deadline = time.monotonic() + wait
         delay = 0.02
         seen: tuple[int, float] | None = None
+        if not take_over:
+            # The common cases in one write: a lease nobody wrote since this
+            # replica released it (compare-and-set against its deletion), or
+            # a session never leased. Anyone else's write makes this fail;
+            # then the lease is read and judged below.
+            released = self._released.pop(key, None)
+            value = self._lease_value(0, 0)
+            try:
+                if released is not None:
+                    revision = await self.leases.update(key, value, revision=released)
+                else:
+                    revision = await self.leases.create(key, value)
+            except RevisionMismatchError:
+                pass
+            else:
+                try:
+                    return await self._fence(
+                        key, agent, session_id, revision, fresh, reply_to, pending_input, False
+                    )
+                except BaseException:
+                    await self._drop_lease(key, revision)
+                    raise
         while True:
             entry = await self.leases.get_or_none(key)
             holder = _lease_owner(entry.value) if entry is not None else None
@@ -447,7 +474,7 @@ class SessionStore:
         agent: str,
         session_id: str,
         epoch: int,
-        fresh: AgentState | None,
+        fresh: AgentState | Callable[[], AgentState] | None,
         reply_to: str | None,
         pending_input: dict[str, Any] | None,
         take_over: bool,
@@ -465,10 +492,11 @@ class SessionStore:
                         agent=agent,
                         session_id=session_id,
                     )
+                state = fresh() if callable(fresh) else fresh
                 record = SessionRecord(
                     agent=agent,
                     session_id=session_id,
-                    state=fresh or AgentState(agent_name=agent),
+                    state=state or AgentState(agent_name=agent),
                     status="running",
                     owner=self.owner,
                     reply_to=reply_to,
@@ -552,7 +580,7 @@ class SessionStore:
     async def _drop_lease(self, key: str, revision: int) -> None:
         try:
             try:
-                await self.leases.delete(key, revision=revision)
+                self._note_released(key, await self.leases.delete(key, revision=revision))
             except RevisionMismatchError:
                 # A renewal of ours may have landed after its writer stopped
                 # waiting; anyone else's lease stays.
@@ -560,11 +588,17 @@ class SessionStore:
                 if entry is None or _lease_owner(entry.value) != self.owner:
                     logger.info("lease of %s was taken over before its release", key)
                     return
-                await self.leases.delete(key, revision=entry.revision)
+                self._note_released(key, await self.leases.delete(key, revision=entry.revision))
         except RevisionMismatchError:
             logger.info("lease of %s was taken over before its release", key)
         except StoreError as exc:
             logger.warning("lease of %s not released (it will lapse): %s", key, exc)
+
+    def _note_released(self, key: str, marker: int) -> None:
+        self._released[key] = marker
+        self._released.move_to_end(key)
+        if len(self._released) > _RELEASED_KEPT:
+            self._released.popitem(last=False)
 
     # -- writing -----------------------------------------------------------------------
 
