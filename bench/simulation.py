@@ -44,14 +44,25 @@ ROOT = HERE.parent
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
+_started = 0
+
+
 def start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start a process; its output goes to ``$BENCH_LOGS/<n>.log`` if set."""
+    global _started
+    _started += 1
+    logs = os.environ.get("BENCH_LOGS")
+    out: Any = subprocess.DEVNULL
+    if logs:
+        Path(logs).mkdir(parents=True, exist_ok=True)
+        out = open(Path(logs) / f"{_started}.log", "wb")  # noqa: SIM115 (the child keeps it)
     return subprocess.Popen(
         command,
         cwd=ROOT,
         env={**os.environ, **(env or {}), "PYTHONPATH": str(ROOT)},
         stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
     )
 
 
@@ -84,6 +95,7 @@ async def idle_cpu(pid: int, seconds: float) -> float:
 
 
 CHECKPOINTS = "reply"
+EVENTS = "final"
 
 
 def host(url: str, prefix: str, group: str, agents: int) -> subprocess.Popen[bytes]:
@@ -100,6 +112,10 @@ def host(url: str, prefix: str, group: str, agents: int) -> subprocess.Popen[byt
             "all",
             "--checkpoints",
             CHECKPOINTS,
+            "--concurrency",
+            os.environ.get("BENCH_HOST_CONCURRENCY", "64"),
+            "--events",
+            EVENTS,
             "--nats",
             url,
             "--prefix",
@@ -188,8 +204,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 except Exception:
                     await asyncio.sleep(0.1)
             started = time.perf_counter()
-            main = host(url, prefix, "bench", n)
-            procs.append(main)
+            hosts = [host(url, prefix, "bench", n) for _ in range(args.hosts)]
+            procs.extend(hosts)
+            main = hosts[0]
             while True:  # every agent is served once one answers: the host subscribes once
                 try:
                     if await ask(names[-1], 2.0, session="ready"):
@@ -224,16 +241,40 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 return True
 
             floor_s, *_ = await fan_out(raw_call, names, args.in_flight, args.deadline)
-            cpu = {name: cpu_seconds(p.pid) for name, p in (("host", main), ("worker", worker))}
-            cpu["server"] = cpu_seconds(server.pid or 0)
-            cpu["runner"] = time.process_time()
-            round_s, answered, errors, late = await fan_out(
-                ask, names, args.in_flight, args.deadline
-            )
-            cpu["host"] = cpu_seconds(main.pid) - cpu["host"]
-            cpu["worker"] = cpu_seconds(worker.pid) - cpu["worker"]
-            cpu["server"] = cpu_seconds(server.pid or 0) - cpu["server"]
-            cpu["runner"] = time.process_time() - cpu["runner"]
+
+            def cpu_now() -> dict[str, float]:
+                return {
+                    "hosts": sum(cpu_seconds(h.pid) for h in hosts),
+                    "worker": cpu_seconds(worker.pid),
+                    "server": cpu_seconds(server.pid or 0),
+                    "runner": time.process_time(),
+                }
+
+            rounds = []
+            for number in range(1, args.rounds + 1):
+                before = cpu_now()
+
+                async def play(name: str, timeout: float, number: int = number) -> bool:
+                    return await ask(name, timeout, session="game")
+
+                round_s, answered, errors, late = await fan_out(
+                    play, names, args.in_flight, args.deadline
+                )
+                after = cpu_now()
+                rounds.append(
+                    {
+                        "round": number,
+                        "s": round(round_s, 2),
+                        "answered": answered,
+                        "errors": errors,
+                        "late": late,
+                        "agents_per_s": round(n / round_s),
+                        "vs_floor": round(round_s / floor_s, 1),
+                        "cpu_ms_per_agent": {
+                            k: round((after[k] - before[k]) * 1000 / n, 3) for k in after
+                        },
+                    }
+                )
             await asyncio.sleep(1.0)
             rss_after = rss_kb(main.pid)
             idle_cpu_after = await idle_cpu(main.pid, args.idle)
@@ -289,14 +330,13 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "host_rss_after_round_mb": round(rss_after / 1024, 1),
         "idle_cpu_core_share": round(idle_cpu_before, 4),
         "idle_cpu_after_round_core_share": round(idle_cpu_after, 4),
-        "round_s": round(round_s, 2),
-        "round_answered": answered,
-        "round_errors": errors,
-        "round_late": late,
+        "hosts": args.hosts,
+        "checkpoints": CHECKPOINTS,
+        "events": EVENTS,
         "floor_s": round(floor_s, 3),
-        "round_vs_floor": round(round_s / floor_s, 1),
-        "agents_per_s": round(n / round_s),
-        "round_cpu_ms_per_agent": {k: round(v * 1000 / n, 3) for k, v in cpu.items()},
+        "rounds": rounds,
+        "round_s_max": max(r["s"] for r in rounds),
+        "lost": sum(r["errors"] + r["late"] for r in rounds),
         "broadcast_s": round(broadcast_s, 2) if broadcast_s is not None else None,
         "broadcast_reached": reached,
         "broadcast_recorded": record_ok,
@@ -308,6 +348,8 @@ def main() -> None:
     parser.add_argument("--agents", type=int, default=10_000)
     parser.add_argument("--in-flight", type=int, default=2_000)
     parser.add_argument("--deadline", type=float, default=120.0)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds played (same sessions)")
+    parser.add_argument("--hosts", type=int, default=1, help="host processes in the group")
     parser.add_argument("--idle", type=float, default=10.0, help="seconds of idle CPU measured")
     parser.add_argument(
         "--sync",

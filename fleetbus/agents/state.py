@@ -163,6 +163,18 @@ class MemoryIndex:
         # Copies (copy, deepcopy, model_copy(deep=True)) and pickles start empty.
         return (MemoryIndex, ())
 
+    def copy(self) -> MemoryIndex:
+        """An index of its own for a copy of memory (the lists copied, the
+        messages and chat forms shared: they are immutable)."""
+        other = MemoryIndex()
+        other._messages = list(self._messages)
+        other._chats = list(self._chats)
+        other._call_ids = dict(self._call_ids)
+        other._counter = self._counter
+        other._tokens = list(self._tokens)
+        other._total = self._total
+        return other
+
     @property
     def chats(self) -> list[ChatMessage]:
         """The chat forms of memory's messages but hints, oldest first (read only)."""

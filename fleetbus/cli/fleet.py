@@ -92,6 +92,17 @@ def add_fleet_commands(sub: Any, bus_options: Any) -> None:
     )
     p.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a session lease lasts")
     p.add_argument(
+        "--events",
+        choices=("all", "final", "none"),
+        default="all",
+        help="what of each reply is published on its events subject (default all)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        help="replies a process runs at once (default 16 for named agents, 256 for a group)",
+    )
+    p.add_argument(
         "--checkpoints",
         choices=("step", "reply"),
         default="step",
@@ -466,8 +477,9 @@ async def _serve_agents(args: argparse.Namespace, served: list[Agent] | Populati
             topics=args.topic,
             durable_topics=args.durable_topics,
             lease_ttl=args.lease_ttl,
-            concurrency=16 if group is None else 256,
+            concurrency=args.concurrency or (16 if group is None else 256),
             checkpoints=args.checkpoints,
+            events=args.events,
         )
         on_stop_signals(host.stop)
         async with asyncio.TaskGroup() as tg:
@@ -557,6 +569,10 @@ def _child_args(args: argparse.Namespace) -> list[str]:
         out += ["--group", args.group]
     if args.durable_topics:
         out.append("--durable-topics")
+    if args.concurrency:
+        out += ["--concurrency", str(args.concurrency)]
+    if args.events != "all":
+        out += ["--events", args.events]
     if args.checkpoints != "step":
         out += ["--checkpoints", args.checkpoints]
     if args.no_remote_tools:

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from fleetbus._version import __version__
 from fleetbus.bus import EmbeddedServer, ToolClient
-from fleetbus.cli import model_worker_cmd
+from fleetbus.cli import model_worker_cmd, sim_cmd
 from fleetbus.cli._common import (
     add_connection_options,
     connect,
@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_fleet_commands(sub, bus_options)
     model_worker_cmd.add_parser(sub, bus_options)
+    sim_cmd.add_parser(sub, bus_options)
 
     p = sub.add_parser(
         "demo", help="embedded server, tool workers, 2,000 calculator calls, then an agent fleet"
@@ -127,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = {
         **fleet_commands(),
         "model-worker": model_worker_cmd.cmd,
+        "sim": sim_cmd.cmd,
         "server": cmd_server,
         "worker": cmd_worker,
         "tools": cmd_tools,

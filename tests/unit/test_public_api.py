@@ -25,6 +25,7 @@ def _isort_key(name: str) -> tuple[int, str]:
         "fleetbus.models",
         "fleetbus.agents",
         "fleetbus.errors",
+        "fleetbus.sim",
     ],
 )
 def test_all_is_sorted_and_every_name_exists(module: str) -> None:
@@ -43,7 +44,17 @@ def test_top_level_exports_the_names_users_type() -> None:
         for n in vars(fleetbus)
         if not n.startswith("_")
         and n
-        not in {"bus", "protocol", "tools_workers", "errors", "cli", "models", "agents", "testing"}
+        not in {
+            "bus",
+            "protocol",
+            "tools_workers",
+            "errors",
+            "cli",
+            "models",
+            "agents",
+            "testing",
+            "sim",
+        }
     }
     assert public <= set(fleetbus.__all__), public - set(fleetbus.__all__)
 

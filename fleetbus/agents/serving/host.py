@@ -186,6 +186,10 @@ class AgentHost(Lifecycle):
             take-over runs the reply again from its input (its tool calls
             too, under new call ids): half the writes, for agents whose
             replies are short and whose tools may run twice (simulations).
+        events: what of each reply is published on its events subject:
+            ``"all"`` (the default: every event, for watchers and streaming
+            clients), ``"final"`` (the final answer only: a tenth of the
+            messages of a one-step reply, for populations), or ``"none"``.
 
     Raises:
         ConfigError: no group with agents that cannot be listed, two agents
@@ -208,10 +212,14 @@ class AgentHost(Lifecycle):
         drain_timeout: float = 30.0,
         cache_size: int = 1024,
         checkpoints: Literal["step", "reply"] = "step",
+        events: Literal["all", "final", "none"] = "all",
     ) -> None:
         if checkpoints not in ("step", "reply"):
             raise ConfigError(f"checkpoints is 'step' or 'reply', not {checkpoints!r}")
+        if events not in ("all", "final", "none"):
+            raise ConfigError(f"events is 'all', 'final' or 'none', not {events!r}")
         self.checkpoints = checkpoints
+        self.events = events
         if isinstance(agents, Mapping):
             agents = _Named(agents.values())
         elif not isinstance(agents, AgentSource):
@@ -639,7 +647,10 @@ class AgentHost(Lifecycle):
                     agent.interrupt()  # a cancel that came before the reply ran (idempotent)
                 if isinstance(item, FinalAnswer):
                     final = item
-                await self._publish(events, item)
+                elif self.events != "all":
+                    continue
+                if self.events != "none":
+                    await self._publish(events, item)
         finally:
             await stream.aclose()
         return final

@@ -44,7 +44,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, Field
 
-from fleetbus.agents.state import AgentState
+from fleetbus.agents.state import AgentState, MemoryIndex
 from fleetbus.bus import Bus, KeyUpdates, KeyValueStore, ObjectStore, key_value, object_store
 from fleetbus.errors import (
     FleetbusError,
@@ -991,8 +991,9 @@ def _add_range(ranges: list[list[int]], epoch: int, n: int) -> list[list[int]]:
 
 def _copy_state(state: AgentState) -> AgentState:
     """A copy whose later changes do not reach ``state`` (messages are shared:
-    memory is appended to, not edited in place)."""
-    return AgentState(
+    memory is appended to, not edited in place), with a copy of its memory
+    index: the next reply of the session does not index its memory again."""
+    copy = AgentState(
         format_version=state.format_version,
         agent_name=state.agent_name,
         memory=list(state.memory),
@@ -1001,6 +1002,10 @@ def _copy_state(state: AgentState) -> AgentState:
         permissions=state.permissions.model_copy(deep=True),
         reply=state.reply.model_copy(deep=True) if state.reply else None,
     )
+    index = state.__dict__.get("_memory_index")
+    if isinstance(index, MemoryIndex):
+        copy.__dict__["_memory_index"] = index.copy()
+    return copy
 
 
 def _copy_lease(lease: Lease) -> Lease:

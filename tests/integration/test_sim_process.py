@@ -1,0 +1,130 @@
+"""``fleetbus sim run`` as people run it: child processes for the hosts and
+the tool workers, a runner killed by SIGKILL and resumed, mistakes that get
+one clear line."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from fleetbus.bus import EmbeddedServer
+from fleetbus.cli.main import main
+from fleetbus.sim import RunFiles, Simulation
+from tests.helpers import output, spawn
+from tests.integration.test_examples import is_running
+from tests.integration.test_sim_runner import simulation
+
+NAMES = ("ada", "bob", "cy", "dee")
+
+
+def killable() -> Simulation:
+    """Four agents, three rounds; each answer waits ``SIM_TEST_DELAY`` seconds."""
+    delay = float(os.environ.get("SIM_TEST_DELAY", "0"))
+    return simulation(NAMES, delays=dict.fromkeys(NAMES, delay), rounds=3)
+
+
+def completed(out: Path) -> int:
+    try:
+        return int(orjson.loads((out / "state.json").read_bytes())["completed"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_runner_killed_in_round_two_resumes_from_round_one(
+    nats_server: EmbeddedServer, prefix: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    command = [
+        "sim", "run", "tests.integration.test_sim_process:killable",
+        "--nats", nats_server.url, "--prefix", prefix, "--out", str(out),
+    ]  # fmt: skip
+    first = spawn(command, env={"SIM_TEST_DELAY": "1.0"})
+    try:
+        deadline = time.monotonic() + 60
+        while completed(out) < 1 and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.4)  # round 2 is in flight: every agent waits to answer
+        assert completed(out) == 1
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    said = output(first)
+    children = [int(pid) for pid in re.findall(r"(?:tools|host)-1 (\d+)", said)]
+    assert len(children) == 2, said
+    # A crash while round 2's records were being written: half a line.
+    with (out / "results.jsonl").open("ab") as f:
+        f.write(b'{"round": 2, "agent": "ada", "sta')
+
+    second = spawn(command)
+    code = second.wait(60)
+    said = output(second)
+    assert code == 0, said
+    assert "resuming visits after round 1 of 3" in said
+    for pid in children:  # they stopped when the killed runner's pipe closed
+        assert not is_running(pid)
+
+    files = RunFiles(out)
+    records = list(files.records())
+    assert sorted((r["round"], r["agent"]) for r in records) == sorted(
+        (n, a) for n in (1, 2, 3) for a in NAMES
+    )
+    for round_no in (1, 2, 3):
+        mine = [r for r in records if r["round"] == round_no]
+        assert all(r["status"] == "ok" for r in mine), mine
+        # The environment went on from round 1's snapshot: whatever the
+        # killed round 2 added was rolled back.
+        assert sorted(r["value"] for r in mine) == list(range(4 * round_no - 3, 4 * round_no + 1))
+        assert all(f" at {4 * (round_no - 1)} |" in r["answer"] for r in mine)
+    assert files.read_snapshot(3) == {"rounds_applied": 3, "visits": 12}
+    state = files.load_state()
+    assert state is not None
+    assert (state.completed, state.records) == (3, 12)
+    assert state.results_bytes == files.results.stat().st_size
+    assert [s.metrics["applied"] for s in state.rounds] == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("spec", "extra", "message"),
+    [
+        ("absent.py:simulation", [], "no file absent.py"),
+        ("{dir}/spec.py:simulation", [], "people.csv: no column 'background' (columns: name, k)"),
+        ("{dir}/spec.py:nothing", [], "has no attribute 'nothing'"),
+        ("{dir}/spec.py:fixed", ["--nats", "nats://127.0.0.1:1"], "cannot connect to NATS"),
+        ("{dir}/spec.py:fixed", ["--agents", "3", "--deadline", "0"], "--deadline"),
+    ],
+)
+def test_mistakes_get_one_clear_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    spec: str,
+    extra: list[str],
+    message: str,
+) -> None:
+    monkeypatch.setenv("FLEETBUS_CONNECT_TIMEOUT", "0.5")
+    (tmp_path / "people.csv").write_text("name,k\nada,1\n")
+    (tmp_path / "spec.py").write_text(
+        "from pathlib import Path\n"
+        "from fleetbus.sim import AgentTemplate, Population, Simulation\n"
+        "template = AgentTemplate(system_prompt='{background}', model='offline')\n"
+        "def simulation() -> Simulation:\n"
+        "    table = Path(__file__).with_name('people.csv')\n"
+        "    pop = Population.from_table(table, template=template)\n"
+        "    return Simulation(name='s', population=pop, prompt=lambda c, a: 'hi')\n"
+        "pop = Population.generate(2, template=AgentTemplate())\n"
+        "fixed = Simulation(name='s', population=pop, prompt=lambda c, a: 'hi')\n"
+    )
+    args = ["sim", "run", spec.replace("{dir}", str(tmp_path)), "--out", str(tmp_path / "o")]
+    assert main([*args, *extra]) == 1
+    err = capsys.readouterr().err
+    assert message in " ".join(err.split())
+    assert "Traceback" not in err
+    assert err.startswith("error:"), err
