@@ -528,7 +528,7 @@ class AgentHost(Lifecycle):
             phases.append((inputs, answer_to, True))
         self._running[key] = agent
         final: FinalAnswer | None = None
-        lost = False
+        lost: BaseException | None = None
         speaking = talk.speaking(self.bus, name, session)
         try:
             async with asyncio.TaskGroup() as tg:
@@ -539,14 +539,14 @@ class AgentHost(Lifecycle):
                     final = await self._serve_phases(agent, phases, run, lease)
                 finally:
                     renewing.cancel()
-        except* SessionLost:
-            lost = True
+        except* SessionLost as group:
+            lost = group.exceptions[0]
         finally:
             talk.hush(speaking)
             self._running.pop(key, None)
             run.cancelled = False  # a cancel ends the reply it found, not later ones
-        if lost:
-            logger.warning("%s: session %s was lost to another replica; stopping", name, session)
+        if lost is not None:
+            logger.warning("%s: stopping session %s: %s", name, session, lost)
             return None
         return final
 

@@ -80,6 +80,8 @@ _FORMAT = 2
 _BLOB_REF = b'{"$blob":'
 _LEASE_KEEP = 24 * 3600.0
 _RELEASED_KEPT = 20_000
+_GONE_KEPT = 100_000
+"""Released lease keys a Recovery remembers, so a resync does not read them."""
 """Leases released here whose revision is remembered (about 100 bytes each)."""
 """Seconds the lease bucket keeps a record (renewals keep live ones fresh);
 a session left running while no replica of its agent ran for longer than
@@ -759,9 +761,7 @@ class SessionStore:
         """Keep the state as stored, for the next message of this session."""
         if self._cache_size <= 0:
             return
-        kept = _copy_lease(lease)
-        if state is not None:
-            kept.record = kept.record.model_copy(update={"state": _copy_state(state)})
+        kept = _copy_lease(lease, state)
         self._cache[key] = (lease.revision, kept)
         self._cache.move_to_end(key)
         while len(self._cache) > self._cache_size:
@@ -852,7 +852,8 @@ class Recovery:
         self.resync_interval = resync_interval
         self.watched: dict[str, _Watched] = {}
         """Running sessions by lease key (``<agent>.<session>``)."""
-        self._gone: set[str] = set()
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        """Lease keys known deleted (not read again at a resync); bounded."""
         if agents is None:
             self._patterns = ["*.*"]
         else:
@@ -878,14 +879,20 @@ class Recovery:
         owner = _lease_owner(value) if value else None
         if owner is None:
             self.watched.pop(key, None)
-            self._gone.add(key)
+            self._note_gone(key)
             return
-        self._gone.discard(key)
+        self._gone.pop(key, None)
         watched = self.watched.get(key)
         if watched is None:
             self.watched[key] = _Watched(None, time.monotonic())
         else:
             watched.since = time.monotonic()
+
+    def _note_gone(self, key: str) -> None:
+        self._gone[key] = None
+        self._gone.move_to_end(key)
+        if len(self._gone) > _GONE_KEPT:
+            self._gone.popitem(last=False)
 
     @property
     def _reconnects_seen(self) -> int:
@@ -919,7 +926,7 @@ class Recovery:
                     continue
                 entry = await self.store.leases.get_or_none(key)
                 if entry is None or _lease_owner(entry.value) is None:
-                    self._gone.add(key)
+                    self._note_gone(key)
                     continue
                 self.watched[key] = _Watched(entry.revision, time.monotonic())
 
@@ -1008,8 +1015,10 @@ def _copy_state(state: AgentState) -> AgentState:
     return copy
 
 
-def _copy_lease(lease: Lease) -> Lease:
-    record = lease.record.model_copy(update={"state": _copy_state(lease.record.state)})
+def _copy_lease(lease: Lease, state: AgentState | None = None) -> Lease:
+    """A copy of ``lease`` holding a copy of its state (or of ``state``)."""
+    copied = _copy_state(lease.record.state if state is None else state)
+    record = lease.record.model_copy(update={"state": copied})
     return Lease(
         record,
         lease.revision,
