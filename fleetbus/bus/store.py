@@ -8,11 +8,14 @@ an object store.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 from dataclasses import dataclass
 
 import nats.errors
 import nats.js.errors
+import orjson
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore as _NatsObjectStore
@@ -40,6 +43,7 @@ logger = logging.getLogger(__name__)
 # JetStream's "wrong last sequence" API error codes (a compare-and-set lost).
 _WRONG_LAST_SEQUENCE = (10071, 10164)
 _KV_OPERATION = "KV-Operation"
+_NO_MESSAGE = 10037
 _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 
 
@@ -64,6 +68,8 @@ class ObjectSummary:
 def _store_error(exc: BaseException, what: str) -> StoreError | ConnectionClosedError:
     if isinstance(exc, nats.errors.ConnectionClosedError):
         return ConnectionClosedError(f"{what}: the bus connection is closed")
+    if isinstance(exc, nats.errors.NoRespondersError):
+        return StoreError(f"{what}: no JetStream stream answered (is JetStream enabled?)")
     if isinstance(exc, nats.js.errors.ServiceUnavailableError):
         return StoreError(f"{what}: JetStream is not available (is it enabled on the server?)")
     return StoreError(f"{what} failed: {exc or type(exc).__name__}")
@@ -122,13 +128,87 @@ class KeyValueStore:
     """A JetStream KV bucket with fleetbus errors.
 
     Keys are strings of letters, digits and ``-_/=.``; values are bytes.
+
+    Reads and writes are JetStream API requests made here on the connection
+    (a message get from the stream's leader; a publish with the
+    compare-and-set header), their answers parsed with orjson, not through
+    nats-py's KV layer: that layer costs a third more CPU per operation, and
+    sessions make several per reply (``bench/simulation.py``). What is sent
+    is what nats-py sends.
     """
 
     def __init__(self, kv: KeyValue, bucket: str, js: JetStreamContext | None = None) -> None:
         self._kv = kv
         self._js: JetStreamContext = js if js is not None else kv._js
+        self._nc = self._js._nc
         self.bucket = bucket
         self._prefix: str = getattr(kv, "_pre", None) or Subjects.kv_keys(bucket, "")
+        api = getattr(self._js, "_prefix", None) or "$JS.API"
+        stream = getattr(kv, "_stream", None) or Subjects.kv_stream(bucket)
+        self._msg_get = f"{api}.STREAM.MSG.GET.{stream}"
+        self._timeout = float(getattr(self._js, "_timeout", None) or 5.0)
+
+    async def _read(self, key: str) -> tuple[bytes, int, bool] | None:
+        """``(value, revision, deleted)`` of ``key``'s last write, or ``None``."""
+        what = f"get {key!r}"
+        query = orjson.dumps({"last_by_subj": self._prefix + key})
+        try:
+            msg = await self._nc.request(self._msg_get, query, timeout=self._timeout)
+            answer = orjson.loads(msg.data)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, what) from exc
+        except orjson.JSONDecodeError:
+            raise StoreError(f"{what}: the server's answer is not JSON") from None
+        error = answer.get("error") if isinstance(answer, dict) else None
+        if error:
+            if error.get("err_code") == _NO_MESSAGE or error.get("code") == 404:
+                return None
+            raise StoreError(f"{what} failed: {error.get('description') or error}")
+        try:
+            stored = answer["message"]
+            revision = int(stored["seq"])
+            data = base64.b64decode(stored["data"]) if stored.get("data") else b""
+            headers = base64.b64decode(stored["hdrs"]) if stored.get("hdrs") else b""
+        except (KeyError, TypeError, ValueError, binascii.Error):
+            raise StoreError(f"{what}: the server's answer is malformed") from None
+        deleted = b"KV-Operation: DEL" in headers or b"KV-Operation: PURGE" in headers
+        return data, revision, deleted
+
+    async def _write(
+        self, key: str, value: bytes, *, revision: int | None, operation: str | None = None
+    ) -> int:
+        """Publish a write; its revision. ``revision``: compare-and-set on it."""
+        headers: dict[str, str] | None = None
+        if revision is not None or operation is not None:
+            headers = {}
+            if revision is not None:
+                headers[_EXPECTED_LAST] = str(revision)
+            if operation is not None:
+                headers[_KV_OPERATION] = operation
+        what = f"{'delete' if operation else 'write'} {key!r}"
+        try:
+            msg = await self._nc.request(
+                self._prefix + key, value, timeout=self._timeout, headers=headers
+            )
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, what) from exc
+        try:
+            ack = orjson.loads(msg.data)
+        except orjson.JSONDecodeError:
+            raise StoreError(f"{what}: the server's answer is not JSON") from None
+        error = ack.get("error") if isinstance(ack, dict) else None
+        if error:
+            if revision is not None and error.get("err_code") in _WRONG_LAST_SEQUENCE:
+                raise RevisionMismatchError(
+                    f"key {key!r} in bucket {self.bucket} is no longer at revision {revision}",
+                    key=key,
+                    expected=revision,
+                )
+            raise StoreError(f"{what} failed: {error.get('description') or error}")
+        try:
+            return int(ack["seq"])
+        except (KeyError, TypeError, ValueError):
+            raise StoreError(f"{what}: the server's answer has no sequence") from None
 
     async def get(self, key: str) -> Entry:
         """The current value of ``key``.
@@ -137,13 +217,10 @@ class KeyValueStore:
             KeyNotFoundError: no such key (or it was deleted).
             StoreError: the read failed.
         """
-        try:
-            entry = await self._kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            raise KeyNotFoundError(f"no key {key!r} in bucket {self.bucket}") from None
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise _store_error(exc, f"get {key!r}") from exc
-        return Entry(key=key, value=entry.value or b"", revision=entry.revision or 0)
+        read = await self._read(key)
+        if read is None or read[2]:
+            raise KeyNotFoundError(f"no key {key!r} in bucket {self.bucket}")
+        return Entry(key=key, value=read[0], revision=read[1])
 
     async def get_or_none(self, key: str) -> Entry | None:
         """The current value of ``key``, or ``None``.
@@ -151,10 +228,10 @@ class KeyValueStore:
         Raises:
             StoreError: the read failed.
         """
-        try:
-            return await self.get(key)
-        except KeyNotFoundError:
+        read = await self._read(key)
+        if read is None or read[2]:
             return None
+        return Entry(key=key, value=read[0], revision=read[1])
 
     async def put(self, key: str, value: bytes) -> int:
         """Write ``value`` whatever the current revision; returns the new revision.
@@ -162,26 +239,31 @@ class KeyValueStore:
         Raises:
             StoreError: the write failed.
         """
-        try:
-            return int(await self._kv.put(key, value))
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise _store_error(exc, f"put {key!r}") from exc
+        return await self._write(key, value, revision=None)
 
     async def create(self, key: str, value: bytes) -> int:
-        """Write ``value`` only if ``key`` does not exist; returns the revision.
+        """Write ``value`` only if ``key`` does not exist (or was deleted);
+        returns the revision.
 
         Raises:
             RevisionMismatchError: the key exists.
             StoreError: the write failed.
         """
         try:
-            return int(await self._kv.create(key, value))
-        except nats.js.errors.KeyWrongLastSequenceError:
-            raise RevisionMismatchError(
-                f"key {key!r} already exists in bucket {self.bucket}", key=key, expected=None
-            ) from None
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise _store_error(exc, f"create {key!r}") from exc
+            return await self._write(key, value, revision=0)
+        except RevisionMismatchError:
+            read = await self._read(key)
+            if read is None or not read[2]:
+                raise RevisionMismatchError(
+                    f"key {key!r} already exists in bucket {self.bucket}", key=key, expected=None
+                ) from None
+            # Deleted: a write over its deletion marker, if nobody wrote since.
+            try:
+                return await self._write(key, value, revision=read[1])
+            except RevisionMismatchError:
+                raise RevisionMismatchError(
+                    f"key {key!r} already exists in bucket {self.bucket}", key=key, expected=None
+                ) from None
 
     async def update(self, key: str, value: bytes, *, revision: int) -> int:
         """Compare-and-set: write only if the key is still at ``revision``.
@@ -190,16 +272,7 @@ class KeyValueStore:
             RevisionMismatchError: someone else wrote the key since.
             StoreError: the write failed.
         """
-        try:
-            return int(await self._kv.update(key, value, last=revision))
-        except nats.js.errors.KeyWrongLastSequenceError:
-            raise RevisionMismatchError(
-                f"key {key!r} in bucket {self.bucket} is no longer at revision {revision}",
-                key=key,
-                expected=revision,
-            ) from None
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise _store_error(exc, f"update {key!r}") from exc
+        return await self._write(key, value, revision=revision)
 
     async def delete(self, key: str, *, revision: int | None = None) -> int:
         """Delete ``key``; with ``revision``, only if the key is still at that
@@ -212,22 +285,7 @@ class KeyValueStore:
                 wrote the key since.
             StoreError: the delete failed.
         """
-        headers = {_KV_OPERATION: "DEL"}
-        if revision:
-            headers[_EXPECTED_LAST] = str(revision)
-        try:
-            ack = await self._js.publish(f"{self._prefix}{key}", headers=headers)
-        except nats.js.errors.APIError as exc:
-            if revision is not None and exc.err_code in _WRONG_LAST_SEQUENCE:
-                raise RevisionMismatchError(
-                    f"key {key!r} in bucket {self.bucket} is no longer at revision {revision}",
-                    key=key,
-                    expected=revision,
-                ) from None
-            raise _store_error(exc, f"delete {key!r}") from exc
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise _store_error(exc, f"delete {key!r}") from exc
-        return int(ack.seq)
+        return await self._write(key, b"", revision=revision or None, operation="DEL")
 
     async def revision(self, key: str) -> int | None:
         """The revision of ``key``'s last write, a deletion included (``None``:
@@ -236,16 +294,8 @@ class KeyValueStore:
         Raises:
             StoreError: the read failed.
         """
-        try:
-            entry = await self._kv.get(key)
-        except nats.js.errors.KeyDeletedError as exc:
-            marker = exc.entry
-            return int(marker.revision) if marker is not None and marker.revision else None
-        except nats.js.errors.KeyNotFoundError:
-            return None
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise _store_error(exc, f"get {key!r}") from exc
-        return int(entry.revision or 0) or None
+        read = await self._read(key)
+        return None if read is None else read[1]
 
     async def subjects(self, pattern: str = ">") -> list[str]:
         """The keys matching ``pattern`` (``*`` and ``>`` wildcards) that hold a

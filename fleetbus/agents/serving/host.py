@@ -546,7 +546,7 @@ class AgentHost(Lifecycle):
             self._running.pop(key, None)
             run.cancelled = False  # a cancel ends the reply it found, not later ones
         if lost is not None:
-            logger.warning("%s: stopping session %s: %s", name, session, lost)
+            logger.warning("%s: session %s was lost, stopping: %s", name, session, lost)
             return None
         return final
 
