@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 _WRONG_LAST_SEQUENCE = (10071, 10164)
 _KV_OPERATION = "KV-Operation"
 _NO_MESSAGE = 10037
+_DELETE = {_KV_OPERATION: "DEL"}
 _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 
 
@@ -83,6 +84,7 @@ async def key_value(
     history: int = 1,
     create: bool = True,
     replicas: int | None = None,
+    expiring_markers: bool = False,
 ) -> KeyValueStore:
     """The fleet's KV bucket ``name``, created if missing (and ``create``).
 
@@ -97,6 +99,10 @@ async def key_value(
         create: create the bucket if it does not exist.
         replicas: copies JetStream keeps (1-5); else ``bus.js_replicas``;
             else 3 on a JetStream cluster and 1 on a single server.
+        expiring_markers: make sure the bucket takes per-message TTLs
+            (nats-server 2.11+), so that :meth:`KeyValueStore.purge` can
+            leave a marker that expires; ``KeyValueStore.expiring_markers``
+            says whether it can.
 
     Raises:
         ConfigError: ``replicas`` is not between 1 and 5.
@@ -116,12 +122,28 @@ async def key_value(
             kv = await js.create_key_value(bucket=bucket, ttl=ttl, history=history, replicas=wanted)
         else:
             await ensure_replicas(js, kv_stream_name(bucket), wanted, what=what)
+        markers = expiring_markers and await _allow_msg_ttl(js, kv_stream_name(bucket), what)
     except StoreError:
         raise
     except (nats.errors.Error, TimeoutError) as exc:
         error = placement_error(exc, what=what, wanted=wanted, bus=bus)
         raise error or _store_error(exc, f"opening {what}") from exc
-    return KeyValueStore(kv, bucket)
+    store = KeyValueStore(kv, bucket)
+    store.expiring_markers = markers
+    return store
+
+
+async def _allow_msg_ttl(js: JetStreamContext, stream: str, what: str) -> bool:
+    """Whether ``stream`` takes per-message TTLs, turned on if it can be."""
+    info = await js.stream_info(stream)
+    if info.config.allow_msg_ttl:
+        return True
+    try:
+        await js.update_stream(info.config.evolve(allow_msg_ttl=True))
+    except (nats.errors.Error, TimeoutError) as exc:
+        logger.info("%s takes no per-message TTL (%s): its deletions stay", what, exc)
+        return False
+    return True
 
 
 class KeyValueStore:
@@ -147,6 +169,8 @@ class KeyValueStore:
         stream = getattr(kv, "_stream", None) or Subjects.kv_stream(bucket)
         self._msg_get = f"{api}.STREAM.MSG.GET.{stream}"
         self._timeout = float(getattr(self._js, "_timeout", None) or 5.0)
+        self.expiring_markers = False
+        """Whether :meth:`purge` can leave a marker that expires (see :func:`key_value`)."""
 
     async def _read(self, key: str) -> tuple[bytes, int, bool] | None:
         """``(value, revision, deleted)`` of ``key``'s last write, or ``None``."""
@@ -175,17 +199,18 @@ class KeyValueStore:
         return data, revision, deleted
 
     async def _write(
-        self, key: str, value: bytes, *, revision: int | None, operation: str | None = None
+        self,
+        key: str,
+        value: bytes,
+        *,
+        revision: int | None,
+        headers: dict[str, str] | None = None,
     ) -> int:
         """Publish a write; its revision. ``revision``: compare-and-set on it."""
-        headers: dict[str, str] | None = None
-        if revision is not None or operation is not None:
-            headers = {}
-            if revision is not None:
-                headers[_EXPECTED_LAST] = str(revision)
-            if operation is not None:
-                headers[_KV_OPERATION] = operation
-        what = f"{'delete' if operation else 'write'} {key!r}"
+        if revision is not None:
+            headers = {**(headers or {}), _EXPECTED_LAST: str(revision)}
+        operation = (headers or {}).get(_KV_OPERATION)
+        what = f"{operation.lower() if operation else 'write'} {key!r}"
         try:
             msg = await self._nc.request(
                 self._prefix + key, value, timeout=self._timeout, headers=headers
@@ -285,7 +310,25 @@ class KeyValueStore:
                 wrote the key since.
             StoreError: the delete failed.
         """
-        return await self._write(key, b"", revision=revision or None, operation="DEL")
+        return await self._write(key, b"", revision=revision or None, headers=_DELETE)
+
+    async def purge(self, key: str, *, revision: int | None = None, ttl: float) -> int:
+        """Remove ``key`` and its history, leaving a marker that expires after
+        ``ttl`` seconds (then the key is gone for good: listings no longer
+        show it); with ``revision``, only if the key is still at it. Returns
+        the marker's revision. Needs ``expiring_markers``.
+
+        Raises:
+            RevisionMismatchError: ``revision`` was given and someone else
+                wrote the key since.
+            StoreError: the purge failed.
+        """
+        headers = {
+            _KV_OPERATION: "PURGE",
+            "Nats-Rollup": "sub",
+            "Nats-TTL": str(max(1, int(ttl))),
+        }
+        return await self._write(key, b"", revision=revision or None, headers=headers)
 
     async def revision(self, key: str) -> int | None:
         """The revision of ``key``'s last write, a deletion included (``None``:

@@ -158,6 +158,7 @@ def _arm_self_kills() -> None:
     kill from outside cannot aim at a window of a few milliseconds."""
     publish = Bus.publish
     delete = KeyValueStore.delete
+    purge = KeyValueStore.purge
 
     async def publish_then_die(self: Bus, subject: str, message: Message) -> None:
         await publish(self, subject, message)
@@ -169,19 +170,31 @@ def _arm_self_kills() -> None:
             await self.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
-    async def die_before_delete(
-        self: KeyValueStore, key: str, *, revision: int | None = None
-    ) -> int:
+    def _dies_here(store: KeyValueStore, key: str) -> None:
         if (
-            self.bucket.endswith("session_leases")
+            store.bucket.endswith("session_leases")
             and key == session_key(AGENT, DIE_STORED)
             and _first_time(DIE_STORED)
         ):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    async def die_before_delete(
+        self: KeyValueStore, key: str, *, revision: int | None = None
+    ) -> int:
+        _dies_here(self, key)
         return await delete(self, key, revision=revision)
 
+    async def die_before_purge(
+        self: KeyValueStore, key: str, *, revision: int | None = None, ttl: float
+    ) -> int:
+        _dies_here(self, key)
+        return await purge(self, key, revision=revision, ttl=ttl)
+
+    # The lease is released by a purge (or a delete, on a server without
+    # per-message TTLs): die just before either.
     Bus.publish = publish_then_die  # type: ignore[method-assign]
     KeyValueStore.delete = die_before_delete  # type: ignore[method-assign]
+    KeyValueStore.purge = die_before_purge  # type: ignore[method-assign]
 
 
 if os.environ.get(DIE_ENV):

@@ -73,3 +73,35 @@ async def test_without_jetstream_the_error_says_so() -> None:
                 await key_value(bus, "x")
         finally:
             await bus.close()
+
+
+async def test_a_purge_leaves_a_marker_that_expires_and_a_key_to_create_again(bus: Bus) -> None:
+    kv = await key_value(bus, "expiring", expiring_markers=True)
+    assert kv.expiring_markers
+    first = await kv.create("lease", b"held")
+    with pytest.raises(RevisionMismatchError):
+        await kv.purge("lease", revision=first + 100, ttl=1)
+    marker = await kv.purge("lease", revision=first, ttl=1)
+    assert await kv.get_or_none("lease") is None
+    assert await kv.revision("lease") == marker
+    assert await kv.subjects() == ["lease"]
+    # Taken again over the marker, then purged and left to expire.
+    again = await kv.update("lease", b"held again", revision=marker)
+    await kv.purge("lease", revision=again, ttl=1)
+    deadline = asyncio.get_running_loop().time() + 10
+    while await kv.subjects() and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.2)
+    assert await kv.subjects() == []
+    assert await kv.revision("lease") is None
+    assert await kv.create("lease", b"new") > again
+
+
+async def test_a_delete_returns_its_marker_to_write_over(bus: Bus) -> None:
+    kv = await key_value(bus, "markers")
+    revision = await kv.create("k", b"1")
+    marker = await kv.delete("k", revision=revision)
+    assert await kv.revision("k") == marker
+    with pytest.raises(KeyNotFoundError):
+        await kv.get("k")
+    assert await kv.update("k", b"2", revision=marker) > marker
+    assert (await kv.get("k")).value == b"2"

@@ -79,6 +79,8 @@ _BLOBS = "session_blobs"
 _FORMAT = 2
 _BLOB_REF = b'{"$blob":'
 _LEASE_KEEP = 24 * 3600.0
+_MARKER_TTL = 60.0
+"""Seconds the marker of a released lease stays (at least; 6 lease TTLs)."""
 _RELEASED_KEPT = 20_000
 _GONE_KEPT = 100_000
 """Released lease keys a Recovery remembers, so a resync does not read them."""
@@ -217,7 +219,7 @@ class SessionStore:
         """
         heads = await key_value(bus, _HEADS)
         chunks = await key_value(bus, _CHUNKS)
-        leases = await key_value(bus, _LEASES, ttl=_LEASE_KEEP)
+        leases = await key_value(bus, _LEASES, ttl=_LEASE_KEEP, expiring_markers=True)
         return cls(bus, heads, chunks, leases, owner=owner, lease_ttl=lease_ttl)
 
     # -- values that may not fit in one message ------------------------------------
@@ -579,10 +581,19 @@ class SessionStore:
             await self._drop_lease(key, lease.lease_revision)
             self._remember(key, lease, record.state)
 
+    async def _remove_lease(self, key: str, revision: int) -> int:
+        """Remove a lease of ours; the marker's revision. The marker expires
+        where the server allows (nats-server 2.11+): released leases do not
+        pile up in the bucket, nor in the listings recovery makes."""
+        if self.leases.expiring_markers:
+            ttl = max(_MARKER_TTL, 6 * self.lease_ttl)
+            return await self.leases.purge(key, revision=revision, ttl=ttl)
+        return await self.leases.delete(key, revision=revision)
+
     async def _drop_lease(self, key: str, revision: int) -> None:
         try:
             try:
-                self._note_released(key, await self.leases.delete(key, revision=revision))
+                self._note_released(key, await self._remove_lease(key, revision))
             except RevisionMismatchError:
                 # A renewal of ours may have landed after its writer stopped
                 # waiting; anyone else's lease stays.
@@ -590,7 +601,7 @@ class SessionStore:
                 if entry is None or _lease_owner(entry.value) != self.owner:
                     logger.info("lease of %s was taken over before its release", key)
                     return
-                self._note_released(key, await self.leases.delete(key, revision=entry.revision))
+                self._note_released(key, await self._remove_lease(key, entry.revision))
         except RevisionMismatchError:
             logger.info("lease of %s was taken over before its release", key)
         except StoreError as exc:
