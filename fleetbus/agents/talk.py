@@ -19,6 +19,7 @@ with an error the model sees.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 from dataclasses import dataclass
 from typing import Final
@@ -45,6 +46,9 @@ class _Speaker:
     bus: Bus
     name: str
     session: str
+    slot: asyncio.Semaphore | None
+    """The host's bound on running replies, which this reply holds a place
+    of: given back while it waits for another agent's answer."""
 
 
 _speaker: contextvars.ContextVar[_Speaker | None] = contextvars.ContextVar(
@@ -52,10 +56,15 @@ _speaker: contextvars.ContextVar[_Speaker | None] = contextvars.ContextVar(
 )
 
 
-def speaking(bus: Bus, name: str, session: str) -> contextvars.Token[_Speaker | None]:
+def speaking(
+    bus: Bus, name: str, session: str, slot: asyncio.Semaphore | None = None
+) -> contextvars.Token[_Speaker | None]:
     """Let the talk tools of the reply about to run speak as ``name`` in
-    ``session`` (the host calls this; tasks started later inherit it)."""
-    return _speaker.set(_Speaker(bus, name, session))
+    ``session`` (the host calls this; tasks started later inherit it).
+    ``slot``: the semaphore bounding the host's replies, of which the reply
+    holds a place; it is given back while the reply waits for an answer from
+    another agent, who may need a place in the same host to give it."""
+    return _speaker.set(_Speaker(bus, name, session, slot))
 
 
 def hush(token: contextvars.Token[_Speaker | None]) -> None:
@@ -102,8 +111,16 @@ async def _send_message(to: str, message: str, wait_for_reply: bool = False) -> 
         reply=wait_for_reply,
     )
     timeout = REPLY_TIMEOUT if wait_for_reply else _DELIVERY_TIMEOUT
+    subject = me.bus.subjects.agent_inbox(to)
     try:
-        answer = await me.bus.request(me.bus.subjects.agent_inbox(to), note, timeout=timeout)
+        if wait_for_reply and me.slot is not None:
+            me.slot.release()  # a full host must still serve the agent asked
+            try:
+                answer = await me.bus.request(subject, note, timeout=timeout)
+            finally:
+                await me.slot.acquire()
+        else:
+            answer = await me.bus.request(subject, note, timeout=timeout)
     except BusError as exc:
         raise ToolError(f"the message to {to} was not delivered: {exc}") from exc
     if isinstance(answer, ErrorMessage):

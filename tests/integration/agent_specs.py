@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 from fleetbus.agents import Agent, Permissions
 from fleetbus.models import ModelRequest, ModelResponse
@@ -87,3 +87,38 @@ def careful() -> Agent:
         toolkit=Toolkit(),
         permissions=Permissions.from_strings(ask=["record"]),
     )
+
+
+class Crowd:
+    """``c0000`` … : a population (an ``AgentSource``) of agents built on
+    demand, each with the :class:`CommandModel`; ``FLEETBUS_TEST_CROWD`` sets
+    its size (default 1,000)."""
+
+    name = "crowd"
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._model = CommandModel()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[str]:
+        return (crowd_member(i) for i in range(self.size))
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str) or len(name) != 5 or not name.startswith("c"):
+            return False
+        return name[1:].isdigit() and int(name[1:]) < self.size
+
+    def agent(self, name: str) -> Agent:
+        return Agent(name, f"You are {name}.", self._model, toolkit=Toolkit(), max_iters=3)
+
+
+def crowd_member(index: int) -> str:
+    """The name of the crowd's agent ``index``."""
+    return f"c{index:04d}"
+
+
+crowd = Crowd(int(os.environ.get("FLEETBUS_TEST_CROWD", "1000")))
+"""The population served by ``fleetbus agent tests.integration.agent_specs:crowd``."""

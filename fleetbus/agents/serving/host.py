@@ -484,6 +484,7 @@ class AgentHost(Lifecycle):
         run: _Run,
         *,
         answer_to: str | None = None,
+        holds_slot: bool = True,
     ) -> FinalAnswer | None:
         """Serve ``inputs`` (``None``: a take-over) holding ``lease``: first what
         a dead owner left — an answer it stored but may not have sent, the
@@ -529,7 +530,10 @@ class AgentHost(Lifecycle):
         self._running[key] = agent
         final: FinalAnswer | None = None
         lost: BaseException | None = None
-        speaking = talk.speaking(self.bus, name, session)
+        # The reply holds a place of the limiter (taken by the serving loop,
+        # or by a take-over): the talk tools give it back while they wait.
+        slot = self._limiter if holds_slot else None
+        speaking = talk.speaking(self.bus, name, session, slot)
         try:
             async with asyncio.TaskGroup() as tg:
                 # Renewed until released: the end is written, sent and released
@@ -702,7 +706,8 @@ class AgentHost(Lifecycle):
                         "reply_to": lease.orphan_reply_to,
                     }
                 )
-                if await self._run_reply(lease, None, _Run()) is None:
+                # (an observation does not always hold a place of the limiter)
+                if await self._run_reply(lease, None, _Run(), holds_slot=False) is None:
                     return self._error(message, "internal", f"session {session} was lost")
             agent = self.definition(name).clone(state=lease.record.state)
             await agent.observe(message)

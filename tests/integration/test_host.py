@@ -1,0 +1,202 @@
+"""AgentHost in the test's process: what its constructor refuses, and host
+groups on one prefix, each answering only the agents of its own source.
+The host as separate OS processes: ``test_host_processes.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from fleetbus.agents import Agent, AgentHost
+from fleetbus.agents.serving.sessions import SessionStore
+from fleetbus.bus import Bus, EmbeddedServer
+from fleetbus.errors import CallTimeoutError, ConfigError
+from fleetbus.protocol import AgentMessage, ErrorMessage, FinalAnswer, TextBlock, UserRequest
+from fleetbus.testing import ScriptedModel
+from fleetbus.tools_workers import Toolkit
+
+
+@asynccontextmanager
+async def hosting(
+    url: str,
+    prefix: str,
+    agents: Any,
+    *,
+    replica: str = "test",
+    **options: Any,
+) -> AsyncIterator[AgentHost]:
+    """``agents`` served by an :class:`AgentHost` in this process, on a
+    connection of its own, until the block ends (a 1 s lease, a 5 s drain)."""
+    host_bus = await Bus.connect(url, prefix=prefix, name=f"host-{replica}")
+    options.setdefault("lease_ttl", 1.0)
+    options.setdefault("drain_timeout", 5.0)
+    try:
+        host = AgentHost(host_bus, agents, replica_id=replica, **options)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(host.run())
+            try:
+                await host.wait_ready()
+                yield host
+            finally:
+                host.stop()
+    finally:
+        await host_bus.close()
+
+
+def scripted(name: str, answer: str) -> Agent:
+    """An agent that answers ``answer`` to everything."""
+    return Agent(name, "", ScriptedModel([answer], repeat_last=True), toolkit=Toolkit())
+
+
+class Unlisted:
+    """Every agent whose name starts with ``<start>-``: a source that cannot
+    list its agents; counts the definitions it builds."""
+
+    def __init__(self, start: str) -> None:
+        self.start = start
+        self.built: list[str] = []
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.startswith(f"{self.start}-")
+
+    def agent(self, name: str) -> Agent:
+        self.built.append(name)
+        return scripted(name, f"{name} of {self.start}")
+
+
+class Liar(Unlisted):
+    """Builds an agent of another name than the one asked for."""
+
+    def agent(self, name: str) -> Agent:
+        return scripted(f"{name}-x", "never")
+
+
+async def ask(bus: Bus, agent: str, text: str, session: str, *, timeout: float = 10.0) -> Any:
+    return await bus.request(
+        bus.subjects.agent_inbox(agent),
+        UserRequest(content=text, session_id=session),
+        timeout=timeout,
+    )
+
+
+# -- the constructor -------------------------------------------------------------
+
+
+def test_a_source_that_cannot_list_its_agents_needs_a_group(bus: Bus) -> None:
+    with pytest.raises(ConfigError, match="cannot list its agents needs a group"):
+        AgentHost(bus, Unlisted("n"))
+    AgentHost(bus, Unlisted("n"), group="north")  # one wildcard subscription: no list needed
+
+
+def test_a_source_that_cannot_list_its_agents_observes_no_topics(bus: Bus) -> None:
+    with pytest.raises(ConfigError, match="and no topics"):
+        AgentHost(bus, Unlisted("n"), group="north", topics=["news"])
+
+
+@pytest.mark.parametrize(
+    "agents",
+    [
+        [scripted("twin", "a"), scripted("twin", "b")],
+        {"first": scripted("twin", "a"), "second": scripted("twin", "b")},
+    ],
+    ids=["sequence", "mapping"],
+)
+def test_two_agents_with_one_name_are_refused(
+    bus: Bus, agents: Iterable[Agent] | Mapping[str, Agent]
+) -> None:
+    with pytest.raises(ConfigError, match="two agents are named 'twin'"):
+        AgentHost(bus, agents)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"checkpoints": "never"}, "checkpoints is 'step' or 'reply'"),
+        ({"events": "some"}, "events is 'all', 'final' or 'none'"),
+        ({"group": "two.tokens"}, "host group"),
+        ({"topics": ["a.b"]}, "topic"),
+    ],
+)
+def test_bad_settings_are_refused(bus: Bus, options: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        AgentHost(bus, [scripted("solo", "a")], **options)
+
+
+def test_an_agent_name_that_cannot_be_a_subject_token_is_refused(bus: Bus) -> None:
+    with pytest.raises(ConfigError, match="agent name"):
+        AgentHost(bus, [scripted("two.tokens", "a")])
+
+
+# -- host groups -------------------------------------------------------------------
+
+
+async def test_host_groups_on_one_prefix_answer_only_their_own_agents(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    north, south = Unlisted("n"), Unlisted("s")
+    async with (
+        hosting(nats_server.url, bus.prefix, north, group="north", replica="north-1"),
+        hosting(nats_server.url, bus.prefix, south, group="south", replica="south-1"),
+    ):
+        answers = await asyncio.gather(
+            *(ask(bus, name, "hi", f"g-{i}") for i, name in enumerate(["n-1", "s-1", "n-2"]))
+        )
+        again = await ask(bus, "n-1", "hi again", "g-0")
+        with pytest.raises(CallTimeoutError):
+            await ask(bus, "w-1", "anyone?", "nobody", timeout=0.5)
+    assert [a.content for a in answers] == ["n-1 of n", "s-1 of s", "n-2 of n"]
+    assert all(isinstance(a, FinalAnswer) and a.finished_reason == "completed" for a in answers)
+    assert isinstance(again, FinalAnswer)
+    assert again.content == "n-1 of n"
+    # Built on demand, once per agent while cached; never for another group's names.
+    assert sorted(north.built) == ["n-1", "n-2"]
+    assert south.built == ["s-1"]
+
+
+async def test_definitions_past_the_cache_are_built_again(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    source = Unlisted("n")
+    async with hosting(nats_server.url, bus.prefix, source, group="north", cache_size=1):
+        for name in ("n-a", "n-b", "n-a"):
+            answer = await ask(bus, name, "hi", "cache")
+            assert isinstance(answer, FinalAnswer)
+            assert answer.content == f"{name} of n"
+    assert source.built == ["n-a", "n-b", "n-a"]
+
+
+async def test_a_source_that_builds_another_agent_gets_an_error_answer(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    async with hosting(nats_server.url, bus.prefix, Liar("n"), group="north"):
+        answer = await ask(bus, "n-1", "hi", "liar")
+    assert isinstance(answer, ErrorMessage)
+    assert answer.code == "internal"
+    assert "the agent source built 'n-1-x' for 'n-1'" in answer.message
+
+
+async def test_a_broadcast_naming_no_session_is_recorded_in_the_topics_session(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    agents = [scripted("ann", "a"), scripted("ben", "b")]
+    async with hosting(nats_server.url, bus.prefix, agents, topics=["news"]):
+        await bus.publish(
+            bus.subjects.topic("news"),
+            AgentMessage(sender="ann", name="ann", content=[TextBlock(text="rain")], reply=False),
+        )
+        await bus.flush()
+        store = await SessionStore.open(bus, owner="test")
+        deadline = time.monotonic() + 10
+        record = None
+        while time.monotonic() < deadline and (record is None or record.owner is not None):
+            record = await store.get("ben", "news")
+            await asyncio.sleep(0.02)
+        sessions = await store.heads.subjects("*.news")
+    assert record is not None
+    assert [(m.name, m.text) for m in record.state.memory] == [("ann", "rain")]
+    assert sessions == ["ben.news"]  # not recorded by its sender
