@@ -175,6 +175,7 @@ class Agent:
         self._lock = asyncio.Lock()
         self._running: asyncio.Task[Any] | None = None
         self._interrupted = False
+        self._interrupt_next = False
         self._stalled = False
         """The running reply waits for a reader that has not read its events."""
 
@@ -259,12 +260,20 @@ class Agent:
                     self._state.summary = result.summary
             return result
 
-    def interrupt(self) -> None:
+    def interrupt(self, *, pending: bool = False) -> None:
         """Stop the reply in progress; it ends with ``finished_reason="interrupted"``.
 
         Idempotent: once the reply is being interrupted, further calls do
-        nothing (they must not cut short the saving of its end)."""
-        if self._running is not None and not self._running.done() and not self._interrupted:
+        nothing (they must not cut short the saving of its end).
+
+        Args:
+            pending: when no reply runs yet, interrupt the next one as it
+                starts (a cancel that came while its reply was being set up).
+        """
+        if self._running is None or self._running.done():
+            self._interrupt_next = self._interrupt_next or pending
+            return
+        if not self._interrupted:
             self._interrupted = True
             self._running.cancel()
 
@@ -361,6 +370,9 @@ class Agent:
             async with self._lock:
                 self._interrupted = False
                 self._running = asyncio.current_task()
+                if self._interrupt_next:
+                    self._interrupt_next = False
+                    self.interrupt()  # cancels this task at its first wait
                 try:
                     return await self._reply(
                         inputs, structured_model, structured_schema, session_id, emit, demand

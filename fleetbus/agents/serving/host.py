@@ -648,7 +648,7 @@ class AgentHost(Lifecycle):
         try:
             async for item in stream:
                 if run.cancelled:
-                    agent.interrupt()  # a cancel that came before the reply ran (idempotent)
+                    agent.interrupt(pending=True)  # a cancel that came before (idempotent)
                 if isinstance(item, FinalAnswer):
                     final = item
                 elif self.events != "all":
@@ -809,7 +809,7 @@ class AgentHost(Lifecycle):
             agent = self._running.get(key)
             if agent is not None:
                 logger.info("%s: cancelling session %s", name, message.session_id)
-                agent.interrupt()
+                agent.interrupt(pending=True)  # its reply may not have started yet
         return None
 
     # -- taking sessions over ---------------------------------------------------------

@@ -91,3 +91,19 @@ async def test_break_out_of_the_stream_starts_nothing_new() -> None:
     await stream.aclose()
     ids = [u.id for m in agent.memory for u in m.tool_uses]
     assert sorted(ids) == sorted(results(agent.memory))
+
+
+async def test_an_interrupt_before_the_reply_starts_applies_only_when_pending() -> None:
+    written: list[str] = []
+    started = asyncio.Event()
+    script = [ScriptedModel.calls(("write", {"text": "z"}, "w1")), ScriptedModel.text("done")]
+    agent = Agent("a", "", ScriptedModel(script), toolkit=kit(written, started))
+    agent.interrupt()  # nothing runs: nothing to stop, and nothing remembered
+    assert (await agent.reply("go")).finished_reason == "completed"
+    assert written == ["z"]
+    pending = Agent("b", "", ScriptedModel(script), toolkit=kit(written, started))
+    pending.interrupt(pending=True)  # a cancel that came while the reply was set up
+    final = await pending.reply("go")
+    assert final.finished_reason == "interrupted"
+    assert written == ["z"]  # its tool never ran
+    assert (await pending.reply("again")).finished_reason == "completed"  # once only
