@@ -79,12 +79,23 @@ def _who() -> _Speaker:
     return speaker
 
 
-def _text(message: str) -> str:
+def _note(me: _Speaker, message: str, *, reply: bool) -> AgentMessage:
+    """The message ``me`` sends, in its reply's session.
+
+    Raises:
+        ToolError: the text is empty or too long.
+    """
     if not message.strip():
         raise ToolError("the message is empty")
     if len(message) > MAX_TALK_CHARS:
         raise ToolError(f"the message is {len(message)} characters; the limit is {MAX_TALK_CHARS}")
-    return message
+    return AgentMessage(
+        sender=me.name,
+        session_id=me.session,
+        name=me.name,
+        content=[TextBlock(text=message)],
+        reply=reply,
+    )
 
 
 async def _send_message(to: str, message: str, wait_for_reply: bool = False) -> str:
@@ -103,13 +114,7 @@ async def _send_message(to: str, message: str, wait_for_reply: bool = False) -> 
         raise ToolError(str(exc)) from exc
     if to == me.name:
         raise ToolError("that is yourself; name another agent")
-    note = AgentMessage(
-        sender=me.name,
-        session_id=me.session,
-        name=me.name,
-        content=[TextBlock(text=_text(message))],
-        reply=wait_for_reply,
-    )
+    note = _note(me, message, reply=wait_for_reply)
     timeout = REPLY_TIMEOUT if wait_for_reply else _DELIVERY_TIMEOUT
     subject = me.bus.subjects.agent_inbox(to)
     try:
@@ -144,13 +149,7 @@ async def _publish(topic: str, message: str) -> str:
         subject = me.bus.subjects.topic(topic)
     except FleetbusError as exc:
         raise ToolError(str(exc)) from exc
-    note = AgentMessage(
-        sender=me.name,
-        session_id=me.session,
-        name=me.name,
-        content=[TextBlock(text=_text(message))],
-        reply=False,
-    )
+    note = _note(me, message, reply=False)
     try:
         await me.bus.publish(subject, note)
     except BusError as exc:

@@ -100,7 +100,7 @@ def add_fleet_commands(sub: Any, bus_options: Any) -> None:
     p.add_argument(
         "--concurrency",
         type=int,
-        help="replies a process runs at once (default 16 for named agents, 256 for a group)",
+        help="replies a process runs at once (default 16 for named agents, 64 for a group)",
     )
     p.add_argument(
         "--checkpoints",
@@ -477,7 +477,7 @@ async def _serve_agents(args: argparse.Namespace, served: list[Agent] | Populati
             topics=args.topic,
             durable_topics=args.durable_topics,
             lease_ttl=args.lease_ttl,
-            concurrency=args.concurrency or (16 if group is None else 256),
+            concurrency=args.concurrency or (16 if group is None else 64),
             checkpoints=args.checkpoints,
             events=args.events,
         )

@@ -206,7 +206,7 @@ class AgentHost(Lifecycle):
         topics: Sequence[str] = (),
         durable_topics: bool = False,
         lease_ttl: float = 10.0,
-        concurrency: int = 256,
+        concurrency: int = 64,
         busy_wait: float = 60.0,
         recover_interval: float = 2.0,
         drain_timeout: float = 30.0,

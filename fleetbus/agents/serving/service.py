@@ -19,24 +19,17 @@ __all__ = ["AgentService"]
 
 
 class AgentService(AgentHost):
-    """Serves one agent on the bus.
+    """Serves one agent on the bus, on its own subjects.
 
     Args:
         bus: the connection.
         agent: the agent's definition; each session runs on a clone of it
             holding that session's state.
-        replica_id: this replica's id (the lease owner); host-pid by default.
-        topics: broadcast topics to observe (one replica records each message).
-        durable_topics: keep the topics in JetStream streams, so a replica
-            that was down catches up.
-        lease_ttl: seconds a session lease lasts unrenewed; a replica that
-            dies holding one delays its session this long.
-        concurrency: sessions run at once by this replica.
-        busy_wait: seconds a message waits for its session to be free.
-        recover_interval: seconds between checks of the running sessions' lease
-            timers (no store scan: see :class:`Recovery`).
-        drain_timeout: seconds running replies get to finish on stop.
-        checkpoints: ``"step"`` or ``"reply"`` (see :class:`AgentHost`).
+        replica_id: this replica's id (the lease owner); ``<name>@host-pid``
+            by default.
+
+    The other arguments are :class:`AgentHost`'s (16 replies at once by
+    default, where a host runs 64).
     """
 
     def __init__(
