@@ -88,8 +88,9 @@ async def test_a_purge_leaves_a_marker_that_expires_and_a_key_to_create_again(bu
     # Taken again over the marker, then purged and left to expire.
     again = await kv.update("lease", b"held again", revision=marker)
     await kv.purge("lease", revision=again, ttl=1)
-    deadline = asyncio.get_running_loop().time() + 10
-    while await kv.subjects() and asyncio.get_running_loop().time() < deadline:
+    for _ in range(50):  # the server expires markers about once a second
+        if not await kv.subjects():
+            break
         await asyncio.sleep(0.2)
     assert await kv.subjects() == []
     assert await kv.revision("lease") is None
