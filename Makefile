@@ -29,8 +29,9 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# One pytest worker per core: the suite mostly waits on processes and servers.
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n auto
 
 format: install
 	$(BIN)/ruff format .

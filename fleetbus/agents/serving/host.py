@@ -528,6 +528,8 @@ class AgentHost(Lifecycle):
         if inputs is not None:
             phases.append((inputs, answer_to, True))
         self._running[key] = agent
+        if run.cancelled:  # a cancel came before the agent was here to take it
+            agent.interrupt(pending=True)
         final: FinalAnswer | None = None
         lost: BaseException | None = None
         # The reply holds a place of the limiter (taken by the serving loop,
