@@ -3,7 +3,9 @@
 Each request is handled in a task of its own, owned by the loop: started from
 the subscription's callback (cheaper than nats-py's message iterator, which
 starts a task and an ``asyncio.wait`` per message), bounded by a semaphore,
-and awaited — or cancelled — when the loop drains.
+and awaited — or cancelled — when the loop drains. The task keeps its own
+books (drops itself, gives its permit back) instead of a done callback: one
+loop callback less per request.
 """
 
 from __future__ import annotations
@@ -110,6 +112,9 @@ class ServeLoop:
         encode: encodes a reply, checking the server's size limit.
     """
 
+    _loop: asyncio.AbstractEventLoop
+    """The loop :meth:`run` serves in."""
+
     def __init__(
         self,
         nc: NATS,
@@ -126,7 +131,8 @@ class ServeLoop:
         self._limiter = limiter
         self._source = source
         self._encode = encode
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[int, asyncio.Task[None]] = {}
+        """The handlers running, by the id of the message each handles."""
 
     async def run(
         self,
@@ -137,6 +143,9 @@ class ServeLoop:
         ready: asyncio.Event | None,
     ) -> None:
         """Serve until ``stop`` is set, then drain (see :meth:`Bus.serve`)."""
+        # Kept: asyncio.get_running_loop() makes a getpid system call (Python
+        # 3.11), on every request otherwise.
+        self._loop = asyncio.get_running_loop()
         try:
             sub = await self._nc.subscribe(self._subject, queue=queue or "", cb=self._dispatch)
             await settle(self._nc)
@@ -151,10 +160,16 @@ class ServeLoop:
             await self._drain(sub, drain_timeout)
         finally:
             # Cancelled, or the drain ran out of time: nothing outlives the loop.
-            for task in self._tasks:
+            tasks = dict(self._tasks)
+            for task in tasks.values():
                 task.cancel()
-            if self._tasks:
-                await asyncio.gather(*self._tasks, return_exceptions=True)
+            if tasks:
+                await asyncio.gather(*tasks.values(), return_exceptions=True)
+            for key, task in tasks.items():
+                if self._tasks.get(key) is task:
+                    # Cancelled before it started: its ``finally`` never ran.
+                    del self._tasks[key]
+                    self._limiter.release()
 
     async def _drain(self, sub: Subscription, timeout: float) -> None:
         loop = asyncio.get_running_loop()
@@ -172,7 +187,7 @@ class ServeLoop:
                 pass  # already gone with the connection
         if self._tasks:
             remaining = max(0.0, deadline - loop.time())
-            _, late = await asyncio.wait(set(self._tasks), timeout=remaining)
+            _, late = await asyncio.wait(set(self._tasks.values()), timeout=remaining)
             if late:
                 logger.warning(
                     "%d request(s) on %s still running after %.3gs; cancelling them",
@@ -187,40 +202,41 @@ class ServeLoop:
         # callback, so none may escape.
         try:
             await self._limiter.acquire()
-            task = asyncio.get_running_loop().create_task(self._handle(msg))
+            self._tasks[id(msg)] = self._loop.create_task(self._handle(msg))
         except Exception:
             logger.exception("cannot dispatch a request on %s", self._subject)
-            return
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        self._limiter.release()
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("request handling on %s failed", self._subject, exc_info=task.exception())
 
     async def _handle(self, msg: Msg) -> None:
-        reply = await self._reply_for(msg)
-        if reply is None:
-            return
-        if not msg.reply:
-            logger.warning(
-                "request on %s has no reply subject; answer dropped: %s",
-                msg.subject,
-                type(reply).__name__,
-                extra={"call_id": reply.call_id},
-            )
-            return
         try:
-            payload = self._encode(reply)
-        except (PayloadTooLargeError, ProtocolError) as exc:
-            logger.warning("reply on %s cannot be sent: %s", msg.subject, exc)
-            payload = encode(self._error(reply, "internal", f"the reply could not be sent: {exc}"))
-        try:
-            await self._nc.publish(msg.reply, payload)
-        except nats.errors.Error as exc:
-            logger.warning("reply on %s not sent: %s", msg.subject, exc or type(exc).__name__)
+            reply = await self._reply_for(msg)
+            if reply is None:
+                return
+            if not msg.reply:
+                logger.warning(
+                    "request on %s has no reply subject; answer dropped: %s",
+                    msg.subject,
+                    type(reply).__name__,
+                    extra={"call_id": reply.call_id},
+                )
+                return
+            try:
+                payload = self._encode(reply)
+            except (PayloadTooLargeError, ProtocolError) as exc:
+                logger.warning("reply on %s cannot be sent: %s", msg.subject, exc)
+                payload = encode(
+                    self._error(reply, "internal", f"the reply could not be sent: {exc}")
+                )
+            try:
+                await self._nc.publish(msg.reply, payload)
+            except nats.errors.Error as exc:
+                logger.warning("reply on %s not sent: %s", msg.subject, exc or type(exc).__name__)
+        except Exception:
+            logger.exception("request handling on %s failed", self._subject)
+        finally:
+            # The task's own bookkeeping: cheaper than a done callback (one
+            # more loop callback per request).
+            self._tasks.pop(id(msg), None)
+            self._limiter.release()
 
     async def _reply_for(self, msg: Msg) -> Message | None:
         try:
@@ -238,9 +254,8 @@ class ServeLoop:
                 source_component=self._source,
             )
         try:
-            return await self._handler(
-                Request(message=message, subject=msg.subject, size=len(msg.data), reply=msg.reply)
-            )
+            # Positional arguments: a quarter cheaper than keywords, on every request.
+            return await self._handler(Request(message, msg.subject, len(msg.data), msg.reply))
         except asyncio.CancelledError:
             raise
         except Exception as exc:

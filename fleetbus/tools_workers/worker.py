@@ -56,6 +56,7 @@ from fleetbus.protocol import (
     encode,
     error_reply,
 )
+from fleetbus.protocol.codec import fresh_id
 from fleetbus.tools_workers.tool import ToolOutcome
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike
 
@@ -71,12 +72,33 @@ _Key = tuple[str, str, str]
 class _Running:
     """A call running on this worker."""
 
-    done: asyncio.Future[ToolResult]
-    """Its result, for retries that join it."""
     task: asyncio.Task[object] | None
     """The task running the tool; ``None`` once the tool has returned."""
     cancel_reason: str | None = None
     """Set when the caller cancelled the call."""
+    joined: list[asyncio.Future[ToolResult]] | None = None
+    """The results awaited by retries that joined the call (made only for
+    them: most calls have none)."""
+
+    async def join(self) -> ToolResult:
+        """Its result, once it has one (for a retry that joins it)."""
+        done: asyncio.Future[ToolResult] = asyncio.get_running_loop().create_future()
+        if self.joined is None:
+            self.joined = []
+        self.joined.append(done)
+        return await done
+
+    def finish(self, result: ToolResult | BaseException) -> None:
+        """Hand the result (or what ended the call) to the retries that joined it."""
+        for done in self.joined or ():
+            if done.done():  # that retry was cancelled
+                continue
+            if isinstance(result, asyncio.CancelledError):
+                done.cancel()
+            elif isinstance(result, BaseException):
+                done.set_exception(result)
+            else:
+                done.set_result(result)
 
 
 class ToolWorker(Lifecycle):
@@ -100,6 +122,9 @@ class ToolWorker(Lifecycle):
             server's ``max_payload`` less ``RESULT_HEADROOM`` by default.
         store_timeout: seconds storing one large result may take.
     """
+
+    _loop: asyncio.AbstractEventLoop
+    """The loop :meth:`run` serves in."""
 
     def __init__(
         self,
@@ -172,6 +197,9 @@ class ToolWorker(Lifecycle):
         Raises:
             ConnectionClosedError: the bus closed.
         """
+        # Kept: asyncio.get_running_loop() (and current_task() without a
+        # loop) makes a getpid system call (Python 3.11), on every call otherwise.
+        self._loop = asyncio.get_running_loop()
         limiter = asyncio.Semaphore(self.concurrency)
         names = self.toolkit.names
         loops_ready = [asyncio.Event() for _ in names]
@@ -321,25 +349,18 @@ class ToolWorker(Lifecycle):
             return recorded
         running = self._running.get(key)
         if running is not None:
-            return await asyncio.shield(running.done)
-        current = _Running(
-            done=asyncio.get_running_loop().create_future(), task=asyncio.current_task()
-        )
+            return await running.join()
+        current = _Running(task=asyncio.current_task(self._loop))
         self._running[key] = current
         try:
             result, record = await self._execute(
                 served, call, min(timeout, self.max_timeout), current
             )
-            if record:
-                result, record = await self._fit(call, result)
         except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError):
-                current.done.cancel()
-            else:
-                current.done.set_exception(exc)
+            current.finish(exc)
             raise
         else:
-            current.done.set_result(result)
+            current.finish(result)
             if record:
                 self._remember(key, result)
             return result
@@ -349,7 +370,8 @@ class ToolWorker(Lifecycle):
     async def _execute(
         self, served: ToolLike, call: ToolCall, timeout: float, running: _Running
     ) -> tuple[ToolResult, bool]:
-        """Run the tool; the result, and whether a retry should get it."""
+        """Run the tool; the result as it can travel (by reference when too
+        large for one message), and whether a retry should get it."""
         self.executed += 1
         try:
             outcome = await served.run(call.parameters, timeout=timeout)
@@ -370,7 +392,17 @@ class ToolWorker(Lifecycle):
             task, running.task = running.task, None
         if running.cancel_reason is not None:
             _uncancel(task)  # the tool swallowed the cancel and returned: that is what happened
-        return self._result(call, outcome), True
+        result = self._result(call, outcome)
+        limit = self.max_result_bytes or self.bus.max_payload - RESULT_HEADROOM
+        try:
+            size = len(encode(result))
+        except ProtocolError:
+            return result, True  # the serving loop answers what cannot be encoded
+        if size <= limit or not result.ok:
+            # Only content goes by reference; the serving loop refuses an
+            # error result too large.
+            return result, True
+        return await self._offload(call, result, size, limit)
 
     def _cancelled(self, call: ToolCall, reason: str) -> ToolResult:
         return self._result(
@@ -378,18 +410,11 @@ class ToolWorker(Lifecycle):
             ToolOutcome.failure("cancelled", "cancelled", f"cancelled by the caller: {reason}"),
         )
 
-    async def _fit(self, call: ToolCall, result: ToolResult) -> tuple[ToolResult, bool]:
-        """``result`` as it can travel: by reference when too large for one
-        message; and whether a retry should get it."""
-        limit = self.max_result_bytes or self.bus.max_payload - RESULT_HEADROOM
-        try:
-            size = len(encode(result))
-        except ProtocolError:
-            return result, True  # the serving loop answers what cannot be encoded
-        if size <= limit:
-            return result, True
-        if not result.ok:
-            return result, True  # only content goes by reference; the serving loop refuses it
+    async def _offload(
+        self, call: ToolCall, result: ToolResult, size: int, limit: int
+    ) -> tuple[ToolResult, bool]:
+        """``result`` (``size`` bytes, more than ``limit``) by reference; and
+        whether a retry should get it."""
         try:
             stored = await self.results.offload(result, sender=call.sender)
         except (StoreError, ProtocolError) as exc:
@@ -418,6 +443,7 @@ class ToolWorker(Lifecycle):
 
     def _result(self, call: ToolCall, outcome: ToolOutcome) -> ToolResult:
         return ToolResult(
+            id=fresh_id(),
             sender=self.worker_id,
             session_id=call.session_id,
             call_id=call.call_id,
