@@ -58,9 +58,15 @@ class Replies:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
 
-    async def request(self, subject: str, payload: bytes, timeout: float) -> Msg:
-        """Publish ``payload`` on ``subject`` and wait ``timeout`` seconds for
-        the reply.
+    async def request(
+        self,
+        subject: str,
+        payload: bytes,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> Msg:
+        """Publish ``payload`` (with ``headers``) on ``subject`` and wait
+        ``timeout`` seconds for the reply.
 
         Raises:
             nats.errors.TimeoutError: no reply in time.
@@ -76,7 +82,7 @@ class Replies:
         self._waiting[token] = reply
         self._expect(loop.time() + timeout, token)
         try:
-            await self._nc.publish(subject, payload, reply=self._inbox + token)
+            await self._nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
             msg = await reply
         finally:
             del self._waiting[token]

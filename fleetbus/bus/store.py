@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import nats.errors
 import nats.js.errors
 import orjson
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore as _NatsObjectStore
@@ -27,6 +28,7 @@ from fleetbus.bus._replicas import (
     placement_error,
     wanted_replicas,
 )
+from fleetbus.bus._replies import Replies
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.subjects import Subjects
 from fleetbus.errors import (
@@ -128,7 +130,7 @@ async def key_value(
     except (nats.errors.Error, TimeoutError) as exc:
         error = placement_error(exc, what=what, wanted=wanted, bus=bus)
         raise error or _store_error(exc, f"opening {what}") from exc
-    store = KeyValueStore(kv, bucket)
+    store = KeyValueStore(kv, bucket, replies=bus._replies)
     store.expiring_markers = markers
     return store
 
@@ -159,10 +161,18 @@ class KeyValueStore:
     is what nats-py sends.
     """
 
-    def __init__(self, kv: KeyValue, bucket: str, js: JetStreamContext | None = None) -> None:
+    def __init__(
+        self,
+        kv: KeyValue,
+        bucket: str,
+        js: JetStreamContext | None = None,
+        *,
+        replies: Replies | None = None,
+    ) -> None:
         self._kv = kv
         self._js: JetStreamContext = js if js is not None else kv._js
         self._nc = self._js._nc
+        self._replies = replies
         self.bucket = bucket
         self._prefix: str = getattr(kv, "_pre", None) or Subjects.kv_keys(bucket, "")
         api = getattr(self._js, "_prefix", None) or "$JS.API"
@@ -177,7 +187,7 @@ class KeyValueStore:
         what = f"get {key!r}"
         query = orjson.dumps({"last_by_subj": self._prefix + key})
         try:
-            msg = await self._nc.request(self._msg_get, query, timeout=self._timeout)
+            msg = await self._request(self._msg_get, query, None)
             answer = orjson.loads(msg.data)
         except (nats.errors.Error, TimeoutError) as exc:
             raise _store_error(exc, what) from exc
@@ -212,9 +222,7 @@ class KeyValueStore:
         operation = (headers or {}).get(_KV_OPERATION)
         what = f"{operation.lower() if operation else 'write'} {key!r}"
         try:
-            msg = await self._nc.request(
-                self._prefix + key, value, timeout=self._timeout, headers=headers
-            )
+            msg = await self._request(self._prefix + key, value, headers)
         except (nats.errors.Error, TimeoutError) as exc:
             raise _store_error(exc, what) from exc
         try:
@@ -234,6 +242,11 @@ class KeyValueStore:
             return int(ack["seq"])
         except (KeyError, TypeError, ValueError):
             raise StoreError(f"{what}: the server's answer has no sequence") from None
+
+    async def _request(self, subject: str, payload: bytes, headers: dict[str, str] | None) -> Msg:
+        if self._replies is not None:  # the bus's own reply inbox: less CPU a request
+            return await self._replies.request(subject, payload, self._timeout, headers)
+        return await self._nc.request(subject, payload, timeout=self._timeout, headers=headers)
 
     async def get(self, key: str) -> Entry:
         """The current value of ``key``.
