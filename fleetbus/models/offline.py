@@ -22,6 +22,7 @@ and takes 48 µs at both).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import zlib
@@ -460,7 +461,19 @@ def _capabilities(tools: list[str]) -> str:
 
 
 def _parse(text: str) -> list[_Intent]:
-    """The tool requests in ``text``, in order of appearance."""
+    """The tool requests in ``text``, in order of appearance (each call's
+    arguments a dict of its own)."""
+    return [(at, tool, dict(args)) for at, tool, args in _parsed(text)]
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(text: str) -> tuple[_Intent, ...]:
+    """:func:`_parse`, kept for the texts seen last: every step of a reply
+    reads the same request again (0.1 ms each, a tenth of a served step)."""
+    return tuple(_scan(text))
+
+
+def _scan(text: str) -> list[_Intent]:
     intents: list[_Intent] = []
     masked = text[:_MAX_PARSED]
 
