@@ -224,8 +224,19 @@ def load_served(
         target: Any = getattr(module, attr or "agents", None)
         if target is None:
             raise ConfigError(f"module {module_name!r} has no attribute {attr or 'agents'!r}")
-        if callable(target) and not isinstance(target, Agent | AgentSource):
-            target = target()
+        # A class (a population's too: it has the methods) or a factory is
+        # called; an agent or a population instance is used as it is.
+        if isinstance(target, type) or (
+            callable(target) and not isinstance(target, Agent | AgentSource)
+        ):
+            try:
+                target = target()
+            except ConfigError:
+                raise
+            except Exception as exc:  # the user's factory: one line, not a traceback
+                raise ConfigError(
+                    f"{spec}: calling it failed: {type(exc).__name__}: {exc}"
+                ) from exc
     if isinstance(target, AgentSource) and not isinstance(target, Agent | list | tuple):
         name = getattr(target, "name", None) or attr or module_name.rpartition(".")[2]
         return PopulationSpec(target, re.sub(r"[^A-Za-z0-9_-]", "-", str(name))[:64], model, cli)

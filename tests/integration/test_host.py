@@ -200,3 +200,8 @@ async def test_a_broadcast_naming_no_session_is_recorded_in_the_topics_session(
     assert record is not None
     assert [(m.name, m.text) for m in record.state.memory] == [("ann", "rain")]
     assert sessions == ["ben.news"]  # not recorded by its sender
+
+
+def test_a_host_of_no_agents_is_refused(bus: Bus) -> None:
+    with pytest.raises(ConfigError, match="at least one agent"):
+        AgentHost(bus, [])

@@ -61,3 +61,17 @@ def test_module_specs() -> None:
         load_agents("no_such_module:agents")
     with pytest.raises(ConfigError, match="is not an Agent"):
         load_agents("fleetbus.cli.demo_fleet:SYSTEM_PROMPT")
+
+
+def test_a_population_spec_is_called_when_it_is_a_class_and_used_as_it_is_otherwise() -> None:
+    from fleetbus.cli.fleet import PopulationSpec, load_served
+
+    served = load_served("bench._sim_population:population")  # an instance: used as it is
+    assert isinstance(served, PopulationSpec)
+    assert "sim-00000" in served
+    assert served.agent("sim-00001").name == "sim-00001"
+    # The class is called, like a factory; it needs its size: one clear line.
+    with pytest.raises(ConfigError, match="calling it failed: TypeError"):
+        load_served("bench._sim_population:Population")
+    with pytest.raises(ConfigError, match="a population"):
+        load_agents("bench._sim_population:population")

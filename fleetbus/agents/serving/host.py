@@ -192,8 +192,9 @@ class AgentHost(Lifecycle):
             messages of a one-step reply, for populations), or ``"none"``.
 
     Raises:
-        ConfigError: no group with agents that cannot be listed, two agents
-            with one name, or topics with a group whose agents cannot be listed.
+        ConfigError: no agents, no group with agents that cannot be listed,
+            two agents with one name, or topics with a group whose agents
+            cannot be listed.
     """
 
     def __init__(
@@ -235,6 +236,8 @@ class AgentHost(Lifecycle):
             raise ConfigError(
                 "an agent source that cannot list its agents needs a group, and no topics"
             )
+        if self._names is not None and not self._names:
+            raise ConfigError("a host needs at least one agent to serve")
         for topic in topics:
             check_name(topic, what="topic")
         self.bus = bus
