@@ -110,7 +110,9 @@ class ApproxTokenCounter:
         message_overhead: tokens added for each message.
     """
 
-    _CACHE_SIZE = 8192
+    _CACHE_SIZE = 1024
+    """Counts kept (a served agent makes new message objects at each turn,
+    so old keys never come back: the cache must stay small)."""
 
     def __init__(self, chars_per_token: float = 4.0, message_overhead: int = 4) -> None:
         if chars_per_token <= 0 or message_overhead < 0:

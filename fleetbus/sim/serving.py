@@ -60,7 +60,7 @@ class PopulationHost(Lifecycle):
         model: str | None = None,
         concurrency: int = 64,
         lease_ttl: float = 10.0,
-        cache_size: int = 1024,
+        cache_size: int = 64,
         drain_timeout: float = 30.0,
         tool_wait: float = TOOL_WAIT,
         checkpoints: Literal["step", "reply"] = "reply",

@@ -211,7 +211,7 @@ class AgentHost(Lifecycle):
         busy_wait: float = 60.0,
         recover_interval: float = 2.0,
         drain_timeout: float = 30.0,
-        cache_size: int = 1024,
+        cache_size: int = 64,
         checkpoints: Literal["step", "reply"] = "step",
         events: Literal["all", "final", "none"] = "all",
     ) -> None:

@@ -82,6 +82,8 @@ _LEASE_KEEP = 24 * 3600.0
 _MARKER_TTL = 60.0
 """Seconds the marker of a released lease stays (at least; 6 lease TTLs)."""
 _RELEASED_KEPT = 20_000
+_CACHED_MESSAGES = 5_000
+"""Messages the session cache holds at most, over all its sessions (a few MB)."""
 _GONE_KEPT = 100_000
 """Released lease keys a Recovery remembers, so a resync does not read them."""
 """Leases released here whose revision is remembered (about 100 bytes each)."""
@@ -182,7 +184,8 @@ class SessionStore:
         lease_ttl: seconds a lease may go unrenewed before another replica
             may take the session over.
         cache_size: sessions whose last stored state is kept in memory, so
-            that the next message of a session skips reading its chunks.
+            that the next message of a session skips reading its chunks (and
+            at most 5,000 messages over all of them).
     """
 
     def __init__(
@@ -204,6 +207,8 @@ class SessionStore:
         self.lease_ttl = lease_ttl
         self._cache: OrderedDict[str, tuple[int, Lease]] = OrderedDict()
         self._cache_size = cache_size
+        self._cached_messages = 0
+        """Messages held by the cache: it is bounded by them too (sessions grow)."""
         # The revision of the deletion marker each lease released here left:
         # the next acquire writes against it without reading the lease first.
         self._released: OrderedDict[str, int] = OrderedDict()
@@ -773,10 +778,19 @@ class SessionStore:
         if self._cache_size <= 0:
             return
         kept = _copy_lease(lease, state)
+        self._forget(key)
         self._cache[key] = (lease.revision, kept)
-        self._cache.move_to_end(key)
-        while len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        self._cached_messages += len(kept.record.state.memory)
+        while self._cache and (
+            len(self._cache) > self._cache_size or self._cached_messages > _CACHED_MESSAGES
+        ):
+            self._forget(next(iter(self._cache)))
+
+    def _forget(self, key: str) -> None:
+        """Drop ``key`` from the cache (if there)."""
+        gone = self._cache.pop(key, None)
+        if gone is not None:
+            self._cached_messages -= len(gone[1].record.state.memory)
 
     async def delete(self, agent: str, session_id: str) -> None:
         """Forget a session: head, memory chunks, lease.
@@ -792,7 +806,7 @@ class SessionStore:
         if read is not None:
             await self._drop_blob(read[2])
         await self.leases.delete(key)
-        self._cache.pop(key, None)
+        self._forget(key)
 
     def recovery(
         self,
