@@ -18,6 +18,7 @@ import nats.js.errors
 import orjson
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import RePublish
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore as _NatsObjectStore
 
@@ -87,6 +88,7 @@ async def key_value(
     create: bool = True,
     replicas: int | None = None,
     expiring_markers: bool = False,
+    republish: bool = False,
 ) -> KeyValueStore:
     """The fleet's KV bucket ``name``, created if missing (and ``create``).
 
@@ -105,6 +107,11 @@ async def key_value(
             (nats-server 2.11+), so that :meth:`KeyValueStore.purge` can
             leave a marker that expires; ``KeyValueStore.expiring_markers``
             says whether it can.
+        republish: make sure the server repeats every stored write on
+            ``<prefix>.kv.<name>.<key>`` with its revision (the
+            ``Nats-Sequence`` header), so that :class:`~fleetbus.bus.KeyUpdates`
+            learns revisions without reading; ``KeyValueStore.republished``
+            is that subject's stem, or ``None`` if JetStream refused.
 
     Raises:
         ConfigError: ``replicas`` is not between 1 and 5.
@@ -115,16 +122,24 @@ async def key_value(
     what = f"KV bucket {bucket}"
     wanted = wanted_replicas(bus, replicas)
     js = bus.nc.jetstream()
+    writes = (
+        RePublish(src=Subjects.kv_keys(bucket, ">"), dest=bus.subjects.kv_writes(name))
+        if republish
+        else None
+    )
     try:
         try:
             kv = await js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
             if not create:
                 raise StoreError(f"KV bucket {bucket} does not exist") from None
-            kv = await js.create_key_value(bucket=bucket, ttl=ttl, history=history, replicas=wanted)
+            kv = await js.create_key_value(
+                bucket=bucket, ttl=ttl, history=history, replicas=wanted, republish=writes
+            )
         else:
             await ensure_replicas(js, kv_stream_name(bucket), wanted, what=what)
         markers = expiring_markers and await _allow_msg_ttl(js, kv_stream_name(bucket), what)
+        republished = writes is not None and await _republish(js, kv_stream_name(bucket), writes)
     except StoreError:
         raise
     except (nats.errors.Error, TimeoutError) as exc:
@@ -132,6 +147,7 @@ async def key_value(
         raise error or _store_error(exc, f"opening {what}") from exc
     store = KeyValueStore(kv, bucket, replies=bus._replies)
     store.expiring_markers = markers
+    store.republished = bus.subjects.kv_writes(name, "") if republished else None
     return store
 
 
@@ -144,6 +160,21 @@ async def _allow_msg_ttl(js: JetStreamContext, stream: str, what: str) -> bool:
         await js.update_stream(info.config.evolve(allow_msg_ttl=True))
     except (nats.errors.Error, TimeoutError) as exc:
         logger.info("%s takes no per-message TTL (%s): its deletions stay", what, exc)
+        return False
+    return True
+
+
+async def _republish(js: JetStreamContext, stream: str, writes: RePublish) -> bool:
+    """Whether ``stream`` repeats its stored writes as ``writes`` says, set if
+    it can be."""
+    info = await js.stream_info(stream)
+    now = info.config.republish
+    if now is not None and (now.src, now.dest) == (writes.src, writes.dest):
+        return True
+    try:
+        await js.update_stream(info.config.evolve(republish=writes))
+    except (nats.errors.Error, TimeoutError) as exc:
+        logger.info("%s repeats no writes (%s): revisions are read instead", stream, exc)
         return False
     return True
 
@@ -181,6 +212,9 @@ class KeyValueStore:
         self._timeout = float(getattr(self._js, "_timeout", None) or 5.0)
         self.expiring_markers = False
         """Whether :meth:`purge` can leave a marker that expires (see :func:`key_value`)."""
+        self.republished: str | None = None
+        """The stem of the subjects on which the server repeats each stored
+        write with its revision (see :func:`key_value`), or ``None``."""
 
     async def _read(self, key: str) -> tuple[bytes, int, bool] | None:
         """``(value, revision, deleted)`` of ``key``'s last write, or ``None``."""

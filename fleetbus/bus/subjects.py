@@ -167,6 +167,12 @@ class Subjects:
         """The JetStream stream behind a KV bucket: ``KV_<bucket>``."""
         return f"KV_{bucket}"
 
+    def kv_writes(self, name: str, keys: str = ">") -> str:
+        """Where the server repeats each stored write of KV bucket ``name``
+        (with its revision), for buckets opened with ``republish``:
+        ``<prefix>.kv.<name>.<keys>``."""
+        return f"{self.prefix}.kv.{check_name(name, what='bucket name')}.{keys}"
+
     def kv_bucket(self, name: str) -> str:
         """A JetStream bucket name of this fleet (bucket names allow no dots)."""
         return f"{self.prefix.replace('.', '_')}_{check_name(name, what='bucket name')}"

@@ -7,8 +7,14 @@ contrast, is an ordered consumer per watch, and listings made with watchers
 every few seconds exhausted the server's consumer limit within minutes.
 
 What it sees are hints, not the truth: a write published while this client
-was disconnected is missed, and a compare-and-set write the stream rejected
-is seen all the same. Whoever acts on a hint confirms it by reading the key.
+was disconnected is missed, and (without ``republish``) a compare-and-set
+write the stream rejected is seen all the same. Whoever acts on a hint
+confirms it by reading the key.
+
+A bucket opened with ``republish`` (:func:`~fleetbus.bus.key_value`) has the
+server repeat each write once stored, on ``<prefix>.kv.<name>.<key>`` with
+its revision; followed there, only stored writes are seen, each with the
+revision a compare-and-set needs, and no read is made to learn it.
 """
 
 from __future__ import annotations
@@ -29,11 +35,14 @@ __all__ = ["KeyUpdates"]
 logger = logging.getLogger(__name__)
 
 _OPERATION = "KV-Operation"
+_SEQUENCE = "Nats-Sequence"
 
 
 class KeyUpdates:
-    """Calls ``callback(key, value)`` for every write published to keys of
-    ``kv`` matching ``pattern``; ``value`` is ``None`` for a delete or purge.
+    """Calls ``callback(key, value, revision)`` for every write published to
+    keys of ``kv`` matching ``pattern``; ``value`` is ``None`` for a delete or
+    purge, ``revision`` the write's revision (``None`` unless ``kv`` was
+    opened with ``republish``).
 
     Args:
         bus: the connection.
@@ -47,11 +56,11 @@ class KeyUpdates:
         bus: Bus,
         kv: KeyValueStore,
         pattern: str,
-        callback: Callable[[str, bytes | None], None],
+        callback: Callable[[str, bytes | None, int | None], None],
     ) -> None:
         self._bus = bus
-        self._prefix = Subjects.kv_keys(kv.bucket, "")
-        self._subject = Subjects.kv_keys(kv.bucket, pattern)
+        self._prefix = kv.republished or Subjects.kv_keys(kv.bucket, "")
+        self._subject = self._prefix + pattern
         self._callback = callback
         self._sub: Any = None
 
@@ -72,8 +81,10 @@ class KeyUpdates:
             key = msg.subject[len(self._prefix) :]
             headers = msg.headers or {}
             value = None if headers.get(_OPERATION) in ("DEL", "PURGE") else bytes(msg.data)
+            sequence = headers.get(_SEQUENCE)
+            revision = int(sequence) if sequence and sequence.isdigit() else None
             try:
-                self._callback(key, value)
+                self._callback(key, value, revision)
             except Exception:  # a callback bug must not end the subscription
                 logger.exception("key update callback failed for %s", key)
 

@@ -486,3 +486,39 @@ async def test_a_save_cancelled_in_flight_does_not_pass_for_the_next_one(bus: Bu
     record = await (await SessionStore.open(bus, owner="reader")).get(AGENT, "cut")
     assert record is not None
     assert (record.status, record.final) == ("idle", {"content": "bye"})
+
+
+async def test_a_session_released_by_one_replica_is_taken_by_another_in_one_write(
+    bus: Bus,
+) -> None:
+    first = await SessionStore.open(bus, owner="replica-a")
+    second = await SessionStore.open(bus, owner="replica-b")
+
+    async def never(agent: str, session_id: str, revision: int) -> None:
+        raise AssertionError("nothing is dead here")
+
+    recovery = second.recovery(None, never)
+    await recovery.start()
+    try:
+        lease = await first.acquire(AGENT, "handed", fresh=AgentState(agent_name=AGENT))
+        await first.save(lease, status="idle", release=True)
+        key = session_key(AGENT, "handed")
+        for _ in range(100):  # the release is heard with its marker's revision
+            if key in second._released:
+                break
+            await asyncio.sleep(0.02)
+        requests: list[str] = []
+        request = second.leases._request
+
+        async def counted(subject: str, *args: Any) -> Any:
+            requests.append(subject)
+            return await request(subject, *args)
+
+        second.leases._request = counted  # type: ignore[method-assign]
+        taken = await second.acquire(AGENT, "handed", fresh=AgentState(agent_name=AGENT))
+        # One compare-and-set over the marker took it; the lease was not read.
+        assert requests == [f"$KV.{second.leases.bucket}.{key}"]
+        assert taken.record.owner == "replica-b"
+        await second.save(taken, status="idle", release=True)
+    finally:
+        await recovery.close()

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from fleetbus.bus import Bus, EmbeddedServer, key_value, object_store
+from fleetbus.bus import Bus, EmbeddedServer, KeyUpdates, key_value, object_store
 from fleetbus.errors import KeyNotFoundError, RevisionMismatchError, StoreError
 
 
@@ -106,3 +106,48 @@ async def test_a_delete_returns_its_marker_to_write_over(bus: Bus) -> None:
         await kv.get("k")
     assert await kv.update("k", b"2", revision=marker) > marker
     assert (await kv.get("k")).value == b"2"
+
+
+async def test_a_republishing_bucket_tells_followers_each_stored_write_and_its_revision(
+    bus: Bus,
+) -> None:
+    plain = await key_value(bus, "repeated", expiring_markers=True)
+    assert plain.republished is None
+    # Opened again with republish, the existing bucket is updated.
+    kv = await key_value(bus, "repeated", expiring_markers=True, republish=True)
+    assert kv.republished == f"{bus.prefix}.kv.repeated."
+    heard: list[tuple[str, bytes | None, int | None]] = []
+    updates = KeyUpdates(bus, kv, "*.lease", lambda k, v, r: heard.append((k, v, r)))
+    await updates.start()
+    try:
+        first = await kv.create("a.lease", b"held")
+        with pytest.raises(RevisionMismatchError):
+            await kv.update("a.lease", b"lost", revision=first + 100)  # not stored: not heard
+        marker = await kv.purge("a.lease", revision=first, ttl=5)
+        await kv.put("a.other", b"not followed")
+        again = await kv.update("a.lease", b"taken", revision=marker)
+        for _ in range(100):
+            if len(heard) >= 3:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        await updates.close()
+    assert heard == [
+        ("a.lease", b"held", first),
+        ("a.lease", None, marker),
+        ("a.lease", b"taken", again),
+    ]
+    # A follower of a bucket without it still hears writes, without revisions.
+    old = await key_value(bus, "not-repeated")
+    plain_heard: list[tuple[str, bytes | None, int | None]] = []
+    follower = KeyUpdates(bus, old, ">", lambda k, v, r: plain_heard.append((k, v, r)))
+    await follower.start()
+    try:
+        await old.put("k", b"1")
+        for _ in range(100):
+            if plain_heard:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        await follower.close()
+    assert plain_heard == [("k", b"1", None)]

@@ -209,8 +209,8 @@ class SessionStore:
         self._cache_size = cache_size
         self._cached_messages = 0
         """Messages held by the cache: it is bounded by them too (sessions grow)."""
-        # The revision of the deletion marker each lease released here left:
-        # the next acquire writes against it without reading the lease first.
+        # The revision of the deletion marker each released lease left (here,
+        # or heard): the next acquire writes against it without reading first.
         self._released: OrderedDict[str, int] = OrderedDict()
         self._blobs: ObjectStore | None = None
         self._inline_limit = max(4096, bus.max_payload - _HEADROOM)
@@ -224,7 +224,9 @@ class SessionStore:
         """
         heads = await key_value(bus, _HEADS)
         chunks = await key_value(bus, _CHUNKS)
-        leases = await key_value(bus, _LEASES, ttl=_LEASE_KEEP, expiring_markers=True)
+        leases = await key_value(
+            bus, _LEASES, ttl=_LEASE_KEEP, expiring_markers=True, republish=True
+        )
         return cls(bus, heads, chunks, leases, owner=owner, lease_ttl=lease_ttl)
 
     # -- values that may not fit in one message ------------------------------------
@@ -598,7 +600,7 @@ class SessionStore:
     async def _drop_lease(self, key: str, revision: int) -> None:
         try:
             try:
-                self._note_released(key, await self._remove_lease(key, revision))
+                self.note_released(key, await self._remove_lease(key, revision))
             except RevisionMismatchError:
                 # A renewal of ours may have landed after its writer stopped
                 # waiting; anyone else's lease stays.
@@ -606,13 +608,16 @@ class SessionStore:
                 if entry is None or _lease_owner(entry.value) != self.owner:
                     logger.info("lease of %s was taken over before its release", key)
                     return
-                self._note_released(key, await self._remove_lease(key, entry.revision))
+                self.note_released(key, await self._remove_lease(key, entry.revision))
         except RevisionMismatchError:
             logger.info("lease of %s was taken over before its release", key)
         except StoreError as exc:
             logger.warning("lease of %s not released (it will lapse): %s", key, exc)
 
-    def _note_released(self, key: str, marker: int) -> None:
+    def note_released(self, key: str, marker: int) -> None:
+        """Lease ``key`` was released, leaving a marker at revision ``marker``
+        (here, or by another replica: :class:`Recovery` hears it): the next
+        acquire writes against it without reading the lease first."""
         self._released[key] = marker
         self._released.move_to_end(key)
         if len(self._released) > _RELEASED_KEPT:
@@ -898,13 +903,16 @@ class Recovery:
     def _ours(self, key: str) -> bool:
         return self._serves is None or self._serves(key.partition(".")[0])
 
-    def _heard(self, key: str, value: bytes | None) -> None:
+    def _heard(self, key: str, value: bytes | None, revision: int | None) -> None:
         if not self._ours(key):
             return
         owner = _lease_owner(value) if value else None
         if owner is None:
             self.watched.pop(key, None)
             self._note_gone(key)
+            if revision is not None and value is None:
+                # Released (by any replica): the next take is one write.
+                self.store.note_released(key, revision)
             return
         self._gone.pop(key, None)
         watched = self.watched.get(key)
