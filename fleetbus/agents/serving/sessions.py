@@ -44,6 +44,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, Field
 
+from fleetbus.agents.messages import stored_messages
 from fleetbus.agents.state import AgentState, MemoryIndex
 from fleetbus.bus import Bus, KeyUpdates, KeyValueStore, ObjectStore, key_value, object_store
 from fleetbus.errors import (
@@ -283,9 +284,13 @@ class SessionStore:
         ranges: list[list[int]] = head.get("chunks", [])
         keys = [_chunk_key(key, e, n) for e, first, last in ranges for n in range(first, last + 1)]
         parts = await asyncio.gather(*(self._read_chunk(k) for k in keys))
-        memory: list[Any] = [m for part in parts for m in part]
+        stored: list[Any] = [m for part in parts for m in part]
         tail: list[dict[str, Any]] = head.get("tail", [])
-        memory.extend(tail)
+        stored.extend(tail)
+        try:
+            memory = stored_messages(stored)
+        except ValueError as exc:
+            raise StoreError(f"session {key} holds unreadable memory: {exc}") from None
         state = AgentState.model_validate({**head["state"], "memory": memory})
         record = SessionRecord(
             agent=head["agent"],
