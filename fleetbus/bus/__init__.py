@@ -6,7 +6,7 @@ The only package that imports ``nats``.
 """
 
 from fleetbus.bus.connection import Bus, Handler, Observation, Request
-from fleetbus.bus.lifecycle import Lifecycle
+from fleetbus.bus.lifecycle import GC_THRESHOLD, Lifecycle, tune_gc
 from fleetbus.bus.micro import EndpointInfo, EndpointStats, MicroService, ServiceInfo, discover
 from fleetbus.bus.server import EmbeddedServer, find_server_binary
 from fleetbus.bus.settings import DEFAULT_URL, ConnectOptions
@@ -32,6 +32,7 @@ from fleetbus.bus.watch import KeyUpdates
 __all__ = [
     "DEFAULT_PREFIX",
     "DEFAULT_URL",
+    "GC_THRESHOLD",
     "RESULTS_STORE",
     "RESULT_HEADROOM",
     "SERVICE_NAME",
@@ -61,4 +62,5 @@ __all__ = [
     "find_server_binary",
     "key_value",
     "object_store",
+    "tune_gc",
 ]

@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.logging import RichHandler
 
-from fleetbus.bus import Bus, ConnectOptions
+from fleetbus.bus import Bus, ConnectOptions, tune_gc
 from fleetbus.errors import FleetbusError
 
 console = Console()
@@ -34,10 +34,13 @@ def setup_logging(verbose: int) -> None:
 
 
 def run(main: Coroutine[Any, Any, int]) -> int:
-    """Run a command's coroutine, with uvloop when it is installed.
+    """Run a command's coroutine, with uvloop when it is installed, and the
+    cycle collector tuned for serving (:func:`fleetbus.bus.tune_gc`).
 
-    Set ``FLEETBUS_UVLOOP=0`` to use the standard event loop.
+    Set ``FLEETBUS_UVLOOP=0`` to use the standard event loop, and
+    ``FLEETBUS_GC_THRESHOLD=0`` to keep Python's collector settings.
     """
+    tune_gc()
     if os.environ.get("FLEETBUS_UVLOOP", "1") != "0":
         try:
             import uvloop

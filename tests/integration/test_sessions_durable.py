@@ -514,7 +514,7 @@ async def test_a_session_released_by_one_replica_is_taken_by_another_in_one_writ
             requests.append(subject)
             return await request(subject, *args)
 
-        second.leases._request = counted  # type: ignore[method-assign]
+        second.leases._request = counted  # type: ignore[method-assign,assignment]
         taken = await second.acquire(AGENT, "handed", fresh=AgentState(agent_name=AGENT))
         # One compare-and-set over the marker took it; the lease was not read.
         assert requests == [f"$KV.{second.leases.bucket}.{key}"]
