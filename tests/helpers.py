@@ -191,14 +191,17 @@ async def ghost_reply(
     reply_to: str,
     *,
     freeze_after: int,
+    store: SessionStore | None = None,
 ) -> Ghost:
     """A replica of ``agent`` that takes ``request`` like :class:`AgentService`
     does (the lease, the request recorded with it) and dies after
     ``freeze_after`` saves (0: right after taking the request): it stops
-    writing and renewing, like a SIGKILLed process."""
+    writing and renewing, like a SIGKILLed process. ``store``: the ghost's
+    (one that released the session before takes it back without fencing)."""
     session = request.session_id
     assert session is not None
-    store = await SessionStore.open(bus, owner=f"{agent.name}@ghost", lease_ttl=1.0)
+    if store is None:
+        store = await SessionStore.open(bus, owner=f"{agent.name}@ghost", lease_ttl=1.0)
     lease = await store.acquire(
         agent.name,
         session,

@@ -157,26 +157,42 @@ async def wait_until(check: Callable[[], bool], timeout: float = 15.0) -> None:
             await asyncio.sleep(0.05)
 
 
-@pytest.mark.parametrize("freeze_after", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize(
+    ("freeze_after", "handed_over"),
+    [(n, False) for n in range(6)] + [(0, True), (1, True), (3, True)],
+)
 async def test_a_replica_killed_at_any_save_is_taken_over_exactly_there(
-    nats_server: EmbeddedServer, bus: Bus, freeze_after: int
+    nats_server: EmbeddedServer, bus: Bus, freeze_after: int, handed_over: bool
 ) -> None:
     """Saves: 0 the request taken, 1 the input, 2 step 1's call, 3 its result,
     4 the step, 5 step 2's call. Killed after any of them, the session ends
-    with the unbroken answer, every call ran once and travelled with one id."""
+    with the unbroken answer, every call ran once and travelled with one id.
+
+    ``handed_over``: the ghost released the session before, so it takes it
+    back without writing the head (the request rides in its lease): killed
+    before its first save, the taker finds the request in the dead lease."""
     runs: list[str] = []
     text = "alpha beta"
     async with step_worker(nats_server.url, bus.prefix, runs):
         wire, stop_wire = await answers(bus, bus.subjects.tool("step"))
         inbox = bus.nc.new_inbox()
         got, stop_got = await answers(bus, inbox)
+        store = None
+        if handed_over:
+            store = await SessionStore.open(bus, owner=f"{AGENT}@ghost", lease_ttl=1.0)
+            before = await store.acquire(AGENT, "s1", fresh=AgentState(agent_name=AGENT))
+            await store.save(before, status="idle", release=True)
+            head = await store.heads.get(session_key(AGENT, "s1"))
         ghost = await ghost_reply(
             bus,
             await make_agent(bus, StepModel()),
             ask("s1", text),
             inbox,
             freeze_after=freeze_after,
+            store=store,
         )
+        if handed_over and freeze_after == 0:  # taken without a write of the head
+            assert (await store.heads.get(session_key(AGENT, "s1"))).revision == head.revision  # type: ignore[union-attr]
         taker_model = StepModel()
         async with serving(nats_server.url, bus.prefix, await make_agent(bus, taker_model)):
             await wait_until(lambda: any(isinstance(m, FinalAnswer) for m in got))

@@ -46,7 +46,15 @@ from pydantic import BaseModel, Field
 
 from fleetbus.agents.messages import stored_messages
 from fleetbus.agents.state import AgentState, MemoryIndex
-from fleetbus.bus import Bus, KeyUpdates, KeyValueStore, ObjectStore, key_value, object_store
+from fleetbus.bus import (
+    Bus,
+    Entry,
+    KeyUpdates,
+    KeyValueStore,
+    ObjectStore,
+    key_value,
+    object_store,
+)
 from fleetbus.errors import (
     FleetbusError,
     KeyNotFoundError,
@@ -83,6 +91,9 @@ _LEASE_KEEP = 24 * 3600.0
 _MARKER_TTL = 60.0
 """Seconds the marker of a released lease stays (at least; 6 lease TTLs)."""
 _RELEASED_KEPT = 20_000
+_CARRIED_BYTES = 16 * 1024
+"""A request up to this size (JSON) rides in the lease value: then a session
+handed over cleanly needs no fencing write of its head."""
 _CACHED_MESSAGES = 5_000
 """Messages the session cache holds at most, over all its sessions (a few MB)."""
 _GONE_KEPT = 100_000
@@ -161,6 +172,9 @@ class Lease:
     """Where the request the dead owner was serving wants its answer."""
     orphan_final: dict[str, Any] | None = None
     """The answer a dead owner stored but may not have sent to ``orphan_reply_to``."""
+    carried: dict[str, Any] | None = None
+    """The request being served as the lease value carries it (``reply_to``
+    and ``input``), written again with each renewal."""
 
 
 def session_key(agent: str, session_id: str) -> str:
@@ -361,10 +375,27 @@ class SessionStore:
 
     # -- the lease -------------------------------------------------------------------
 
-    def _lease_value(self, epoch: int, renewals: int) -> bytes:
-        return orjson.dumps(
-            {"owner": self.owner, "epoch": epoch, "renewals": renewals, "ttl": self.lease_ttl}
-        )
+    def _lease_value(
+        self, epoch: int, renewals: int, carried: dict[str, Any] | None = None
+    ) -> bytes:
+        value: dict[str, Any] = {
+            "owner": self.owner,
+            "epoch": epoch,
+            "renewals": renewals,
+            "ttl": self.lease_ttl,
+        }
+        if carried is not None:
+            value["request"] = carried
+        return orjson.dumps(value)
+
+    def _carried(
+        self, reply_to: str | None, pending_input: dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """The request to carry in the lease value, if small enough to."""
+        if pending_input is None:
+            return None
+        carried = {"reply_to": reply_to, "input": pending_input}
+        return carried if len(orjson.dumps(carried)) <= _CARRIED_BYTES else None
 
     async def acquire(
         self,
@@ -406,13 +437,14 @@ class SessionStore:
         deadline = time.monotonic() + wait
         delay = 0.02
         seen: tuple[int, float] | None = None
+        carried = self._carried(reply_to, pending_input)
         if not take_over:
             # The common cases in one write: a lease nobody wrote since this
             # replica released it (compare-and-set against its deletion), or
             # a session never leased. Anyone else's write makes this fail;
             # then the lease is read and judged below.
             released = self._released.pop(key, None)
-            value = self._lease_value(0, 0)
+            value = self._lease_value(0, 0, carried)
             try:
                 if released is not None:
                     revision = await self.leases.update(key, value, revision=released)
@@ -423,7 +455,16 @@ class SessionStore:
             else:
                 try:
                     return await self._fence(
-                        key, agent, session_id, revision, fresh, reply_to, pending_input, False
+                        key,
+                        agent,
+                        session_id,
+                        revision,
+                        fresh,
+                        reply_to,
+                        pending_input,
+                        False,
+                        carried=carried,
+                        handed_over=released is not None,
                     )
                 except BaseException:
                     await self._drop_lease(key, revision)
@@ -459,7 +500,7 @@ class SessionStore:
                     agent=agent,
                     session_id=session_id,
                 )
-            value = self._lease_value(0, 0)
+            value = self._lease_value(0, 0, carried)
             try:
                 if entry is None:
                     revision = await self.leases.create(key, value)
@@ -479,6 +520,8 @@ class SessionStore:
                     pending_input,
                     take_over,
                     from_dead=from_dead,
+                    carried=carried,
+                    dead=_dead_request(entry) if from_dead or take_over else None,
                 )
             except BaseException:
                 await self._drop_lease(key, revision)
@@ -496,9 +539,22 @@ class SessionStore:
         take_over: bool,
         *,
         from_dead: bool = False,
+        carried: dict[str, Any] | None = None,
+        handed_over: bool = False,
+        dead: tuple[int, dict[str, Any]] | None = None,
     ) -> Lease:
         """Write the head as this owner's (epoch), so that a previous owner's
-        late writes fail their compare-and-set."""
+        late writes fail their compare-and-set.
+
+        Not written when the lease was ``handed_over`` (taken over the marker
+        its last owner left on release) and the request is ``carried`` in the
+        lease: whoever wrote the head before was fenced by the owner that took
+        it from them, and a take-over finds the request in the lease. The
+        first save then writes the head.
+
+        ``dead``: the epoch and carried request of a dead owner's lease, which
+        are its request still to serve when that owner never wrote the head.
+        """
         for _ in range(8):
             read = await self._read_head(key)
             if read is None:
@@ -526,6 +582,15 @@ class SessionStore:
                 return lease
             lease = await self._load(key, *read)
             record = lease.record
+            if dead is not None and dead[0] != lease.epoch:
+                # The dead owner never wrote the head: its request is in its lease.
+                record = record.model_copy(
+                    update={
+                        "status": "running",
+                        "pending_input": dead[1]["input"],
+                        "reply_to": dead[1]["reply_to"],
+                    }
+                )
             undelivered = record.reply_to is not None and record.final is not None
             if take_over and record.status != "running" and not undelivered:
                 raise SessionBusyError(
@@ -547,6 +612,10 @@ class SessionStore:
                 update["status"] = "running"  # (an answer to re-send keeps its status)
             if not take_over:
                 update.update(reply_to=reply_to, pending_input=pending_input)
+            lease.carried = carried
+            if handed_over and record.status != "running" and (carried or not pending_input):
+                lease.record = record.model_copy(update=update)
+                return lease
             try:
                 await self._write_head(lease, record.model_copy(update=update), record.state)
             except RevisionMismatchError:
@@ -567,7 +636,7 @@ class SessionStore:
         """
         record = lease.record
         key = session_key(record.agent, record.session_id)
-        value = self._lease_value(lease.epoch, lease.renewals + 1)
+        value = self._lease_value(lease.epoch, lease.renewals + 1, lease.carried)
         try:
             lease.lease_revision = await self.leases.update(
                 key, value, revision=lease.lease_revision
@@ -1012,6 +1081,21 @@ class Recovery:
                     logger.warning("%s: recovery check failed: %s", self.agent, exc)
         finally:
             await self.close()
+
+
+def _dead_request(entry: Entry | None) -> tuple[int, dict[str, Any]] | None:
+    """The epoch of a lease and the request it carries (``None``: none)."""
+    if entry is None or not entry.value:
+        return None
+    try:
+        value = orjson.loads(entry.value)
+        request = value.get("request")
+        epoch = int(value.get("epoch") or entry.revision)
+    except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+        return None
+    if not isinstance(request, dict) or not isinstance(request.get("input"), dict):
+        return None
+    return epoch, request
 
 
 def _lease_owner(value: bytes | None) -> str | None:
