@@ -146,6 +146,8 @@ class _Watcher:
         self.agent = agent
         self.json_output = json_output
         self.console = console
+        self.store_writes = subjects.kv_writes("x", "").removesuffix("x.")
+        """The stem of the stores' repeated writes (not protocol messages)."""
         self.agent_subjects = (
             ()
             if agent is None
@@ -176,8 +178,8 @@ class _Watcher:
         return True
 
     def receive(self, msg: _Msg) -> None:
-        if msg.subject.startswith("$"):
-            return  # JetStream or service traffic delivered to an inbox ($KV.…, $JS.…)
+        if msg.subject.startswith(("$", self.store_writes)):
+            return  # JetStream or service traffic ($KV.…, $JS.…, <prefix>.kv.…)
         inbox = msg.subject.startswith("_INBOX.")
         if inbox and msg.subject not in self.replies:
             # Someone else's reply (another fleet, discovery, JetStream), or

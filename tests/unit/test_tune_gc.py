@@ -46,5 +46,5 @@ def test_the_environment_sets_it_and_zero_leaves_python_alone(
 @pytest.mark.parametrize("value", ["lots", "-5", "1.5"])
 def test_a_bad_setting_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("FLEETBUS_GC_THRESHOLD", value)
-    with pytest.raises(ConfigError, match="at least 0|whole number"):
+    with pytest.raises(ConfigError, match=r"at least 0|whole number"):
         tune_gc()
