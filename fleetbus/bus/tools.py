@@ -45,8 +45,8 @@ from fleetbus.protocol import (
     content_reference,
     decode_content,
     encode_content,
+    new_id,
 )
-from fleetbus.protocol.codec import fresh_id
 
 __all__ = [
     "RESULTS_STORE",
@@ -319,10 +319,10 @@ class ToolClient:
         if timeout is not None and not timeout > 0:
             raise ConfigError(f"timeout must be positive, got {timeout}")
         call = ToolCall(
-            id=fresh_id(),
+            id=new_id(),
             sender=self.sender,
             session_id=session_id,
-            call_id=call_id or fresh_id(),
+            call_id=call_id or new_id(),
             tool_name=tool_name,
             parameters=parameters or {},
             timeout=timeout,

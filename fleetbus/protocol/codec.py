@@ -4,13 +4,10 @@
 into the right message class, or raises one :class:`~fleetbus.errors.ProtocolError`
 subclass that says precisely what was wrong, with the ``call_id`` when it
 could still be read.
-
-:func:`fresh_id` makes the ids of the messages sent on every tool call.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, TypeVar
 
 import msgspec
@@ -50,7 +47,6 @@ __all__ = [
     "decode_content",
     "encode",
     "encode_content",
-    "fresh_id",
     "to_builtins",
 ]
 
@@ -106,33 +102,6 @@ class _Envelope(msgspec.Struct):
 
 _envelope_decoder = msgspec.json.Decoder(_Envelope)
 _content_decoder = msgspec.json.Decoder()
-
-
-_ID_BATCH = 256
-"""Ids made from one read of random bytes."""
-
-_ids: list[str] = []
-"""Ids read ahead, handed out from the end."""
-
-os.register_at_fork(after_in_child=_ids.clear)  # a child must not repeat its parent's ids
-
-
-def fresh_id() -> str:
-    """A fresh random message or call id, as ``new_id`` makes: 32 hex digits
-    of 128 random bits, from random bytes read ahead.
-
-    ``new_id`` reads 16 random bytes, a ``getrandom`` system call, per id:
-    0.57 us, against 0.2 us for an id read ahead here. A tool call makes
-    three (the call's ``id`` and ``call_id``, the result's ``id``). One read
-    per 256 ids is as random. Safe across threads (``list.pop`` is atomic)
-    and across ``fork`` (the child drops what it inherited).
-    """
-    try:
-        return _ids.pop()
-    except IndexError:
-        hexed = os.urandom(16 * _ID_BATCH).hex()
-        _ids.extend([hexed[i : i + 32] for i in range(32, len(hexed), 32)])
-        return hexed[:32]
 
 
 def encode(message: Message) -> bytes:

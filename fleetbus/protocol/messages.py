@@ -85,9 +85,30 @@ AGENT_TOOL_PARAMETERS: dict[str, Any] = {
 (the call goes to the agent's inbox)."""
 
 
+_ID_BATCH = 256
+"""Ids made from one read of random bytes."""
+
+_ids: list[str] = []
+"""Ids read ahead, handed out from the end."""
+
+os.register_at_fork(after_in_child=_ids.clear)  # a child must not repeat its parent's ids
+
+
 def new_id() -> str:
-    """A fresh random message or call id (32 hex digits, 128 random bits)."""
-    return os.urandom(16).hex()
+    """A fresh random message or call id: 32 hex digits of 128 random bits.
+
+    The random bytes are read ahead, 256 ids at a time: a ``getrandom``
+    system call per id cost 0.57 µs against 0.2 µs, and a served reply makes
+    a few dozen ids (messages, events, calls, writes). As random; safe across
+    threads (``list.pop`` is atomic) and across ``fork`` (the child drops
+    what it inherited).
+    """
+    try:
+        return _ids.pop()
+    except IndexError:
+        hexed = os.urandom(16 * _ID_BATCH).hex()
+        _ids.extend([hexed[i : i + 32] for i in range(32, len(hexed), 32)])
+        return hexed[:32]
 
 
 def utc_now() -> datetime:

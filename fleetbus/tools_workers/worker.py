@@ -55,8 +55,8 @@ from fleetbus.protocol import (
     ToolResult,
     encode,
     error_reply,
+    new_id,
 )
-from fleetbus.protocol.codec import fresh_id
 from fleetbus.tools_workers.tool import ToolOutcome
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike
 
@@ -443,7 +443,7 @@ class ToolWorker(Lifecycle):
 
     def _result(self, call: ToolCall, outcome: ToolOutcome) -> ToolResult:
         return ToolResult(
-            id=fresh_id(),
+            id=new_id(),
             sender=self.worker_id,
             session_id=call.session_id,
             call_id=call.call_id,
