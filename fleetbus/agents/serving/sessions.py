@@ -853,14 +853,10 @@ class SessionStore:
             logger.warning("memory chunk %s not deleted: %s", key, exc)
 
     def _remember(self, key: str, lease: Lease, state: AgentState | None) -> None:
-        """Keep the state as stored, for the next message of this session.
-
-        Kept as it is, not copied: the reply that made it is over (only the
-        end of a reply comes here), and a hit hands out a copy. A host of more
-        sessions than the cache holds copied every state for nothing."""
+        """Keep the state as stored, for the next message of this session."""
         if self._cache_size <= 0:
             return
-        kept = _copy_lease(lease, state, copy_state=False)
+        kept = _copy_lease(lease, state)
         self._forget(key)
         self._cache[key] = (lease.revision, kept)
         self._cached_messages += len(kept.record.state.memory)
@@ -1141,11 +1137,10 @@ def _copy_state(state: AgentState) -> AgentState:
     return copy
 
 
-def _copy_lease(lease: Lease, state: AgentState | None = None, *, copy_state: bool = True) -> Lease:
-    """A copy of ``lease`` holding a copy of its state (or of ``state``;
-    the state itself with ``copy_state=False``)."""
-    kept = lease.record.state if state is None else state
-    record = lease.record.model_copy(update={"state": _copy_state(kept) if copy_state else kept})
+def _copy_lease(lease: Lease, state: AgentState | None = None) -> Lease:
+    """A copy of ``lease`` holding a copy of its state (or of ``state``)."""
+    copied = _copy_state(lease.record.state if state is None else state)
+    record = lease.record.model_copy(update={"state": copied})
     return Lease(
         record,
         lease.revision,
