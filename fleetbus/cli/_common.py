@@ -66,6 +66,12 @@ def guarded(command: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         return 130
+    except BrokenPipeError:
+        # The reader of our output left (`| head`): not an error of ours. What
+        # is still buffered goes nowhere, so the exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # as a shell reports a command ended by SIGPIPE
 
 
 def add_connection_options(parser: argparse.ArgumentParser) -> None:

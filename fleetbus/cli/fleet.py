@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import json
 import os
 import re
@@ -21,6 +20,7 @@ from typing import Any
 
 from rich.table import Table
 
+from fleetbus._imports import import_named
 from fleetbus.agents import Agent, Permissions
 from fleetbus.agents.serving.host import AgentHost, AgentSource
 from fleetbus.agents.serving.remote import RemoteAgent
@@ -218,7 +218,7 @@ def load_served(
     module_name, _, attr = spec.partition(":")
     with _model_environment(model, cli):
         try:
-            module = importlib.import_module(module_name)
+            module = import_named(module_name)
         except ImportError as exc:
             raise ConfigError(f"cannot import {module_name!r}: {exc}") from exc
         target: Any = getattr(module, attr or "agents", None)

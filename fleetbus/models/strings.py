@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import importlib
 import os
 import re
 import sys
@@ -39,6 +38,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from fleetbus._imports import import_named
 from fleetbus.bus import Bus, check_name, discover
 from fleetbus.errors import ConfigError
 from fleetbus.models.bus_model import BusChatModel
@@ -252,7 +252,7 @@ def _openai_model(name: str, settings: ModelSettings) -> ChatModel:
 def _python_model(spec: str) -> ChatModel:
     module_name, _, attr = spec.partition(":")
     try:
-        target: Any = importlib.import_module(module_name)
+        target: Any = import_named(module_name)
         for part in attr.split("."):
             target = getattr(target, part)
     except (ImportError, AttributeError) as exc:

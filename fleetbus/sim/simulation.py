@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from fleetbus._imports import import_named
 from fleetbus.bus import check_name
 from fleetbus.errors import ConfigError, InvalidSubjectError, ToolDefinitionError
 from fleetbus.sim.environment import ENVIRONMENT_TOOLS, Environment, environment_tools
@@ -287,7 +288,7 @@ def _load_attr(spec: str) -> Any:
         module = _import_file(Path(where))
     else:
         try:
-            module = importlib.import_module(where)
+            module = import_named(where)
         except ImportError as exc:
             raise ConfigError(f"cannot import {where!r}: {exc}") from exc
     target: Any = module

@@ -8,10 +8,10 @@ served by workers. An agent uses both the same way.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
+from fleetbus._imports import import_named
 from fleetbus.bus import ToolClient
 from fleetbus.errors import ToolDefinitionError, UnknownToolError
 from fleetbus.protocol import ToolSpec
@@ -200,7 +200,7 @@ def load_toolkit(spec: str) -> Toolkit:
     """
     module_name, _, attr = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = import_named(module_name)
     except ImportError as exc:
         raise ToolDefinitionError(f"cannot import {module_name!r}: {exc}") from exc
     if attr:
