@@ -114,7 +114,7 @@ class ReplyScope:
         return FinalAnswer(
             sender=self.settings.name,
             session_id=self.reply.session_id,
-            call_id=self.reply.reply_id,
+            call_id=self.reply.request_id or self.reply.reply_id,
             content=content,
             structured=structured,
             finished_reason=finished_reason,

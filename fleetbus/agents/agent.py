@@ -449,6 +449,7 @@ class Agent:
             final = FinalAnswer(
                 sender=self.name,
                 session_id=session_id,
+                call_id=_request_id(inputs),
                 content=f"internal error: {type(exc).__name__}: {exc}",
                 finished_reason="error",
             )
@@ -494,9 +495,12 @@ class Agent:
                 return FinalAnswer(
                     sender=self.name,
                     session_id=session_id or inputs.session_id,
+                    call_id=inputs.call_id,
                     content=f"Nothing is waiting for {what}.",
                     finished_reason="error",
                 )
+            if inputs.call_id is not None:
+                state.reply.request_id = inputs.call_id
             return state.reply, inputs
         if state.reply is not None and inputs is None and not state.reply.pending:
             return state.reply, None  # continue a restored reply (with its schema)
@@ -513,6 +517,7 @@ class Agent:
                     return FinalAnswer(
                         sender=self.name,
                         session_id=session_id or _session_of(inputs),
+                        call_id=_request_id(inputs),
                         content="The output schema must describe a JSON object "
                         '("type": "object"): the answer is given as the arguments of a tool.',
                         finished_reason="error",
@@ -527,6 +532,7 @@ class Agent:
         reply = ReplyState(
             reply_id=new_id(),
             session_id=session_id or _session_of(inputs),
+            request_id=_request_id(inputs),
             structured_name=name,
             structured_schema=schema,
         )
@@ -577,6 +583,13 @@ def _schema_of(inputs: Any) -> dict[str, Any] | None:
     if isinstance(inputs, UserRequest | AgentMessage):
         return inputs.output_schema
     return None
+
+
+def _request_id(inputs: Any) -> str | None:
+    """The ``call_id`` of a protocol message given as input (``None`` for text
+    and memory messages)."""
+    call_id = getattr(inputs, "call_id", None)
+    return call_id if isinstance(call_id, str) else None
 
 
 def _session_of(inputs: Any) -> str | None:

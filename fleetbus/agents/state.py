@@ -67,6 +67,11 @@ class ReplyState(BaseModel):
 
     reply_id: str
     session_id: str | None = None
+    request_id: str | None = None
+    """The ``call_id`` of the message this reply answers now (the request, or
+    the ``confirm_result`` / ``external_result`` that resumed it): the
+    ``call_id`` of its ``final_answer``, so a requester matches the answer to
+    its request wherever it reads it (a take-over included)."""
     iteration: int = 0
     """The reasoning step to run next."""
     pending: list[PendingCall] = Field(default_factory=list)

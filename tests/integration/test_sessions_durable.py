@@ -81,7 +81,7 @@ class StepModel:
 
 
 def ask(session: str, text: str) -> UserRequest:
-    return UserRequest(sender="test", session_id=session, content=text)
+    return UserRequest(sender="test", session_id=session, content=text, call_id=f"r-{session}")
 
 
 def assert_consistent(memory: list[Msg]) -> None:
@@ -204,6 +204,7 @@ async def test_a_replica_killed_at_any_save_is_taken_over_exactly_there(
     finals = [m for m in got if isinstance(m, FinalAnswer)]
     assert len(finals) == 1
     assert finals[0].content == expected(text)
+    assert finals[0].call_id == "r-s1"  # the request's, after a take-over too
     assert record is not None
     assert record.status == "done"
     assert record.pending_input is None

@@ -17,6 +17,7 @@ from fleetbus.protocol import (
     ExternalResult,
     FinalAnswer,
     ToolResultBlock,
+    UserRequest,
 )
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
@@ -311,3 +312,37 @@ async def test_a_confirmation_for_another_call_leaves_the_reply_paused() -> None
     assert final.finished_reason == "paused"
     assert [p.call_id for p in agent.state.reply.pending] == ["c1"]  # type: ignore[union-attr]
     assert written == []
+
+
+async def test_a_final_answer_carries_the_call_id_of_the_message_it_answers() -> None:
+    model = ScriptedModel(
+        [
+            ScriptedModel.call("write_file", {"path": "a.txt", "content": "x"}, call_id="c1"),
+            ScriptedModel.text("written"),
+        ]
+    )
+    agent = Agent(
+        "a", "", model, toolkit=kit(), permissions=Permissions.from_strings(ask=["write_file"])
+    )
+    events, paused = await collect(agent, UserRequest(content="write it", call_id="r-1"))
+    assert paused.call_id == "r-1"  # the request's, not the reply's own id
+    reply_ids = {e.call_id for e in events}
+    assert len(reply_ids) == 1
+    assert "r-1" not in reply_ids  # events keep the reply's id
+    assert agent.state.reply is not None
+    assert agent.state.reply.request_id == "r-1"  # saved: a take-over answers alike
+    restored = Agent(
+        "a",
+        "",
+        model,
+        toolkit=kit(),
+        state=AgentState.model_validate_json(agent.state.model_dump_json()),
+    )
+    final = await restored.reply(
+        ConfirmResult(confirmations=[Confirmation(call_id="c1", confirmed=True)], call_id="r-2")
+    )
+    assert (final.finished_reason, final.call_id) == ("completed", "r-2")
+    nothing = await restored.reply(
+        ConfirmResult(confirmations=[Confirmation(call_id="c1", confirmed=True)], call_id="r-3")
+    )
+    assert (nothing.finished_reason, nothing.call_id) == ("error", "r-3")
