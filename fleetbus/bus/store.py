@@ -11,7 +11,9 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import nats.errors
 import nats.js.errors
@@ -153,28 +155,47 @@ async def key_value(
 
 async def _allow_msg_ttl(js: JetStreamContext, stream: str, what: str) -> bool:
     """Whether ``stream`` takes per-message TTLs, turned on if it can be."""
-    info = await js.stream_info(stream)
-    if info.config.allow_msg_ttl:
-        return True
-    try:
-        await js.update_stream(info.config.evolve(allow_msg_ttl=True))
-    except (nats.errors.Error, TimeoutError) as exc:
-        logger.info("%s takes no per-message TTL (%s): its deletions stay", what, exc)
-        return False
-    return True
+    return await _ensure_config(
+        js,
+        stream,
+        "allow_msg_ttl",
+        True,
+        lambda now: bool(now),
+        f"{what} takes no per-message TTL (%s): its deletions stay",
+    )
 
 
 async def _republish(js: JetStreamContext, stream: str, writes: RePublish) -> bool:
     """Whether ``stream`` repeats its stored writes as ``writes`` says, set if
     it can be."""
+    return await _ensure_config(
+        js,
+        stream,
+        "republish",
+        writes,
+        lambda now: now is not None and (now.src, now.dest) == (writes.src, writes.dest),
+        f"{stream} repeats no writes (%s): revisions are read instead",
+    )
+
+
+async def _ensure_config(
+    js: JetStreamContext,
+    stream: str,
+    field: str,
+    wanted: object,
+    holds: Callable[[Any], bool],
+    refused: str,
+) -> bool:
+    """Whether ``stream``'s setting ``field`` already ``holds``, else set it to
+    ``wanted``; ``False`` (and ``refused`` logged with the reason) if
+    JetStream will not."""
     info = await js.stream_info(stream)
-    now = info.config.republish
-    if now is not None and (now.src, now.dest) == (writes.src, writes.dest):
+    if holds(getattr(info.config, field)):
         return True
     try:
-        await js.update_stream(info.config.evolve(republish=writes))
+        await js.update_stream(info.config.evolve(**{field: wanted}))
     except (nats.errors.Error, TimeoutError) as exc:
-        logger.info("%s repeats no writes (%s): revisions are read instead", stream, exc)
+        logger.info(refused, exc)
         return False
     return True
 
