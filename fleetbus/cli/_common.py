@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from fleetbus.bus import Bus, ConnectOptions, tune_gc
-from fleetbus.errors import FleetbusError
+from fleetbus.errors import ConfigError, FleetbusError
+from fleetbus.logs import configure, level_from_env
 
 console = Console()
 err_console = Console(stderr=True)
@@ -23,14 +24,28 @@ err_console = Console(stderr=True)
 logger = logging.getLogger("fleetbus.cli")
 
 
-def setup_logging(verbose: int) -> None:
-    """Log warnings (``-v``: info, ``-vv``: debug) to stderr through rich."""
-    level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    handler = RichHandler(console=err_console, show_path=False, rich_tracebacks=False)
-    logging.basicConfig(level=level, format="%(message)s", datefmt="[%X]", handlers=[handler])
+def setup_logging(verbose: int, log_format: str | None = None) -> None:
+    """Log warnings (``-v``: info, ``-vv``: debug; else ``FLEETBUS_LOG_LEVEL``)
+    to stderr, as text through rich or as JSON lines (``--log-format``, else
+    ``FLEETBUS_LOG_FORMAT``), each line with its correlation ids.
+
+    Raises:
+        ConfigError: an unknown level or format.
+    """
+    level = level_from_env(verbose)
+    chosen = (log_format or os.environ.get("FLEETBUS_LOG_FORMAT", "") or "text").strip().lower()
+    if chosen == "json":
+        configure(level, "json")
+    elif chosen == "text":
+        handler = RichHandler(console=err_console, show_path=False, rich_tracebacks=False)
+        configure(level, "text", handler=handler, text_format="%(message)s")
+    else:
+        raise ConfigError(f"the log format must be text or json, not {chosen!r}")
     # stamina logs every scheduled retry at warning level; fleetbus reports the
     # failures that matter itself, so its retries show from -vv on.
-    logging.getLogger("stamina").setLevel(logging.WARNING if verbose >= 2 else logging.ERROR)
+    logging.getLogger("stamina").setLevel(
+        logging.WARNING if level <= logging.DEBUG else logging.ERROR
+    )
 
 
 def run(main: Coroutine[Any, Any, int]) -> int:

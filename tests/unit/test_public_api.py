@@ -54,6 +54,7 @@ def test_top_level_exports_the_names_users_type() -> None:
             "agents",
             "testing",
             "sim",
+            "logs",
         }
     }
     assert public <= set(fleetbus.__all__), public - set(fleetbus.__all__)
