@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from fleetbus import tracing
 from fleetbus._retry import Retry
 from fleetbus.agents import events as ev
 from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope
@@ -159,7 +160,16 @@ class ModelCalls:
         number = next(numbers)
 
         async def attempt(req: ModelRequest) -> ModelResponse:
-            return await self._stream(model, req)
+            with tracing.span(
+                "fleetbus model call",
+                kind=tracing.SpanKind.CLIENT,
+                attributes={"fleetbus.model": model.name, "fleetbus.attempt": number},
+            ) as span:
+                response = await self._stream(model, req)
+                if span is not None and response.usage is not None:
+                    span.set_attribute("gen_ai.usage.input_tokens", response.usage.input_tokens)
+                    span.set_attribute("gen_ai.usage.output_tokens", response.usage.output_tokens)
+                return response
 
         call = self.scope.onion("on_model_call", attempt)
         try:

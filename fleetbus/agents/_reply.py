@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 
+from fleetbus import tracing
 from fleetbus.agents._model_calls import ModelCalls, ModelFailedError
 from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope
 from fleetbus.agents._resume import Resumer
@@ -106,27 +107,28 @@ class ReplyRun:
                     return ended
         while reply.iteration < settings.max_iters:
             self.scope.ctx.iteration = reply.iteration
-            await self.models.maybe_compress()
-            message = await self.models.reason()
-            self.state.memory.append(message)
-            reply.iteration += 1
-            reply.answered.clear()  # kept per step: the saved state stays bounded
-            uses = message.tool_uses
-            if not uses:
-                if self.scope.structured:
-                    ended = self._remind_structured()
-                    if ended is not None:
-                        return ended
-                    await checkpoint()
-                    continue
-                return self.scope.finish("completed", message.text)
-            # Write-ahead: the calls (and their ids) are durable before they are
-            # sent, so a take-over sends them again with the same call_id.
-            await checkpoint()
-            ended = await self._act(uses)
-            if ended is not None:
-                return ended
-            await checkpoint()
+            with tracing.span("fleetbus step", attributes={"fleetbus.step": reply.iteration}):
+                await self.models.maybe_compress()
+                message = await self.models.reason()
+                self.state.memory.append(message)
+                reply.iteration += 1
+                reply.answered.clear()  # kept per step: the saved state stays bounded
+                uses = message.tool_uses
+                if not uses:
+                    if self.scope.structured:
+                        ended = self._remind_structured()
+                        if ended is not None:
+                            return ended
+                        await checkpoint()
+                        continue
+                    return self.scope.finish("completed", message.text)
+                # Write-ahead: the calls (and their ids) are durable before they
+                # are sent, so a take-over sends them again with the same call_id.
+                await checkpoint()
+                ended = await self._act(uses)
+                if ended is not None:
+                    return ended
+                await checkpoint()
         text = await self.models.final_words(_EXCEEDED_PROMPT.format(steps=settings.max_iters))
         return self.scope.finish(
             "exceed_max_iters",

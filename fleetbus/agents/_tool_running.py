@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, cast
 import msgspec
 import pydantic
 
+from fleetbus import tracing
 from fleetbus.agents import events as ev
 from fleetbus.agents._model_calls import tool_specs
 from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope, tool_result
@@ -210,7 +211,15 @@ class ToolRunner:
             ctx = self.scope.ctx
             ctx.tool_calls += 1
             self.reply.tool_calls = ctx.tool_calls
-            return await self._execute(call)
+            with tracing.span(
+                "fleetbus tool call",
+                kind=tracing.SpanKind.CLIENT,
+                attributes={"fleetbus.tool": call.name, "fleetbus.call_id": call.id},
+            ) as span:
+                result = await self._execute(call)
+                if span is not None:
+                    span.set_attribute("fleetbus.tool_status", result.state)
+                return result
 
         call = self.scope.onion("on_tool_call", execute)
         return await call(use)

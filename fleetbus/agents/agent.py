@@ -26,6 +26,7 @@ from typing import Any
 
 import pydantic
 
+from fleetbus import tracing
 from fleetbus.agents._reply import ReplyRun
 from fleetbus.agents._reply_scope import ReplyScope
 from fleetbus.agents._reply_settings import ReplySettings
@@ -435,7 +436,18 @@ class Agent:
                 # Write-ahead: the input is durable before any work starts.
                 await self.checkpoint()
                 run.scope.event("reply_start", reply_id=reply.reply_id)
-            final = await run.run(resume)
+            with tracing.span(
+                "fleetbus reply",
+                attributes={
+                    "fleetbus.agent": self.name,
+                    "fleetbus.session_id": reply.session_id,
+                    "fleetbus.call_id": reply.request_id,
+                    "fleetbus.reply_id": reply.reply_id,
+                },
+            ) as span:
+                final = await run.run(resume)
+                if span is not None:
+                    span.set_attribute("fleetbus.finished_reason", final.finished_reason)
         except asyncio.CancelledError:
             if not self._interrupted or run is None:
                 raise

@@ -55,6 +55,8 @@ def test_top_level_exports_the_names_users_type() -> None:
             "testing",
             "sim",
             "logs",
+            "tracing",
+            "dashboard",
         }
     }
     assert public <= set(fleetbus.__all__), public - set(fleetbus.__all__)
