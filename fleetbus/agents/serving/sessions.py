@@ -44,6 +44,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, Field
 
+from fleetbus import tracing
 from fleetbus.agents.messages import stored_messages
 from fleetbus.agents.state import AgentState, MemoryIndex
 from fleetbus.bus import (
@@ -433,6 +434,26 @@ class SessionStore:
                 or (``take_over``) the session needs no take-over.
             StoreError: a bucket failed.
         """
+        args = (agent, session_id, fresh, reply_to, pending_input, wait, take_over, lease_revision)
+        if not take_over:
+            return await self._acquire(*args)
+        with tracing.span(
+            "fleetbus session take-over",
+            attributes={"fleetbus.agent": agent, "fleetbus.session_id": session_id},
+        ):
+            return await self._acquire(*args)
+
+    async def _acquire(
+        self,
+        agent: str,
+        session_id: str,
+        fresh: AgentState | Callable[[], AgentState] | None,
+        reply_to: str | None,
+        pending_input: dict[str, Any] | None,
+        wait: float,
+        take_over: bool,
+        lease_revision: int | None,
+    ) -> Lease:
         key = session_key(agent, session_id)
         deadline = time.monotonic() + wait
         delay = 0.02
@@ -726,23 +747,43 @@ class SessionStore:
             StoreError: the bucket failed.
         """
         async with lease.lock:
-            update: dict[str, Any] = {"updated_at": utc_now()}
-            if status is not None:
-                update["status"] = status
-                if status != "running":
-                    update["owner"] = None  # nobody runs it (the lease may still be dropping)
-            if final is not None:
-                update["final"] = final
-            if release:
-                update.update(reply_to=None, pending_input=None)
-            if input_recorded:
-                update["pending_input"] = None
-            record = lease.record.model_copy(update=update)
-            await self._write_head(lease, record, state or lease.record.state)
-            if release:
-                key = session_key(record.agent, record.session_id)
-                await self._drop_lease(key, lease.lease_revision)
-                self._remember(key, lease, state)
+            with tracing.span(
+                "fleetbus session save",
+                attributes={
+                    "fleetbus.agent": lease.record.agent,
+                    "fleetbus.session_id": lease.record.session_id,
+                    "fleetbus.status": status,
+                    "fleetbus.release": release,
+                },
+            ):
+                await self._save(lease, state, status, final, release, input_recorded)
+
+    async def _save(
+        self,
+        lease: Lease,
+        state: AgentState | None,
+        status: SessionStatus | None,
+        final: dict[str, Any] | None,
+        release: bool,
+        input_recorded: bool,
+    ) -> None:
+        update: dict[str, Any] = {"updated_at": utc_now()}
+        if status is not None:
+            update["status"] = status
+            if status != "running":
+                update["owner"] = None  # nobody runs it (the lease may still be dropping)
+        if final is not None:
+            update["final"] = final
+        if release:
+            update.update(reply_to=None, pending_input=None)
+        if input_recorded:
+            update["pending_input"] = None
+        record = lease.record.model_copy(update=update)
+        await self._write_head(lease, record, state or lease.record.state)
+        if release:
+            key = session_key(record.agent, record.session_id)
+            await self._drop_lease(key, lease.lease_revision)
+            self._remember(key, lease, state)
 
     async def _write_head(
         self, lease: Lease, record: SessionRecord, state: AgentState, *, create: bool = False
