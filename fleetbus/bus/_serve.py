@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -30,10 +31,14 @@ from fleetbus.protocol import (
     encode,
     error_reply,
 )
+from fleetbus.protocol.codec import clip
 
 __all__ = ["Handler", "Request", "ServeLoop", "settle"]
 
 logger = logging.getLogger(__name__)
+
+_LOGGED_CHARS = 500
+"""Most characters of a bad request's explanation in a log line."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,9 +228,7 @@ class ServeLoop:
                 payload = self._encode(reply)
             except (PayloadTooLargeError, ProtocolError) as exc:
                 logger.warning("reply on %s cannot be sent: %s", msg.subject, exc)
-                payload = encode(
-                    self._error(reply, "internal", f"the reply could not be sent: {exc}")
-                )
+                payload = self._unsendable(reply, exc)
             try:
                 await self._nc.publish(msg.reply, payload)
             except nats.errors.Error as exc:
@@ -243,7 +246,10 @@ class ServeLoop:
             message = decode(msg.data)
         except ProtocolError as exc:
             logger.warning(
-                "bad request on %s: %s", msg.subject, exc, extra={"call_id": exc.call_id}
+                "bad request on %s: %s",
+                msg.subject,
+                clip(str(exc), _LOGGED_CHARS),
+                extra={"call_id": exc.call_id},
             )
             return ErrorMessage(  # the request did not decode: its ids come from the error
                 sender=self._source,
@@ -264,5 +270,15 @@ class ServeLoop:
             )
             return self._error(message, "internal", f"internal error: {type(exc).__name__}: {exc}")
 
+    def _unsendable(self, reply: Message, exc: Exception) -> bytes:
+        """The ``internal`` error that answers instead of ``reply``, which
+        could not be sent. It keeps the request's ids when they fit: a
+        ``call_id`` as large as the server's limit does not."""
+        error = self._error(reply, "internal", f"the reply could not be sent: {exc}")
+        payload = encode(error)
+        if len(payload) > self._nc.max_payload:
+            payload = encode(msgspec.structs.replace(error, call_id=None, session_id=None))
+        return payload
+
     def _error(self, about: Message, code: ErrorCode, text: str) -> ErrorMessage:
-        return error_reply(about, code, text, source=self._source)
+        return error_reply(about, code, clip(text), source=self._source)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -27,6 +28,7 @@ from nats.nuid import NUID
 from fleetbus.bus._serve import settle
 from fleetbus.bus.connection import Bus
 from fleetbus.errors import BusError, ConnectionClosedError
+from fleetbus.protocol.codec import clip
 
 __all__ = ["EndpointInfo", "EndpointStats", "MicroService", "ServiceInfo", "discover"]
 
@@ -34,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 _VERBS = ("PING", "INFO", "STATS")
 _nuid = NUID()
+
+MAX_LAST_ERROR = 512
+"""Most characters of an endpoint's ``last_error`` in STATS: an error that
+quotes what a request carried is cut there, so the document stays small."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +67,7 @@ class EndpointStats:
         self.processing_time += elapsed_ns
         if error is not None:
             self.num_errors += 1
-            self.last_error = error
+            self.last_error = clip(error, MAX_LAST_ERROR)
 
     @property
     def average_processing_time(self) -> int:
@@ -191,7 +197,7 @@ class MicroService:
             async with asyncio.TaskGroup() as tg:
                 for sub in subs:
                     verb = sub.subject.split(".")[1]
-                    tg.create_task(self._answer(sub.messages, answers[verb]))
+                    tg.create_task(self._answer(sub.messages, answers[verb], verb))
                 await stop.wait()
                 for sub in subs:
                     await _unsubscribe(sub)
@@ -199,16 +205,54 @@ class MicroService:
             for sub in subs:
                 await _unsubscribe(sub)
 
-    @staticmethod
-    async def _answer(messages: Any, make: Any) -> None:
+    async def _answer(self, messages: Any, make: Callable[[], dict[str, Any]], verb: str) -> None:
         msg: Msg
         async for msg in messages:
             if not msg.reply:
                 continue
             try:
-                await msg.respond(msgspec.json.encode(make()))
+                await msg.respond(self._fit(make(), verb))
             except nats.errors.Error as exc:
-                logger.debug("micro control reply failed: %s", exc)
+                logger.warning("%s reply of %s not sent: %s", verb, self.name, exc)
+
+    def _fit(self, doc: dict[str, Any], verb: str) -> bytes:
+        """``doc`` encoded, within the server's ``max_payload``.
+
+        The counters and names are small; what can make a document too large
+        is the endpoints' texts (tool descriptions and schemas, last errors).
+        Those are cut first; endpoints that still do not fit are left out,
+        and a warning says how many.
+        """
+        limit = self._bus.max_payload
+        payload = msgspec.json.encode(doc)
+        if len(payload) <= limit:
+            return payload
+        endpoints: list[dict[str, Any]] = doc.get("endpoints", [])
+        doc["endpoints"] = [_brief_endpoint(e) for e in endpoints]
+        payload = msgspec.json.encode(doc)
+        while len(payload) > limit and doc["endpoints"]:
+            doc["endpoints"] = doc["endpoints"][: len(doc["endpoints"]) // 2]
+            payload = msgspec.json.encode(doc)
+        logger.warning(
+            "%s document of %s exceeds max_payload (%d bytes): texts cut, %d of %d endpoint(s) "
+            "listed",
+            verb,
+            self.name,
+            limit,
+            len(doc["endpoints"]),
+            len(endpoints),
+        )
+        return payload
+
+
+def _brief_endpoint(endpoint: dict[str, Any]) -> dict[str, Any]:
+    """``endpoint`` of a document with its long texts cut."""
+    brief = dict(endpoint)
+    if "last_error" in brief:
+        brief["last_error"] = clip(brief["last_error"], 64)
+    if "metadata" in brief:
+        brief["metadata"] = {k: clip(v, 256) for k, v in brief["metadata"].items()}
+    return brief
 
 
 async def _unsubscribe(sub: Any) -> None:

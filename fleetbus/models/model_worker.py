@@ -60,6 +60,7 @@ from fleetbus.protocol import (
     Message,
     error_reply,
 )
+from fleetbus.protocol.codec import clip
 
 __all__ = ["MODEL_SERVICE_NAME", "ModelWorker"]
 
@@ -319,7 +320,7 @@ class ModelWorker(Lifecycle):
                 )
             raise
         except ModelError as exc:
-            logger.warning("model %s failed: %s", self.model.name, exc, extra=extra)
+            logger.warning("model %s failed: %s", self.model.name, clip(str(exc)), extra=extra)
             code: ErrorCode = "overloaded" if exc.retryable else "internal"
             return self._error(prompt, code, f"model {self.model.name} failed: {exc}")
         except TimeoutError as exc:
@@ -331,7 +332,7 @@ class ModelWorker(Lifecycle):
             logger.warning("model %s %s", self.model.name, why, extra=extra)
             return self._error(prompt, "timeout", f"model {self.model.name} {why}")
         except ConnectionError as exc:
-            logger.warning("model %s unreachable: %s", self.model.name, exc, extra=extra)
+            logger.warning("model %s unreachable: %s", self.model.name, clip(str(exc)), extra=extra)
             return self._error(prompt, "overloaded", f"model {self.model.name} unreachable: {exc}")
         except Exception as exc:  # a bug in the adapter must not take the worker down
             logger.exception("model %s raised", self.model.name, extra=extra)
@@ -379,4 +380,5 @@ class ModelWorker(Lifecycle):
             logger.warning("delta not sent: %s", exc, extra={"call_id": prompt.call_id})
 
     def _error(self, about: Message, code: ErrorCode, text: str) -> ErrorMessage:
-        return error_reply(about, code, text, source=self.worker_id)
+        # The text may quote the model's error, which may quote the prompt.
+        return error_reply(about, code, clip(text), source=self.worker_id)

@@ -38,9 +38,11 @@ from fleetbus.protocol.messages import (
 )
 
 __all__ = [
+    "MAX_ECHO_CHARS",
     "MESSAGE_TYPES",
     "AnyMessage",
     "by_reference",
+    "clip",
     "content_reference",
     "decode",
     "decode_as",
@@ -87,6 +89,13 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
 
 M = TypeVar("M", bound=Message)
 
+MAX_ECHO_CHARS = 2048
+"""Most characters of a text made from what a message carried (an error
+that quotes a field, an exception's text) that fleetbus puts in a reply, a
+log line or a stored record; :func:`clip` cuts the rest."""
+
+_TOO_DEEP = "payload nests arrays and objects deeper than this receiver decodes"
+
 _encoder = msgspec.json.Encoder()
 _decoder: msgspec.json.Decoder[AnyMessage] = msgspec.json.Decoder(AnyMessage)
 
@@ -113,7 +122,7 @@ def encode(message: Message) -> bytes:
     """
     try:
         return _encoder.encode(message)
-    except (TypeError, msgspec.EncodeError) as exc:
+    except (TypeError, msgspec.EncodeError, RecursionError) as exc:
         raise InvalidFieldError(
             f"cannot encode {type(message).__name__}: {exc}",
             call_id=message.call_id,
@@ -139,6 +148,10 @@ def decode(data: bytes | bytearray | memoryview | str) -> AnyMessage:
         message = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise _explain(data, exc) from exc
+    except RecursionError:
+        # msgspec's depth limit is the interpreter's recursion limit: a
+        # payload like [[[[…]]]] must be an answer, not an escaping error.
+        raise MalformedMessageError(_TOO_DEEP) from None
     if message.version > PROTOCOL_VERSION:
         raise UnsupportedVersionError(
             f"message speaks protocol version {message.version}; "
@@ -180,7 +193,7 @@ def encode_content(content: Any) -> bytes:
     """
     try:
         return _encoder.encode(content)
-    except (TypeError, msgspec.EncodeError) as exc:
+    except (TypeError, msgspec.EncodeError, RecursionError) as exc:
         raise InvalidFieldError(f"cannot encode the content: {exc}") from exc
 
 
@@ -188,12 +201,14 @@ def decode_content(data: bytes | bytearray | memoryview | str) -> Any:
     """Decode what :func:`encode_content` made.
 
     Raises:
-        MalformedMessageError: not valid JSON.
+        MalformedMessageError: not valid JSON, or nested too deep to decode.
     """
     try:
         return _content_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise MalformedMessageError(f"stored content is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise MalformedMessageError(f"stored content: {_TOO_DEEP}") from None
 
 
 def by_reference(result: ToolResult, reference: DataBlock) -> ToolResult:
@@ -216,13 +231,21 @@ def content_reference(result: ToolResult) -> DataBlock | None:
         return None
     try:
         return msgspec.convert(result.content, DataBlock)
-    except msgspec.ValidationError as exc:
+    except (msgspec.ValidationError, RecursionError) as exc:
         raise InvalidFieldError(
             f"a tool_result with content_by_reference needs a 'data' block as content: {exc}",
             call_id=result.call_id,
             session_id=result.session_id,
             message_type="tool_result",
         ) from exc
+
+
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """``text`` if it has at most ``limit`` characters; else its first
+    ``limit`` characters and how many more there were."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more characters)"
 
 
 def _explain(data: bytes | bytearray | memoryview | str, exc: Exception) -> Exception:
@@ -232,7 +255,9 @@ def _explain(data: bytes | bytearray | memoryview | str, exc: Exception) -> Exce
     except msgspec.ValidationError:  # a subclass of DecodeError: test it first
         return MalformedMessageError("payload is JSON but not a JSON object")
     except msgspec.DecodeError:
-        return MalformedMessageError(f"payload is not valid JSON: {exc}")
+        return MalformedMessageError(clip(f"payload is not valid JSON: {exc}"))
+    except RecursionError:
+        return MalformedMessageError(_TOO_DEEP)
     call_id = envelope.call_id if isinstance(envelope.call_id, str) else None
     session_id = envelope.session_id if isinstance(envelope.session_id, str) else None
     message_type = envelope.type if isinstance(envelope.type, str) else None
@@ -252,13 +277,13 @@ def _explain(data: bytes | bytearray | memoryview | str, exc: Exception) -> Exce
     if message_type not in MESSAGE_TYPES:
         known = ", ".join(sorted(MESSAGE_TYPES))
         return UnknownMessageTypeError(
-            f"unknown message type {message_type!r}; known types: {known}",
+            f"unknown message type {clip(message_type, 64)!r}; known types: {known}",
             call_id=call_id,
             session_id=session_id,
             message_type=message_type,
         )
     return InvalidFieldError(
-        f"invalid {message_type!r} message: {exc}",
+        clip(f"invalid {message_type!r} message: {exc}"),
         call_id=call_id,
         session_id=session_id,
         message_type=message_type,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Final
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from fleetbus.protocol.codec import clip
 from fleetbus.tools_workers._calculator import evaluate
 from fleetbus.tools_workers.tool import Tool, tool
 from fleetbus.tools_workers.toolkit import Toolkit
@@ -24,6 +25,7 @@ __all__ = [
     "FILES_ROOT_ENV",
     "MAX_FILE_BYTES",
     "MAX_LIST_ENTRIES",
+    "MAX_PATH_CHARS",
     "FileSandbox",
     "builtin_toolkit",
     "calculator",
@@ -44,6 +46,10 @@ NATS's default ``max_payload`` (1 MiB), so a read file always fits in its reply.
 
 MAX_LIST_ENTRIES: Final = 1000
 """Most entries ``list_dir`` returns; a bigger directory is an error."""
+
+MAX_PATH_CHARS: Final = 4096
+"""Longest path the file tools accept (Linux's ``PATH_MAX``), in characters;
+a longer one is refused before it reaches the file system."""
 
 
 @tool
@@ -118,9 +124,15 @@ class FileSandbox:
 
         Raises:
             PermissionError: the path escapes the root.
-            ValueError: the path is malformed or cannot be resolved (a symlink loop).
+            ValueError: the path is malformed, longer than ``MAX_PATH_CHARS``, or
+                cannot be resolved (a symlink loop).
         """
         text = str(path)
+        if len(text) > MAX_PATH_CHARS:
+            raise ValueError(
+                f"path {clip(text, 64)!r} is {len(text)} characters long; "
+                f"at most {MAX_PATH_CHARS} are accepted"
+            )
         if "\x00" in text:
             raise ValueError(f"path {text!r} contains a NUL byte")
         root = self.root.resolve()

@@ -37,6 +37,7 @@ import pydantic_core
 from fleetbus.bus.subjects import check_name
 from fleetbus.errors import InvalidSubjectError, ToolDefinitionError
 from fleetbus.protocol import ErrorCode, ErrorDetail, ToolSpec, ToolStatus
+from fleetbus.protocol.codec import clip
 
 __all__ = ["DEFAULT_GROUP", "Tool", "ToolOutcome", "tool"]
 
@@ -62,8 +63,9 @@ class ToolOutcome:
 
     @classmethod
     def failure(cls, status: ToolStatus, code: ErrorCode, message: str) -> ToolOutcome:
-        """An outcome that is not a success."""
-        return cls(status=status, error_detail=ErrorDetail(code=code, message=message))
+        """An outcome that is not a success; a ``message`` longer than
+        ``MAX_ECHO_CHARS`` (it may quote what the call sent) is cut."""
+        return cls(status=status, error_detail=ErrorDetail(code=code, message=clip(message)))
 
 
 class Tool:
@@ -174,11 +176,12 @@ class Tool:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            logger.info("tool %s raised %s: %s", self.name, type(exc).__name__, exc)
-            return ToolOutcome.failure("error", "tool_error", f"{type(exc).__name__}: {exc}")
+            failed = clip(f"{type(exc).__name__}: {exc}")
+            logger.info("tool %s raised %s", self.name, failed)
+            return ToolOutcome.failure("error", "tool_error", failed)
         try:
             content = pydantic_core.to_jsonable_python(result)
-        except pydantic_core.PydanticSerializationError as exc:
+        except ValueError as exc:  # PydanticSerializationError, or a value nested too deep
             return ToolOutcome.failure(
                 "error",
                 "tool_error",

@@ -57,6 +57,7 @@ from fleetbus.protocol import (
     error_reply,
     new_id,
 )
+from fleetbus.protocol.codec import clip
 from fleetbus.tools_workers.tool import ToolOutcome
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike
 
@@ -66,6 +67,17 @@ logger = logging.getLogger(__name__)
 
 _Key = tuple[str, str, str]
 """A call: (tool name, caller's ``sender``, ``call_id``)."""
+
+DEDUP_BYTES = 64 * 1024 * 1024
+"""Bytes of answered results a worker remembers for replay by default: ids
+and results as large as a message can make each record about 1 MiB."""
+
+_RECORD_BYTES = 512
+"""Bytes counted for a recorded result whose encoded size is not known,
+besides its ids."""
+
+_LOGGED_CHARS = 200
+"""Most characters of a caller's id or reason quoted in a log line."""
 
 
 @dataclass(slots=True)
@@ -115,6 +127,8 @@ class ToolWorker(Lifecycle):
         max_request_bytes: larger requests are refused with
             ``invalid_parameters``; the server's ``max_payload`` by default.
         dedup_size: how many answered ``call_id`` results are remembered.
+        dedup_bytes: how many bytes of answered results (encoded, with the
+            caller's ``sender``) are remembered; the oldest go first.
         dedup_ttl: seconds an answered result is remembered.
         drain_timeout: seconds in-flight calls get to finish on stop.
         max_result_bytes: a ``tool_result`` larger than this (encoded) is
@@ -137,6 +151,7 @@ class ToolWorker(Lifecycle):
         max_timeout: float = 3600.0,
         max_request_bytes: int | None = None,
         dedup_size: int = 10_000,
+        dedup_bytes: int = DEDUP_BYTES,
         dedup_ttl: float = 600.0,
         drain_timeout: float = 30.0,
         max_result_bytes: int | None = None,
@@ -152,12 +167,15 @@ class ToolWorker(Lifecycle):
         self.max_timeout = max_timeout
         self.max_request_bytes = max_request_bytes
         self.dedup_size = dedup_size
+        self.dedup_bytes = dedup_bytes
         self.dedup_ttl = dedup_ttl
         self.drain_timeout = drain_timeout
         self.max_result_bytes = max_result_bytes
         super().__init__()
         self.results = ResultStore(bus, timeout=store_timeout)
-        self._answered: OrderedDict[_Key, tuple[float, ToolResult]] = OrderedDict()
+        self._answered: OrderedDict[_Key, tuple[float, ToolResult, int]] = OrderedDict()
+        """Answered calls: when each record expires, the result, its bytes."""
+        self._answered_bytes = 0
         self._running: dict[_Key, _Running] = {}
         self.service = MicroService(
             bus,
@@ -281,19 +299,20 @@ class ToolWorker(Lifecycle):
         if running is None or running.task is None or running.cancel_reason is not None:
             logger.debug(
                 "cancel of call %s: not running here",
-                cancel.call_id,
+                clip(cancel.call_id, _LOGGED_CHARS),
                 extra={"call_id": cancel.call_id},
             )
             return
+        reason = clip(cancel.reason) or "no reason given"
         logger.info(
             "cancelling call %s of %s for %s: %s",
-            cancel.call_id,
+            clip(cancel.call_id, _LOGGED_CHARS),
             tool_name,
-            cancel.sender,
-            cancel.reason or "no reason given",
+            clip(cancel.sender, _LOGGED_CHARS),
+            clip(reason, _LOGGED_CHARS),
             extra={"call_id": cancel.call_id, "session_id": cancel.session_id},
         )
-        running.cancel_reason = cancel.reason or "no reason given"
+        running.cancel_reason = reason
         running.task.cancel()
 
     async def _answer(self, served: ToolLike, request: Request) -> Message:
@@ -343,7 +362,7 @@ class ToolWorker(Lifecycle):
         if recorded is not None:
             logger.info(
                 "call %s answered before; replaying its result",
-                call.call_id,
+                clip(call.call_id, _LOGGED_CHARS),
                 extra={"call_id": call.call_id},
             )
             return recorded
@@ -353,7 +372,7 @@ class ToolWorker(Lifecycle):
         current = _Running(task=asyncio.current_task(self._loop))
         self._running[key] = current
         try:
-            result, record = await self._execute(
+            result, record, size = await self._execute(
                 served, call, min(timeout, self.max_timeout), current
             )
         except BaseException as exc:
@@ -362,16 +381,17 @@ class ToolWorker(Lifecycle):
         else:
             current.finish(result)
             if record:
-                self._remember(key, result)
+                self._remember(key, result, size)
             return result
         finally:
             del self._running[key]
 
     async def _execute(
         self, served: ToolLike, call: ToolCall, timeout: float, running: _Running
-    ) -> tuple[ToolResult, bool]:
+    ) -> tuple[ToolResult, bool, int | None]:
         """Run the tool; the result as it can travel (by reference when too
-        large for one message), and whether a retry should get it."""
+        large for one message), whether a retry should get it, and its
+        encoded size when known."""
         self.executed += 1
         try:
             outcome = await served.run(call.parameters, timeout=timeout)
@@ -379,14 +399,20 @@ class ToolWorker(Lifecycle):
             if running.cancel_reason is not None and _uncancel(running.task) == 0:
                 # Only the caller's cancel: it is the call's answer.
                 self.cancelled += 1
-                return self._cancelled(call, running.cancel_reason), True
+                return self._cancelled(call, running.cancel_reason), True, None
             if self._stop.is_set():
                 # Draining ran out of time: answer so the caller need not wait,
                 # but a retry on another worker should run the call.
-                return self._result(
-                    call,
-                    ToolOutcome.failure("cancelled", "cancelled", "the worker is shutting down"),
-                ), False
+                return (
+                    self._result(
+                        call,
+                        ToolOutcome.failure(
+                            "cancelled", "cancelled", "the worker is shutting down"
+                        ),
+                    ),
+                    False,
+                    None,
+                )
             raise
         finally:
             task, running.task = running.task, None
@@ -397,11 +423,11 @@ class ToolWorker(Lifecycle):
         try:
             size = len(encode(result))
         except ProtocolError:
-            return result, True  # the serving loop answers what cannot be encoded
+            return result, True, None  # the serving loop answers what cannot be encoded
         if size <= limit or not result.ok:
             # Only content goes by reference; the serving loop refuses an
             # error result too large.
-            return result, True
+            return result, True, size
         return await self._offload(call, result, size, limit)
 
     def _cancelled(self, call: ToolCall, reason: str) -> ToolResult:
@@ -412,15 +438,15 @@ class ToolWorker(Lifecycle):
 
     async def _offload(
         self, call: ToolCall, result: ToolResult, size: int, limit: int
-    ) -> tuple[ToolResult, bool]:
-        """``result`` (``size`` bytes, more than ``limit``) by reference; and
-        whether a retry should get it."""
+    ) -> tuple[ToolResult, bool, int | None]:
+        """``result`` (``size`` bytes, more than ``limit``) by reference;
+        whether a retry should get it; its encoded size when known."""
         try:
             stored = await self.results.offload(result, sender=call.sender)
         except (StoreError, ProtocolError) as exc:
             logger.warning(
                 "result of call %s (%d bytes) not stored: %s",
-                call.call_id,
+                clip(call.call_id or "", _LOGGED_CHARS),
                 size,
                 exc,
                 extra={"call_id": call.call_id, "session_id": call.session_id},
@@ -432,14 +458,14 @@ class ToolWorker(Lifecycle):
                 f"and it could not be stored: {exc}",
             )
             # Not recorded: a retry runs the call again and may store it.
-            return self._result(call, failed), False
+            return self._result(call, failed), False, None
         logger.info(
             "result of call %s (%d bytes) stored by reference",
-            call.call_id,
+            clip(call.call_id or "", _LOGGED_CHARS),
             size,
             extra={"call_id": call.call_id, "session_id": call.session_id},
         )
-        return stored, True
+        return stored, True, None
 
     def _result(self, call: ToolCall, outcome: ToolOutcome) -> ToolResult:
         return ToolResult(
@@ -457,17 +483,27 @@ class ToolWorker(Lifecycle):
         entry = self._answered.get(key)
         if entry is None:
             return None
-        expires, result = entry
+        expires, result, cost = entry
         if expires < time.monotonic():
             del self._answered[key]
+            self._answered_bytes -= cost
             return None
         return result
 
-    def _remember(self, key: _Key, result: ToolResult) -> None:
-        self._answered[key] = (time.monotonic() + self.dedup_ttl, result)
-        self._answered.move_to_end(key)
-        while len(self._answered) > self.dedup_size:
-            self._answered.popitem(last=False)
+    def _remember(self, key: _Key, result: ToolResult, size: int | None) -> None:
+        """Record ``result`` (``size`` bytes encoded, when known) for the
+        retries of ``key``, within ``dedup_size`` and ``dedup_bytes``."""
+        if size is None:  # a small result (cancelled, by reference) or one never sent
+            size = _RECORD_BYTES + len(key[2]) + len(result.session_id or "")
+        cost = size + len(key[1])  # the caller's sender is kept in the key
+        previous = self._answered.pop(key, None)
+        if previous is not None:
+            self._answered_bytes -= previous[2]
+        self._answered[key] = (time.monotonic() + self.dedup_ttl, result, cost)
+        self._answered_bytes += cost
+        while len(self._answered) > self.dedup_size or self._answered_bytes > self.dedup_bytes:
+            _, (_, _, dropped) = self._answered.popitem(last=False)
+            self._answered_bytes -= dropped
 
 
 def _uncancel(task: asyncio.Task[object] | None) -> int:

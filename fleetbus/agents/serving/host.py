@@ -100,10 +100,16 @@ from fleetbus.protocol import (
     new_id,
     to_builtins,
 )
+from fleetbus.protocol.codec import clip
 
 __all__ = ["AgentHost", "AgentSource"]
 
 logger = logging.getLogger(__name__)
+
+_MAX_INPUT_DEPTH = 128
+"""Deepest nesting of arrays and objects a message an agent stores may have:
+the session records hold it a few levels further down, and orjson, which
+writes them, stops at 254 levels."""
 
 
 _STATUS: dict[str, SessionStatus] = {
@@ -452,12 +458,23 @@ class AgentHost(Lifecycle):
         """The session's lease with ``message`` recorded, or the error to answer."""
         assert self.store is not None
         try:
+            pending = to_builtins(message)
+        except RecursionError:
+            pending = None
+        if pending is None or _nests_deeper(pending, _MAX_INPUT_DEPTH):
+            return self._error(
+                message,
+                "malformed",
+                f"the message nests arrays and objects more than {_MAX_INPUT_DEPTH} levels "
+                "deep, more than an agent stores",
+            )
+        try:
             return await self.store.acquire(
                 name,
                 session,
                 fresh=lambda: self.definition(name).clone().state,
                 reply_to=reply_to,
-                pending_input=to_builtins(message),
+                pending_input=pending,
                 wait=self.busy_wait,
             )
         except SessionBusyError as exc:
@@ -881,7 +898,8 @@ class AgentHost(Lifecycle):
                     self._runs.pop(key, None)
 
     def _error(self, about: AnyMessage, code: ErrorCode, text: str) -> ErrorMessage:
-        return error_reply(about, code, text, source=self.replica_id)
+        # The text may quote what the message carried (a session id, say).
+        return error_reply(about, code, clip(text), source=self.replica_id)
 
 
 @dataclass
@@ -892,6 +910,20 @@ class _Run:
     cancelled: bool = False
     recording: bool = False
     """The phase running serves the request recorded with the lease."""
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether ``value`` (JSON as Python builtins) nests arrays and objects
+    more than ``limit`` levels deep. Iterative: no recursion to exhaust."""
+    stack: list[tuple[Any, int]] = [(value, 1)] if isinstance(value, dict | list) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return False
 
 
 def _decode_input(data: dict[str, Any] | None) -> AnyMessage | None:
