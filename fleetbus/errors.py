@@ -18,6 +18,7 @@ it (``CallTimeoutError`` is a ``TimeoutError``)::
     │   ├── ConnectionClosedError (ConnectionError)
     │   ├── CallTimeoutError (TimeoutError)  no reply within the deadline
     │   ├── NoRespondersError                nobody serves the subject
+    │   ├── PermissionDeniedError            the server refused a publish or subscription
     │   ├── PayloadTooLargeError (ValueError)
     │   ├── RemoteError                      the peer answered with an ``error`` message
     │   ├── StoreError                       JetStream KV / object store failures
@@ -57,6 +58,7 @@ __all__ = [
     "MalformedMessageError",
     "NoRespondersError",
     "PayloadTooLargeError",
+    "PermissionDeniedError",
     "PortInUseError",
     "ProtocolError",
     "RemoteError",
@@ -196,6 +198,21 @@ class NoRespondersError(BusError):
         super().__init__(message)
         self.subject = subject
         self.call_id = call_id
+
+
+class PermissionDeniedError(BusError):
+    """The server's permissions refused a publish or a subscription of this
+    client (``permission denied: publish to fleet.tool.search``).
+
+    Attributes:
+        operation: ``publish`` or ``subscription``.
+        subject: the subject refused.
+    """
+
+    def __init__(self, message: str, *, operation: str, subject: str) -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.subject = subject
 
 
 class PayloadTooLargeError(BusError, ValueError):

@@ -9,7 +9,13 @@ from fleetbus.bus.connection import Bus, Handler, Observation, Request
 from fleetbus.bus.lifecycle import GC_THRESHOLD, Lifecycle, tune_gc
 from fleetbus.bus.micro import EndpointInfo, EndpointStats, MicroService, ServiceInfo, discover
 from fleetbus.bus.server import EmbeddedServer, find_server_binary
-from fleetbus.bus.settings import DEFAULT_URL, ConnectOptions
+from fleetbus.bus.settings import (
+    DEFAULT_URL,
+    INBOX_ROOT,
+    ConnectOptions,
+    inbox_prefix,
+    inbox_wildcard,
+)
 from fleetbus.bus.store import (
     Entry,
     KeyValueStore,
@@ -33,6 +39,7 @@ __all__ = [
     "DEFAULT_PREFIX",
     "DEFAULT_URL",
     "GC_THRESHOLD",
+    "INBOX_ROOT",
     "RESULTS_STORE",
     "RESULT_HEADROOM",
     "SERVICE_NAME",
@@ -60,6 +67,8 @@ __all__ = [
     "check_prefix",
     "discover",
     "find_server_binary",
+    "inbox_prefix",
+    "inbox_wildcard",
     "key_value",
     "object_store",
     "tune_gc",

@@ -1,5 +1,6 @@
 """The bus's own machinery for requests: the reply inbox every request of a
-connection shares, and the connection's re-establishments as events.
+connection shares, the connection's re-establishments as events, and the
+permission violations the server reports.
 
 Kept apart from :mod:`fleetbus.bus.connection`, which uses them.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import heapq
 import math
+import re
+from collections import deque
 from typing import Any
 
 import nats.errors
@@ -17,7 +20,61 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import Header
 
-__all__ = ["Interruption", "Reconnects", "Replies"]
+from fleetbus.errors import PermissionDeniedError
+
+__all__ = ["Denials", "Interruption", "Reconnects", "Replies", "permission_denied"]
+
+_VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"')
+
+
+def permission_denied(error: BaseException) -> PermissionDeniedError | None:
+    """The permission violation the server reported in ``error`` (what
+    nats-py hands its ``error_cb``: ``nats: permissions violation for publish
+    to "<subject>"``, lower-cased), or ``None`` for any other error."""
+    found = _VIOLATION.search(str(error).lower())
+    if found is None:
+        return None
+    operation, subject = found.groups()
+    return PermissionDeniedError(
+        f"permission denied: {operation} to {subject}", operation=operation, subject=subject
+    )
+
+
+class Denials:
+    """The permission violations the server reported on a connection, newest
+    last, numbered, so a caller can ask for those that came after a mark."""
+
+    def __init__(self, keep: int = 64) -> None:
+        self.count = 0
+        """How many were reported (the mark of the next is ``count``)."""
+        self._recent: deque[tuple[int, PermissionDeniedError]] = deque(maxlen=keep)
+
+    def add(self, denial: PermissionDeniedError) -> None:
+        """Record one."""
+        self.count += 1
+        self._recent.append((self.count, denial))
+
+    def since(
+        self, mark: int, operation: str | None = None, subject: str | None = None
+    ) -> PermissionDeniedError | None:
+        """The last violation reported after ``mark`` (a :attr:`count`), of
+        ``operation`` on ``subject`` if given, with ``subject`` written as
+        the caller wrote it (the server's text is lower-cased)."""
+        for number, denial in reversed(self._recent):
+            if number <= mark:
+                break
+            if operation is not None and denial.operation != operation:
+                continue
+            if subject is not None:
+                if denial.subject != subject.lower():
+                    continue
+                return PermissionDeniedError(
+                    f"permission denied: {denial.operation} to {subject}",
+                    operation=denial.operation,
+                    subject=subject,
+                )
+            return denial
+        return None
 
 
 class Replies:
@@ -41,6 +98,11 @@ class Replies:
 
     Replies to a request given up on (timed out, cancelled) are dropped, as
     nats-py does; nats-py subscribes the inbox again after a reconnection.
+
+    A permission violation the server reports (:meth:`deny`) fails at once
+    the requests it stops: those published to the subject refused, or all of
+    them when the inbox's subscription is refused. Each request keeps its
+    subject for that, in a tuple with its future (no measurable cost).
     """
 
     _loop: asyncio.AbstractEventLoop
@@ -48,7 +110,8 @@ class Replies:
 
     def __init__(self, nc: NATS) -> None:
         self._nc = nc
-        self._waiting: dict[str, asyncio.Future[Msg | None]] = {}
+        self._waiting: dict[str, tuple[asyncio.Future[Msg | None], str]] = {}
+        """Pending requests by token: the future of the reply, the subject."""
         self._inbox = ""
         """``<inbox prefix>.<unique>.``; a request's reply subject adds its token."""
         self._sent = 0
@@ -72,6 +135,8 @@ class Replies:
             nats.errors.TimeoutError: no reply in time.
             nats.errors.NoRespondersError: nobody serves ``subject``.
             nats.errors.Error: what publishing raises.
+            PermissionDeniedError: the server refused the publish, or the
+                subscription of the inbox.
         """
         if not self._inbox:
             await self._open()
@@ -79,7 +144,7 @@ class Replies:
         token = str(self._sent)
         loop = self._loop
         reply: asyncio.Future[Msg | None] = loop.create_future()
-        self._waiting[token] = reply
+        self._waiting[token] = (reply, subject)
         self._expect(loop.time() + timeout, token)
         try:
             await self._nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
@@ -104,9 +169,36 @@ class Replies:
             self._inbox = inbox
 
     async def _deliver(self, msg: Msg) -> None:
-        reply = self._waiting.get(msg.subject[len(self._inbox) :])
-        if reply is not None and not reply.done():
-            reply.set_result(msg)
+        entry = self._waiting.get(msg.subject[len(self._inbox) :])
+        if entry is not None and not entry[0].done():
+            entry[0].set_result(msg)
+
+    def deny(self, denial: PermissionDeniedError) -> bool:
+        """Fail the requests ``denial`` stops (see the class); whether any.
+
+        The server's text is lower-cased: subjects are compared so, and each
+        error names the subject as the request wrote it.
+        """
+        if denial.operation == "subscription":
+            if not self._inbox or denial.subject != f"{self._inbox}*".lower():
+                return False
+            refused = f"{self._inbox}*"
+            self._inbox = ""  # the next request subscribes again (and learns the same)
+            stopped = [(entry[0], refused) for entry in self._waiting.values()]
+        else:
+            stopped = [
+                entry for entry in self._waiting.values() if entry[1].lower() == denial.subject
+            ]
+        for future, subject in stopped:
+            if not future.done():
+                future.set_exception(
+                    PermissionDeniedError(
+                        f"permission denied: {denial.operation} to {subject}",
+                        operation=denial.operation,
+                        subject=subject,
+                    )
+                )
+        return bool(stopped)
 
     def _expect(self, deadline: float, token: str) -> None:
         """Give up on the request ``token`` at ``deadline`` (loop time)."""
@@ -136,7 +228,8 @@ class Replies:
         deadlines = self._deadlines
         while deadlines:
             deadline, token = deadlines[0]
-            reply = self._waiting.get(token)
+            entry = self._waiting.get(token)
+            reply = None if entry is None else entry[0]
             if reply is not None and not reply.done():
                 if deadline > now:
                     # uvloop keeps time in whole milliseconds and may fire up

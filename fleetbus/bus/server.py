@@ -90,6 +90,9 @@ class EmbeddedServer:
             seconds (nats-server's own default is 120), trading the writes
             acknowledged since the last flush on an OS crash or power loss
             for write throughput.
+        config: more nats-server configuration, appended to the file the
+            server reads: an ``authorization { … }`` block (``fleetbus
+            auth``), a ``tls { … }`` block.
 
     Raises:
         ConfigError: ``sync_interval`` is not ``"always"`` or a positive number.
@@ -106,6 +109,7 @@ class EmbeddedServer:
         start_timeout: float = 10.0,
         extra_args: list[str] | None = None,
         sync_interval: float | Literal["always"] = "always",
+        config: str | None = None,
     ) -> None:
         if sync_interval != "always" and not (
             isinstance(sync_interval, int | float) and sync_interval >= 0.001
@@ -114,6 +118,7 @@ class EmbeddedServer:
                 f"sync_interval is 'always' or seconds (at least 0.001), not {sync_interval!r}"
             )
         self._sync_interval = sync_interval
+        self._config = config
         self._port = port
         self._host = host
         self._state_dir = Path(state_dir) if state_dir is not None else None
@@ -194,12 +199,17 @@ class EmbeddedServer:
             "--ports_file_dir",
             str(ports_dir),
         ]
+        text = _jetstream_config(self._sync_interval) if self._jetstream else ""
+        if self._config:
+            text += f"{self._config}\n"
+        if text:
+            config = run_dir / "server.conf"
+            config.write_text(text)
+            args += ["--config", str(config)]
         if self._jetstream:
             state = self.state_dir
             state.mkdir(parents=True, exist_ok=True)
-            config = run_dir / "server.conf"
-            config.write_text(_jetstream_config(self._sync_interval))
-            args += ["--config", str(config), "--jetstream", "--store_dir", str(state)]
+            args += ["--jetstream", "--store_dir", str(state)]
         args += self._extra_args
         log_path = run_dir / "server.log"
         self._log = log_path.open("wb")

@@ -10,32 +10,79 @@ environment variable           meaning
 ``FLEETBUS_NATS_PASSWORD``     password
 ``FLEETBUS_NATS_TOKEN``        an auth token
 ``FLEETBUS_NATS_CREDS``        path of a ``.creds`` file (JWT + NKey)
+``FLEETBUS_NATS_NKEY``         path of an NKEY user seed file (``SU…``)
+``FLEETBUS_INBOX_PREFIX``      the reply inbox prefix (default: see below)
 ``FLEETBUS_NATS_TLS_CA``       CA bundle to verify the server
 ``FLEETBUS_NATS_TLS_CERT``     client certificate (mutual TLS)
 ``FLEETBUS_NATS_TLS_KEY``      client key (mutual TLS)
+``FLEETBUS_NATS_TLS_HOSTNAME`` the name the server's certificate must carry
 ``FLEETBUS_CONNECT_TIMEOUT``   seconds to keep trying the first connection
 ``FLEETBUS_JS_REPLICAS``       copies of each KV bucket and object store
                                (1-5); by default 3 on a JetStream cluster,
                                1 on a single server
 =============================  ==========================================
+
+Replies travel on inboxes of the fleet and of the client's identity,
+``_INBOX_<prefix with . as _>.<identity>.<unique>…``: the identity is the
+user name, else the public key of the NKEY (or of the credentials file's
+user), and is left out without credentials. The authorization block of
+``fleetbus auth`` lets each user subscribe to its own inboxes only, so no role
+needs the server-wide ``_INBOX.>``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import nkeys  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from fleetbus.bus.subjects import DEFAULT_PREFIX, check_prefix
 from fleetbus.errors import ConfigError
 
-__all__ = ["DEFAULT_URL", "ConnectOptions"]
+__all__ = ["DEFAULT_URL", "INBOX_ROOT", "ConnectOptions", "inbox_prefix", "inbox_wildcard"]
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 """Where fleetbus connects when no URL is given anywhere."""
+
+INBOX_ROOT = "_INBOX_"
+"""The start of every fleetbus reply subject: not nats-py's ``_INBOX.``, so
+a server-wide ``_INBOX.>`` permission granted to other applications does not
+reach a fleet's replies."""
+
+_NOT_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def inbox_prefix(prefix: str, identity: str | None = None) -> str:
+    """The inbox prefix of a fleet's client: ``_INBOX_<prefix with . as
+    _>[.<identity>]``; nats-py adds a unique token per inbox.
+
+    Args:
+        prefix: the fleet's subject prefix.
+        identity: who connects (a user name or an NKEY public key); any
+            character that cannot be in a subject token becomes ``_``.
+
+    Raises:
+        InvalidSubjectError: ``prefix`` is not a valid prefix.
+    """
+    fleet = f"{INBOX_ROOT}{check_prefix(prefix).replace('.', '_')}"
+    if not identity:
+        return fleet
+    return f"{fleet}.{_NOT_TOKEN.sub('_', identity)}"
+
+
+def inbox_wildcard(prefix: str, identity: str | None = None) -> str:
+    """Every inbox of a fleet (or of one identity in it): ``<inbox prefix>.>``.
+
+    Raises:
+        InvalidSubjectError: ``prefix`` is not a valid prefix.
+    """
+    return f"{inbox_prefix(prefix, identity)}.>"
 
 
 class ConnectOptions(BaseModel):
@@ -57,6 +104,13 @@ class ConnectOptions(BaseModel):
     password: SecretStr | None = None
     token: SecretStr | None = None
     creds_file: str | None = None
+    """A ``.creds`` file: the user's JWT and NKEY seed (decentralized auth)."""
+    nkey_file: str | None = None
+    """A file holding an NKEY user seed (``SU…``), for users the server
+    lists by public key."""
+    inbox_prefix: str | None = None
+    """Where replies to this client travel; by default
+    :func:`inbox_prefix` of the fleet and this client's identity."""
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -95,6 +149,15 @@ class ConnectOptions(BaseModel):
     @classmethod
     def _check_prefix(cls, prefix: str) -> str:
         return check_prefix(prefix)
+
+    @field_validator("inbox_prefix")
+    @classmethod
+    def _check_inbox_prefix(cls, value: str | None) -> str | None:
+        if value is not None and (
+            any(not token for token in value.split(".")) or any(c in value for c in "*> \t\r\n")
+        ):
+            raise ValueError(f"{value!r} is not an inbox prefix (tokens joined by dots)")
+        return value
 
     @classmethod
     def from_env(
@@ -143,8 +206,37 @@ class ConnectOptions(BaseModel):
             raise ConfigError(f"cannot load TLS files: {exc}") from exc
         return context
 
+    def identity(self) -> str | None:
+        """Who this client is to the server: the user name, else the public
+        key of the NKEY seed (of the credentials file, or of the seed file);
+        ``None`` without either.
+
+        Raises:
+            ConfigError: the credentials or seed file is missing or malformed.
+        """
+        if self.user:
+            return self.user
+        if self.creds_file:
+            return _public_key(_creds_seed(self.creds_file), self.creds_file)
+        if self.nkey_file:
+            return _public_key(_seed_file(self.nkey_file), self.nkey_file)
+        return None
+
+    def reply_prefix(self) -> str:
+        """The inbox prefix this client's replies travel on: ``inbox_prefix``
+        if set, else :func:`inbox_prefix` of the fleet and :meth:`identity`.
+
+        Raises:
+            ConfigError: the credentials or seed file is missing or malformed.
+        """
+        return self.inbox_prefix or inbox_prefix(self.prefix, self.identity())
+
     def nats_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``nats.connect``."""
+        """Keyword arguments for ``nats.connect``.
+
+        Raises:
+            ConfigError: a TLS, credentials or seed file is missing or malformed.
+        """
         kwargs: dict[str, Any] = {
             "servers": self.servers,
             "connect_timeout": self.connect_timeout,
@@ -165,6 +257,11 @@ class ConnectOptions(BaseModel):
             kwargs["token"] = self.token.get_secret_value()
         if self.creds_file:
             kwargs["user_credentials"] = self.creds_file
+        elif self.nkey_file:
+            kwargs["nkeys_seed"] = self.nkey_file
+        # Read (and checked) here: nats-py loops for ever on a credentials
+        # file without a JWT, and reports a bad seed only once connected.
+        kwargs["inbox_prefix"] = self.reply_prefix()
         context = self.ssl_context()
         if context is not None:
             kwargs["tls"] = context
@@ -179,9 +276,67 @@ _ENV = {
     "password": "FLEETBUS_NATS_PASSWORD",
     "token": "FLEETBUS_NATS_TOKEN",
     "creds_file": "FLEETBUS_NATS_CREDS",
+    "nkey_file": "FLEETBUS_NATS_NKEY",
+    "inbox_prefix": "FLEETBUS_INBOX_PREFIX",
     "tls_ca_file": "FLEETBUS_NATS_TLS_CA",
     "tls_cert_file": "FLEETBUS_NATS_TLS_CERT",
     "tls_key_file": "FLEETBUS_NATS_TLS_KEY",
+    "tls_hostname": "FLEETBUS_NATS_TLS_HOSTNAME",
     "initial_connect_timeout": "FLEETBUS_CONNECT_TIMEOUT",
     "js_replicas": "FLEETBUS_JS_REPLICAS",
 }
+
+
+def _read_secret(path: str, what: str) -> list[str]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"the {what} {path} is not text") from None
+    return [line.strip() for line in text.splitlines()]
+
+
+def _creds_seed(path: str) -> str:
+    """The user seed of a ``.creds`` file, checked to hold a JWT too.
+
+    Raises:
+        ConfigError: the file cannot be read or lacks the JWT or the seed.
+    """
+    lines = _read_secret(path, "credentials file")
+    parts = {}
+    for marker, part in (("BEGIN NATS USER JWT", "jwt"), ("BEGIN USER NKEY SEED", "seed")):
+        found = [i for i, line in enumerate(lines) if marker in line]
+        value = lines[found[0] + 1] if found and found[0] + 1 < len(lines) else ""
+        if not value or value.startswith("-"):
+            raise ConfigError(
+                f"the credentials file {path} is malformed: no {part.upper()} block "
+                "(make it with nsc, e.g. 'nsc generate creds')"
+            )
+        parts[part] = value
+    if parts["jwt"].count(".") != 2:
+        raise ConfigError(f"the credentials file {path} is malformed: its JWT is not a JWT")
+    return parts["seed"]
+
+
+def _seed_file(path: str) -> str:
+    """The NKEY user seed in ``path`` (the first line that is one).
+
+    Raises:
+        ConfigError: the file cannot be read or holds no user seed.
+    """
+    for line in _read_secret(path, "NKEY seed file"):
+        if line.startswith("SU"):
+            return line
+    raise ConfigError(f"the NKEY seed file {path} holds no user seed (a line starting with SU)")
+
+
+def _public_key(seed: str, path: str) -> str:
+    try:
+        pair = nkeys.from_seed(bytearray(seed.encode()))
+    except (nkeys.NkeysError, ValueError) as exc:
+        raise ConfigError(f"the NKEY seed in {path} is not valid") from exc
+    try:
+        return str(pair.public_key.decode())
+    finally:
+        pair.wipe()

@@ -13,6 +13,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 
 from fleetbus.bus import Bus, ConnectOptions, tune_gc
 from fleetbus.errors import ConfigError, FleetbusError
@@ -68,7 +69,7 @@ def run(main: Coroutine[Any, Any, int]) -> int:
 
 def fail(message: str) -> int:
     """Tell a person what went wrong, in one line; the exit code 1."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     return 1
 
 

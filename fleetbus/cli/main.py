@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
+from fleetbus import tracing
 from fleetbus._version import __version__
 from fleetbus.bus import EmbeddedServer, ToolClient
-from fleetbus.cli import model_worker_cmd, sim_cmd
+from fleetbus.cli import auth_cmd, dashboard_cmd, model_worker_cmd, sim_cmd
 from fleetbus.cli._common import (
     add_connection_options,
     connect,
@@ -32,7 +35,10 @@ from fleetbus.cli._common import (
 from fleetbus.cli.fleet import add_fleet_commands
 from fleetbus.cli.fleet import commands as fleet_commands
 from fleetbus.errors import ConfigError
-from fleetbus.protocol import render_schemas, to_builtins
+from fleetbus.protocol import PROTOCOL_VERSION, render_schemas, to_builtins
+
+if TYPE_CHECKING:
+    from fleetbus.tools_workers.mcp import MCPTools
 
 DEFAULT_SCHEMA_DIR = Path("docs/protocol")
 
@@ -43,8 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fleetbus",
         description="Fleets of LLM agents, tool workers and model workers over NATS.",
     )
-    parser.add_argument("--version", action="version", version=f"fleetbus {__version__}")
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logs (-vv: debug)")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"fleetbus {__version__} (protocol version {PROTOCOL_VERSION})",
+    )
+    _logging_options(parser, "")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def bus_options(p: argparse.ArgumentParser) -> None:
@@ -61,8 +71,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-dir", type=Path, help="JetStream storage (default: a temporary directory)"
     )
 
-    p = sub.add_parser("worker", help="serve the tools of a Python module on the bus")
-    p.add_argument("spec", metavar="MODULE[:ATTR]", help="e.g. fleetbus.tools_workers.builtin")
+    p = sub.add_parser(
+        "worker", help="serve the tools of a Python module, or of MCP servers, on the bus"
+    )
+    p.add_argument(
+        "spec",
+        metavar="MODULE[:ATTR]",
+        nargs="?",
+        help="e.g. fleetbus.tools_workers.builtin (optional with --mcp or --mcp-url)",
+    )
+    p.add_argument(
+        "--mcp",
+        action="append",
+        default=[],
+        metavar='"COMMAND ARGS…"',
+        help="serve the tools of an MCP server started as a subprocess (stdio); repeatable",
+    )
+    p.add_argument(
+        "--mcp-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="serve the tools of an MCP server over streamable HTTP; repeatable",
+    )
+    p.add_argument(
+        "--mcp-env",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="pass this variable (from this environment, or VALUE) to --mcp servers; repeatable",
+    )
     p.add_argument("--concurrency", type=int, default=64, help="calls run at once (default 64)")
     p.add_argument("--worker-id", help="this worker's id (default: worker.<host>-<pid>)")
     p.add_argument(
@@ -105,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_fleet_commands(sub, bus_options)
     model_worker_cmd.add_parser(sub, bus_options)
     sim_cmd.add_parser(sub, bus_options)
+    dashboard_cmd.add_parser(sub, bus_options)
+    auth_cmd.add_parser(sub)
 
     p = sub.add_parser(
         "demo", help="embedded server, tool workers, 2,000 calculator calls, then an agent fleet"
@@ -113,13 +153,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--in-flight", type=int, default=64, help="calls in flight (default 64)")
     p.add_argument("--no-agents", action="store_true", help="only the tool-call part")
+    _everywhere(parser)
     return parser
+
+
+def _logging_options(parser: argparse.ArgumentParser, suffix: str) -> None:
+    """``-v`` and ``--log-format`` (kept apart per level: argparse lets a
+    subcommand's defaults overwrite what was given before it)."""
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        dest=f"verbose{suffix}",
+        help="more logs (-vv: debug; else FLEETBUS_LOG_LEVEL)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        dest=f"log_format{suffix}",
+        help="log lines as text or JSON lines (default: FLEETBUS_LOG_FORMAT, else text)",
+    )
+
+
+def _everywhere(parser: argparse.ArgumentParser, depth: int = 1) -> None:
+    """Give every subcommand (at every depth) the logging options, so that
+    ``fleetbus -v worker`` and ``fleetbus worker -v`` both work."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                if "--log-format" not in child._option_string_actions:
+                    _logging_options(child, f"_{depth}")
+                _everywhere(child, depth + 1)
+
+
+def _logging_of(args: argparse.Namespace) -> tuple[int, str | None]:
+    """The ``-v`` count and the ``--log-format`` given at any level."""
+    values = vars(args)
+    verbose = sum(v for k, v in values.items() if k.startswith("verbose") and isinstance(v, int))
+    formats = [v for k, v in sorted(values.items()) if k.startswith("log_format") and v]
+    return verbose, (formats[-1] if formats else None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fleetbus`` command; returns the exit code."""
     args = build_parser().parse_args(argv)
-    setup_logging(args.verbose)
+    verbose, log_format = _logging_of(args)
+    try:
+        setup_logging(verbose, log_format)
+    except ConfigError as exc:
+        return fail(str(exc))
+    args.verbose = verbose
+    tracing.setup_from_env()
     replicas = getattr(args, "js_replicas", None)
     if replicas is not None:
         # The option wins over the environment, here and in the processes the
@@ -129,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         **fleet_commands(),
         "model-worker": model_worker_cmd.cmd,
         "sim": sim_cmd.cmd,
+        "dashboard": dashboard_cmd.cmd,
+        "auth": auth_cmd.cmd,
         "server": cmd_server,
         "worker": cmd_worker,
         "tools": cmd_tools,
@@ -166,13 +253,24 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Serve a toolkit until SIGTERM/SIGINT, then drain and exit 0."""
-    from fleetbus.tools_workers import ToolWorker, load_toolkit
+    from fleetbus.tools_workers import Toolkit, ToolWorker, load_toolkit
 
     if args.concurrency < 1:
         raise ConfigError("--concurrency must be at least 1")
-    toolkit = load_toolkit(args.spec)
+    if not (args.spec or args.mcp or args.mcp_url):
+        raise ConfigError("give the tools to serve: MODULE[:ATTR], --mcp or --mcp-url")
+    servers = _mcp_servers(args)
+    toolkit = load_toolkit(args.spec) if args.spec else Toolkit()
 
     async def serve() -> int:
+        async with contextlib.AsyncExitStack() as stack:
+            # Each MCP session stays open, and is re-established, while the worker serves.
+            for server in servers:
+                for served in (await stack.enter_async_context(server)).tools:
+                    toolkit.add(served)
+            return await serve_toolkit()
+
+    async def serve_toolkit() -> int:
         bus = await connect(args.nats, args.prefix, args.worker_id)
         try:
             worker = ToolWorker(
@@ -197,6 +295,30 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 0
 
     return run(serve())
+
+
+def _mcp_servers(args: argparse.Namespace) -> list[MCPTools]:
+    """The MCP servers named by ``--mcp`` and ``--mcp-url`` (not yet open).
+
+    Raises:
+        ConfigError: the ``mcp`` SDK is missing, or an option is wrong.
+    """
+    from fleetbus.tools_workers.mcp import MCPTools
+
+    env: dict[str, str] = {}
+    for item in args.mcp_env:
+        name, has_value, value = item.partition("=")
+        if not name:
+            raise ConfigError(f"--mcp-env takes NAME or NAME=VALUE, not {item!r}")
+        if not has_value:
+            if name not in os.environ:
+                raise ConfigError(f"--mcp-env {name}: no such variable in this environment")
+            value = os.environ[name]
+        env[name] = value
+    return [
+        *(MCPTools(command, env=env or None) for command in args.mcp),
+        *(MCPTools(url=url) for url in args.mcp_url),
+    ]
 
 
 def cmd_tools(args: argparse.Namespace) -> int:

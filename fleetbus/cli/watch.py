@@ -26,10 +26,12 @@ Wiring (the CLI owner's side)::
         return run(main())
 
 :func:`watch` listens on ``<prefix>.>`` (calls, agent inboxes, topics, event
-streams) and on ``_INBOX.>``, where replies travel. An inbox is shown only when
-it is the reply subject of a request seen on the fleet's prefix, so replies of
-other fleets on the same server stay out (replies to requests sent before the
-watch began are not shown either). ``$SRV`` discovery traffic is not watched.
+streams) and on the fleet's inboxes, ``_INBOX_<prefix>.>``
+(:func:`~fleetbus.bus.inbox_wildcard`), where its replies travel; no
+server-wide ``_INBOX.>`` permission is needed. An inbox is shown only when it
+is the reply subject of a request seen on the fleet's prefix, so JetStream
+and discovery answers stay out (replies to requests sent before the watch
+began are not shown either). ``$SRV`` discovery traffic is not watched.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from typing import Final, Protocol, TypeVar
 from rich.console import Console
 from rich.text import Text
 
-from fleetbus.bus import Bus, Subjects
+from fleetbus.bus import INBOX_ROOT, Bus, Subjects, inbox_wildcard
 from fleetbus.cli.render import STATUS_STYLES, describe
 from fleetbus.errors import ConnectionClosedError, ProtocolError
 from fleetbus.protocol import (
@@ -68,10 +70,12 @@ __all__ = ["watch"]
 
 logger = logging.getLogger(__name__)
 
-INBOX_WILDCARD: Final = "_INBOX.>"
+_INBOXES: Final = (INBOX_ROOT, "_INBOX.")
+"""How reply subjects start: fleetbus's own, and nats-py's default."""
+_REPLY: Final = "_INBOX.reply"
+"""The subject a reply is described with (``@ reply``, see ``describe``)."""
 _EARLY_REPLY_WINDOW: Final = 2.0
 """Seconds a reply read before its request is held for it."""
-"""Where nats-py clients (and so fleetbus requests) receive their replies."""
 _REMEMBERED: Final = 10_000
 """How many pending calls and reply subjects are remembered, the oldest forgotten first."""
 _FLUSH_TIMEOUT: Final = 5.0
@@ -180,7 +184,7 @@ class _Watcher:
     def receive(self, msg: _Msg) -> None:
         if msg.subject.startswith(("$", self.store_writes)):
             return  # JetStream or service traffic ($KV.…, $JS.…, <prefix>.kv.…)
-        inbox = msg.subject.startswith("_INBOX.")
+        inbox = msg.subject.startswith(_INBOXES)
         if inbox and msg.subject not in self.replies:
             # Someone else's reply (another fleet, discovery, JetStream), or
             # one whose request this watcher has not read yet.
@@ -201,7 +205,7 @@ class _Watcher:
         latency = self.pair(message)
         if wanted:
             self.shown += 1
-            self.print(message, msg.subject, latency)
+            self.print(message, _REPLY if inbox else msg.subject, latency)
         if held is not None and time.monotonic() - held[0] < _EARLY_REPLY_WINDOW:
             self.receive(held[1])  # its request is known now
 
@@ -304,7 +308,7 @@ async def watch(
 
     subs: list[_Subscription] = [
         await bus.nc.subscribe(_fleet_wildcard(bus.subjects)),
-        await bus.nc.subscribe(INBOX_WILDCARD),
+        await bus.nc.subscribe(inbox_wildcard(bus.prefix)),
     ]
     try:
         await bus.flush(_FLUSH_TIMEOUT)

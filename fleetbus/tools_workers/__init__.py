@@ -2,9 +2,11 @@
 
 ``@tool`` makes a typed function a tool; a :class:`Toolkit` holds tools by
 name and group; :class:`ToolWorker` serves a toolkit on the bus. The built-in
-tools are in :mod:`fleetbus.tools_workers.builtin`.
+tools are in :mod:`fleetbus.tools_workers.builtin`; :class:`MCPTools` makes
+the tools of an MCP server fleetbus tools (with the ``mcp`` extra).
 """
 
+from fleetbus.tools_workers.mcp import MCPTool, MCPTools
 from fleetbus.tools_workers.remote import AgentTool, RemoteToolProxy
 from fleetbus.tools_workers.tool import DEFAULT_GROUP, Tool, ToolOutcome, tool
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike, load_toolkit
@@ -13,6 +15,8 @@ from fleetbus.tools_workers.worker import ToolWorker
 __all__ = [
     "DEFAULT_GROUP",
     "AgentTool",
+    "MCPTool",
+    "MCPTools",
     "RemoteToolProxy",
     "Tool",
     "ToolLike",

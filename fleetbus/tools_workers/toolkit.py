@@ -9,7 +9,7 @@ served by workers. An agent uses both the same way.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from fleetbus._imports import import_named
 from fleetbus.bus import ToolClient
@@ -17,6 +17,9 @@ from fleetbus.errors import ToolDefinitionError, UnknownToolError
 from fleetbus.protocol import ToolSpec
 from fleetbus.tools_workers.remote import RemoteToolProxy
 from fleetbus.tools_workers.tool import Tool, ToolOutcome
+
+if TYPE_CHECKING:
+    from fleetbus.tools_workers.mcp import MCPTools
 
 __all__ = ["ToolLike", "Toolkit", "load_toolkit"]
 
@@ -63,6 +66,15 @@ class Toolkit:
         self._groups: dict[str, str] = {}
         for t in tools:
             self.add(t)
+
+    def add_mcp(self, server: MCPTools, *, group: str | None = None) -> list[str]:
+        """Add every tool of an open MCP server (:class:`~fleetbus.tools_workers.MCPTools`);
+        their names.
+
+        Raises:
+            ToolDefinitionError: a name is taken.
+        """
+        return [self.add(t, group=group).name for t in server.tools]
 
     def add(self, item: ToolLike | Callable[..., Any], *, group: str | None = None) -> ToolLike:
         """Add a tool (a plain function is made one first).

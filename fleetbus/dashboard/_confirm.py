@@ -1,0 +1,101 @@
+"""Sending a person's decision on paused calls, through the code path of
+``fleetbus confirm``: the same ``confirm_result`` to the agent's inbox, the
+resumed reply streamed by :func:`fleetbus.cli.fleet.stream_reply`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+from fleetbus.bus import Bus
+from fleetbus.cli.fleet import stream_reply
+from fleetbus.errors import ConfigError, FleetbusError, NoRespondersError
+from fleetbus.protocol import AnyMessage, Confirmation, ConfirmResult, ErrorMessage, Event
+
+__all__ = ["ConfirmOutcome", "send_confirmation"]
+
+logger = logging.getLogger(__name__)
+
+SENDER = "dashboard"
+
+
+@dataclass(frozen=True, slots=True)
+class ConfirmOutcome:
+    """What became of a confirmation, as far as the dashboard saw it."""
+
+    accepted: bool
+    """Whether the agent took it (``False``: refused, or nobody answered)."""
+    state: Literal["resumed", "completed", "refused", "unserved", "failed"]
+    message: str
+    finished_reason: str | None = None
+
+
+def confirmation(
+    session_id: str, *, allow: list[str], deny: list[str], always: bool
+) -> ConfirmResult:
+    """The ``confirm_result`` of ``fleetbus confirm SESSION --allow … --deny …``.
+
+    Raises:
+        ConfigError: no call is named.
+    """
+    if not allow and not deny:
+        raise ConfigError("name at least one call to allow or deny")
+    return ConfirmResult(
+        sender=SENDER,
+        session_id=session_id,
+        confirmations=[Confirmation(call_id=c, confirmed=True, always=always) for c in allow]
+        + [Confirmation(call_id=c, confirmed=False, always=always) for c in deny],
+    )
+
+
+async def send_confirmation(
+    bus: Bus,
+    agent: str,
+    session_id: str,
+    *,
+    allow: list[str],
+    deny: list[str],
+    always: bool,
+    timeout: float,
+    answered: asyncio.Event,
+) -> ConfirmOutcome:
+    """Send the decisions to ``agent`` and follow the resumed reply to its end.
+
+    ``answered`` is set at the first event of the resumed reply, and when
+    this returns (a refusal comes as the answer, without events).
+
+    Raises:
+        ConfigError: no call is named.
+    """
+    message = confirmation(session_id, allow=allow, deny=deny, always=always)
+
+    def seen(item: AnyMessage) -> None:
+        if isinstance(item, Event):
+            answered.set()
+
+    try:
+        outcome = await stream_reply(bus, agent, session_id, message, on_item=seen, timeout=timeout)
+    except NoRespondersError as exc:
+        return ConfirmOutcome(accepted=False, state="unserved", message=str(exc))
+    except FleetbusError as exc:
+        logger.warning(
+            "confirmation for %s/%s: %s", agent, session_id, exc, extra={"session_id": session_id}
+        )
+        return ConfirmOutcome(accepted=False, state="failed", message=str(exc))
+    finally:
+        answered.set()
+    if isinstance(outcome, ErrorMessage):
+        return ConfirmOutcome(accepted=False, state="refused", message=outcome.message)
+    if outcome.finished_reason == "error":
+        text = outcome.content if isinstance(outcome.content, str) else "the reply failed"
+        return ConfirmOutcome(
+            accepted=False, state="refused", message=text, finished_reason="error"
+        )
+    return ConfirmOutcome(
+        accepted=True,
+        state="completed",
+        message=f"the reply ended {outcome.finished_reason}",
+        finished_reason=outcome.finished_reason,
+    )

@@ -1,0 +1,64 @@
+"""``$SRV.STATS`` of every service of a name: the NATS micro documents the
+tool workers answer (docs/protocol.md, section 7)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import orjson
+
+from fleetbus.bus import Bus
+from fleetbus.errors import BusError
+
+__all__ = ["collect_stats"]
+
+logger = logging.getLogger(__name__)
+
+
+async def collect_stats(
+    bus: Bus, service: str, *, timeout: float, limit: int
+) -> list[dict[str, Any]]:
+    """The STATS documents of the instances of ``service`` that answer within
+    ``timeout`` seconds (at most ``limit``); stops early once answers pause
+    for a tenth of that after the first, as discovery does.
+
+    Raises:
+        BusError: the request could not be sent.
+    """
+    nc = bus.nc
+    inbox = nc.new_inbox()
+    try:
+        sub = await nc.subscribe(inbox)
+        await nc.publish(f"$SRV.STATS.{service}", b"", reply=inbox)
+    except Exception as exc:  # nats errors: they stay inside fleetbus.bus
+        raise BusError(f"cannot ask for $SRV.STATS.{service}: {exc}") from exc
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    idle = max(timeout / 10, 0.02)
+    found: list[dict[str, Any]] = []
+    try:
+        while len(found) < limit:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            try:
+                msg = await sub.next_msg(timeout=min(remaining, idle) if found else remaining)
+            except TimeoutError:
+                break
+            try:
+                doc = orjson.loads(msg.data)
+            except orjson.JSONDecodeError:
+                logger.debug("ignoring a malformed STATS answer")
+                continue
+            if isinstance(doc, dict):
+                found.append(doc)
+    except Exception as exc:  # the connection closed while collecting
+        if not found:
+            raise BusError(f"$SRV.STATS.{service} failed: {exc}") from exc
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    return found
