@@ -44,6 +44,7 @@ __all__ = [
     "bind_process",
     "configure",
     "level_from_env",
+    "serving",
 ]
 
 LogFormat = Literal["text", "json"]
@@ -55,7 +56,16 @@ _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARN
 _LEVELS.update(ERROR=logging.ERROR, CRITICAL=logging.CRITICAL, WARN=logging.WARNING)
 
 _bound: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("fleetbus_log_ids")
+_serving: contextvars.ContextVar[Any] = contextvars.ContextVar("fleetbus_log_message")
 _process: dict[str, str] = {}
+
+
+def serving(message: Any) -> None:
+    """Mark the protocol message this task handles: every line it logs from now
+    on carries the message's ``session_id`` and ``call_id``. One context
+    variable set, for serve loops (each request runs in a task of its own,
+    so nothing needs resetting)."""
+    _serving.set(message)
 
 
 @contextlib.contextmanager
@@ -99,6 +109,12 @@ class ContextFilter(logging.Filter):
         for source in (_process, _bound.get({}), _trace_ids()):
             for key, value in source.items():
                 fields.setdefault(key, value)
+        message = _serving.get(None)
+        if message is not None:
+            for key in ("session_id", "call_id"):
+                carried = getattr(message, key, None)
+                if carried is not None:
+                    fields.setdefault(key, carried)
         return True
 
 

@@ -42,6 +42,8 @@ from opentelemetry import propagate, trace
 
 __all__ = [
     "SpanKind",
+    "begin",
+    "current",
     "enabled",
     "extract",
     "inject",
@@ -102,6 +104,29 @@ def span(
     clean = {k: v for k, v in (attributes or {}).items() if v is not None}
     with tracer.start_as_current_span(name, context=parent, kind=kind, attributes=clean) as current:
         yield current
+
+
+def begin(
+    name: str,
+    *,
+    kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+    attributes: Mapping[str, Any] | None = None,
+) -> trace.Span | None:
+    """A span started now and ended by the caller (``span.end()``), for work
+    that outlives a ``with`` block; ``None`` when tracing is off. Make it the
+    parent of what a block starts with :func:`current`."""
+    if not enabled():
+        return None
+    clean = {k: v for k, v in (attributes or {}).items() if v is not None}
+    return trace.get_tracer("fleetbus").start_span(name, kind=kind, attributes=clean)
+
+
+def current(span: trace.Span | None) -> contextlib.AbstractContextManager[Any]:
+    """``span`` as the current span in the block (tasks created there keep it
+    as their parent); nothing for ``None``."""
+    if span is None:
+        return contextlib.nullcontext()
+    return trace.use_span(span, end_on_exit=False)
 
 
 def setup_from_env() -> bool:

@@ -21,6 +21,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from fleetbus import logs, tracing
 from fleetbus.errors import BusError, ConnectionClosedError, PayloadTooLargeError, ProtocolError
 from fleetbus.protocol import (
     AnyMessage,
@@ -138,6 +139,8 @@ class ServeLoop:
         self._encode = encode
         self._tasks: dict[int, asyncio.Task[None]] = {}
         """The handlers running, by the id of the message each handles."""
+        self._span_name = _span_name(subject)
+        """What a request's span is called (when tracing is on)."""
 
     async def run(
         self,
@@ -259,9 +262,26 @@ class ServeLoop:
                 message=str(exc),
                 source_component=self._source,
             )
+        logs.serving(message)  # every line this task logs carries its ids
         try:
-            # Positional arguments: a quarter cheaper than keywords, on every request.
-            return await self._handler(Request(message, msg.subject, len(msg.data), msg.reply))
+            request = Request(message, msg.subject, len(msg.data), msg.reply)
+            parent = tracing.extract(msg.headers)
+            if parent is None and not tracing.enabled():
+                # Positional arguments: a quarter cheaper than keywords, on every request.
+                return await self._handler(request)
+            with tracing.span(
+                self._span_name,
+                kind=tracing.SpanKind.SERVER,
+                parent=parent,
+                attributes={
+                    "fleetbus.subject": msg.subject,
+                    "fleetbus.call_id": message.call_id,
+                    "fleetbus.session_id": message.session_id,
+                    "fleetbus.sender": message.sender,
+                    "fleetbus.served_by": self._source,
+                },
+            ):
+                return await self._handler(request)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -282,3 +302,17 @@ class ServeLoop:
 
     def _error(self, about: Message, code: ErrorCode, text: str) -> ErrorMessage:
         return error_reply(about, code, clip(text), source=self._source)
+
+
+def _span_name(subject: str) -> str:
+    """The span of a request served on ``subject``: ``fleetbus tool run`` on a
+    tool subject, ``fleetbus model worker`` on a model's, ``fleetbus agent
+    request`` on an agent inbox, else ``fleetbus request``."""
+    tokens = subject.split(".")
+    if len(tokens) >= 3 and tokens[-2] == "tool":
+        return "fleetbus tool run"
+    if len(tokens) >= 3 and tokens[-2] == "model":
+        return "fleetbus model worker"
+    if tokens[-1] == "inbox":
+        return "fleetbus agent request"
+    return "fleetbus request"

@@ -27,6 +27,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from fleetbus import tracing
 from fleetbus._retry import Retry
 from fleetbus.bus._replies import Denials, Reconnects, Replies, permission_denied
 from fleetbus.bus._serve import Handler, Request, ServeLoop, settle
@@ -217,7 +218,9 @@ class Bus:
         is ignored: every request shares the inbox)."""
         return await self._replies.request(subject, payload, timeout, headers)
 
-    async def _await_reply(self, subject: str, data: bytes, timeout: float) -> Msg:
+    async def _await_reply(
+        self, subject: str, data: bytes, timeout: float, headers: dict[str, str] | None = None
+    ) -> Msg:
         """One request; a reconnection while it waits ends it as unanswered.
 
         A reply published while this client was away is lost, and waiting out
@@ -235,7 +238,7 @@ class Bus:
         cancelling = task.cancelling()
         watch = self.reconnects.interrupt(task)
         try:
-            return await self._replies.request(subject, data, timeout)
+            return await self._replies.request(subject, data, timeout, headers=headers)
         except asyncio.CancelledError:
             if watch.interrupted:
                 watch.interrupted = False
@@ -355,6 +358,7 @@ class Bus:
         payload = self._encode(message)
         attempts = max(1, attempts)
         sent = 0
+        headers = tracing.inject(None)  # the trace goes along (None when off)
 
         async def send() -> Msg:
             nonlocal sent
@@ -364,8 +368,8 @@ class Bus:
                 data = encode(msgspec.structs.replace(message, attempt=sent))
             try:
                 if sent < attempts:  # an attempt is left to resend with
-                    return await self._await_reply(subject, data, timeout)
-                return await self._replies.request(subject, data, timeout)
+                    return await self._await_reply(subject, data, timeout, headers)
+                return await self._replies.request(subject, data, timeout, headers=headers)
             except _UNANSWERED as exc:
                 _log_unanswered(exc, subject, timeout, message, sent, attempts)
                 raise

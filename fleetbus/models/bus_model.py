@@ -19,6 +19,7 @@ import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Protocol
 
+from fleetbus import tracing
 from fleetbus._retry import Retry
 from fleetbus.bus import Bus
 from fleetbus.errors import ConfigError, ProtocolError
@@ -203,7 +204,9 @@ class BusChatModel:
         """
         call.sends += 1
         try:
-            await self.bus.nc.publish(self.subject, payload, reply=call.inbox)
+            await self.bus.nc.publish(
+                self.subject, payload, reply=call.inbox, headers=tracing.inject(None)
+            )
         except Exception as exc:  # nats errors stay inside fleetbus.bus
             raise ModelError(
                 f"cannot send the prompt to {self.subject}: {exc}", retryable=True

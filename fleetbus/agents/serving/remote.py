@@ -47,6 +47,7 @@ from typing import Any, Final, Protocol
 import msgspec
 import pydantic
 
+from fleetbus import tracing
 from fleetbus.bus import Observation, Subjects
 from fleetbus.errors import (
     BusError,
@@ -308,6 +309,7 @@ class RemoteAgent:
         # Owned here: both are cancelled and awaited in `finally`, however the stream ends.
         reader: asyncio.Task[None] | None = None
         asking: asyncio.Task[AnyMessage] | None = None
+        span: Any = None
         # The events, then None once the request is answered (or failed).
         queue: asyncio.Queue[AnyMessage | None] = asyncio.Queue()
         try:
@@ -316,14 +318,24 @@ class RemoteAgent:
             except CallTimeoutError as exc:
                 raise self._timed_out(message, limit) from exc
             reader = loop.create_task(_forward(observation, queue))
-            asking = loop.create_task(
-                self._bus.request(
-                    self._inbox,
-                    message,
-                    timeout=max(deadline - loop.time(), 0.001),
-                    attempts=1,
-                )
+            span = tracing.begin(
+                "fleetbus ask",
+                kind=tracing.SpanKind.CLIENT,
+                attributes={
+                    "fleetbus.agent": self._name,
+                    "fleetbus.session_id": session,
+                    "fleetbus.call_id": message.call_id,
+                },
             )
+            with tracing.current(span):  # the request carries it to the agent
+                asking = loop.create_task(
+                    self._bus.request(
+                        self._inbox,
+                        message,
+                        timeout=max(deadline - loop.time(), 0.001),
+                        attempts=1,
+                    )
+                )
             asking.add_done_callback(lambda _: queue.put_nowait(None))
             seen: set[str] = set()
             while True:
@@ -375,6 +387,8 @@ class RemoteAgent:
             if running:
                 await self._interrupt(session)
             await observation.close()
+            if span is not None:
+                span.end()
 
     async def observe(self, messages: str | AgentMessage | Sequence[str | AgentMessage]) -> None:
         """Add messages to the agent's memory without a reply, in order.

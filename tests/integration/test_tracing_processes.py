@@ -1,0 +1,111 @@
+"""One reply is one trace across processes: the agent's spans here (an SDK
+provider with an in-memory exporter), the tool worker's in its own process
+(exported to its output by ``OTEL_TRACES_EXPORTER=console``), joined by the
+``traceparent`` the tool call carries in its NATS headers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.util._once import Once
+
+from fleetbus.agents import Agent
+from fleetbus.bus import Bus, EmbeddedServer, ToolClient
+from fleetbus.testing import ScriptedModel
+from fleetbus.tools_workers import Toolkit
+from tests.helpers import ROOT, stop, wait_for_workers
+
+
+def _reset_provider() -> None:
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
+    trace._TRACER_PROVIDER = None
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    _reset_provider()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    yield exporter
+    provider.shutdown()
+    _reset_provider()
+
+
+def exported(text: str) -> list[dict[str, Any]]:
+    """The JSON spans the console exporter printed, among other output."""
+    decoder = json.JSONDecoder()
+    found: list[dict[str, Any]] = []
+    at = text.find("{")
+    while at >= 0:
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            at = text.find("{", at + 1)
+            continue
+        if isinstance(value, dict) and "context" in value and "name" in value:
+            found.append(value)
+        at = text.find("{", end)
+    return found
+
+
+@pytest.mark.slow
+async def test_a_reply_and_its_tool_call_on_a_worker_process_are_one_trace(
+    nats_server: EmbeddedServer, bus: Bus, spans: InMemorySpanExporter, tmp_path: Path
+) -> None:
+    log = tmp_path / "worker.out"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OTEL_TRACES_EXPORTER": "console",
+        "OTEL_SERVICE_NAME": "calculator-worker",
+    }
+    command = [sys.executable, "-m", "fleetbus", "worker", "fleetbus.tools_workers.builtin"]
+    command += ["--nats", nats_server.url, "--prefix", bus.prefix, "--worker-id", "traced"]
+    with log.open("wb") as out:
+        worker = subprocess.Popen(  # noqa: ASYNC220 - started, not waited on
+            command,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            await wait_for_workers(bus, "calculator", 1)
+            toolkit = Toolkit()
+            await toolkit.add_remote(ToolClient(bus), ["calculator"])
+            model = ScriptedModel(
+                [
+                    ScriptedModel.call("calculator", {"expr": "6 * 7"}, call_id="k1"),
+                    ScriptedModel.text("42"),
+                ]
+            )
+            agent = Agent("tracer", "", model, toolkit=toolkit)
+            final = await agent.reply("6 times 7?")
+        finally:
+            assert stop(worker) == 0  # a clean exit flushes the worker's spans
+    assert final.content == "42"
+    here = {s.name: s for s in spans.get_finished_spans()}
+    reply, call = here["fleetbus reply"], here["fleetbus tool call"]
+    trace_id = f"0x{reply.context.trace_id:032x}"
+    worker_spans = [s for s in exported(log.read_text()) if s["name"] == "fleetbus tool run"]
+    assert len(worker_spans) == 1, log.read_text()[-2000:]
+    (run,) = worker_spans
+    assert run["context"]["trace_id"] == trace_id  # one trace across the two processes
+    assert run["parent_id"] == f"0x{call.context.span_id:016x}"  # under the agent's tool call
+    assert run["kind"] == "SpanKind.SERVER"
+    assert run["attributes"]["fleetbus.served_by"] == "traced"
+    assert run["resource"]["attributes"]["service.name"] == "calculator-worker"
