@@ -6,8 +6,12 @@ a no-op tool. Measured: sequential latency (p50/p99) and throughput with 64
 calls in flight, for 1 and 2 responders, each with the standard event loop
 and with uvloop (client and responders alike).
 
+Then, with uvloop, one worker and 64 in flight: fleetbus with tracing off,
+then on (an OpenTelemetry SDK provider with an in-memory exporter in this
+process and in the worker).
+
 Prints one JSON line. Targets: fleetbus throughput >= 0.8x raw,
-p50 <= 1.3x raw.
+p50 <= 1.3x raw, tracing on >= 0.9x off.
 """
 
 from __future__ import annotations
@@ -190,6 +194,56 @@ async def measure(
     return results
 
 
+async def measure_tracing(url: str, n_tp: int, in_flight: int, repeats: int) -> dict[str, Any]:
+    """Throughput with 64 in flight and one worker, tracing off then on (an
+    SDK provider with an in-memory exporter here and in the worker, each call
+    made under a span as an agent's tool call is): what tracing costs."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from fleetbus import tracing
+
+    prefix = "benchtracing"
+    worker_cmd = [sys.executable, "-m", "fleetbus", "worker", "bench._noop_tools"]
+    worker_cmd += ["--nats", url, "--prefix", prefix, "--concurrency", str(in_flight)]
+    bus = await Bus.connect(url, prefix=prefix)
+    client = ToolClient(bus, attempts=1)
+
+    async def call() -> object:
+        with tracing.span("bench call"):
+            result = await client.call("noop", {})
+        if not result.ok:
+            raise RuntimeError(f"tool call failed: {result.error_detail}")
+        return result
+
+    async def up() -> bool:
+        tools = await client.discover(timeout=0.3)
+        return "noop" in tools
+
+    rates: dict[str, float] = {}
+    exporter = InMemorySpanExporter()
+    try:
+        for mode in ("off", "on"):
+            if mode == "on":
+                provider = TracerProvider()
+                provider.add_span_processor(SimpleSpanProcessor(exporter))
+                trace.set_tracer_provider(provider)
+            env = {"FLEETBUS_UVLOOP": "1", "BENCH_TRACING": "1" if mode == "on" else "0"}
+            with processes([worker_cmd], env):
+                await wait_until(up)
+                rates[mode] = await throughput(call, n_tp, in_flight, repeats)
+    finally:
+        await bus.close()
+    return {
+        "off_calls_per_s": rates["off"],
+        "on_calls_per_s": rates["on"],
+        "on_vs_off": round(rates["on"] / rates["off"], 3),
+        "client_spans_recorded": len(exporter.get_finished_spans()),
+    }
+
+
 def run_loop(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
     coro = measure(url, kind, args.sequential, args.calls, args.in_flight, args.repeats)
     if kind == "uvloop":
@@ -206,11 +260,18 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="throughput runs (median)")
     parser.add_argument("--loops", default="asyncio,uvloop", help="event loops to measure")
+    parser.add_argument("--no-tracing", action="store_true", help="skip the tracing run")
     args = parser.parse_args()
     report: dict[str, Any] = {"bench": "tool_calls", "cpus": os.cpu_count()}
     with EmbeddedServer() as server:
         for kind in args.loops.split(","):
             report[kind] = run_loop(kind, server.url, args)
+        if not args.no_tracing:
+            import uvloop
+
+            report["tracing_uvloop_in_flight_64"] = uvloop.run(
+                measure_tracing(server.url, args.calls, args.in_flight, args.repeats)
+            )
     targets = report.get("uvloop") or report["asyncio"]
     report["targets_met"] = {
         "throughput_ge_0.8x_raw": all(
@@ -218,6 +279,9 @@ def main() -> None:
         ),
         "p50_le_1.3x_raw": targets["sequential"]["p50_ratio"] <= 1.3,
     }
+    if "tracing_uvloop_in_flight_64" in report:
+        traced = report["tracing_uvloop_in_flight_64"]["on_vs_off"]
+        report["targets_met"]["tracing_costs_le_10_percent"] = traced >= 0.9
     print(json.dumps(report, separators=(",", ":")))
 
 

