@@ -20,6 +20,7 @@ from typing import Any
 
 from rich.table import Table
 
+from fleetbus import logs
 from fleetbus._imports import import_named
 from fleetbus.agents import Agent, Permissions
 from fleetbus.agents.serving.host import AgentHost, AgentSource
@@ -493,6 +494,7 @@ async def _serve_agents(args: argparse.Namespace, served: list[Agent] | Populati
             events=args.events,
         )
         on_stop_signals(host.stop)
+        logs.bind_process(worker=host.replica_id)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(host.run())
             await host.wait_ready(30)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from fleetbus import tracing
+from fleetbus import logs, tracing
 from fleetbus._version import __version__
 from fleetbus.bus import EmbeddedServer, ToolClient
 from fleetbus.cli import auth_cmd, dashboard_cmd, model_worker_cmd, sim_cmd
@@ -283,6 +283,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                 max_request_bytes=args.max_request_bytes,
             )
             on_stop_signals(worker.stop)
+            logs.bind_process(worker=worker.worker_id)
             console.print(
                 f"worker [bold]{worker.worker_id}[/] serving {', '.join(toolkit.names)} "
                 f"on {bus.connected_url} (prefix {bus.prefix})",

@@ -20,6 +20,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from fleetbus import logs
 from fleetbus.cli._common import (
     add_model_options,
     connect,
@@ -125,6 +126,7 @@ def cmd(args: argparse.Namespace) -> int:
                 drain_timeout=args.drain_timeout,
                 call_timeout=settings.timeout or _CALL_TIMEOUT,
             )
+            logs.bind_process(worker=worker.worker_id)
             on_stop_signals(worker.stop)
             limits = "".join(
                 f", {value} {unit}"
