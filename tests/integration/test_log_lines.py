@@ -38,7 +38,7 @@ async def test_a_worker_logs_json_lines_with_the_request_and_worker_ids(
             reply = await bus.nc.request(bus.subjects.tool("calculator"), bad, timeout=5)
             assert b"malformed" in reply.data
             deadline = time.monotonic() + 5
-            while b"c-log" not in log.read_bytes() and time.monotonic() < deadline:
+            while b"c-log" not in log.read_bytes() and time.monotonic() < deadline:  # noqa: ASYNC110 - a file, not an event
                 await asyncio.sleep(0.05)
         finally:
             stop(worker)
