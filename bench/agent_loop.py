@@ -395,6 +395,39 @@ async def measure_memory(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def measure_tracing(args: argparse.Namespace) -> dict[str, Any]:
+    """A reply with a local tool, tracing off then on (an OpenTelemetry SDK
+    provider with an in-memory exporter: a span for the reply, each step,
+    each model call and each tool call). Installs the provider for good: the
+    last measurement of a run."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    kit = Toolkit([noop])
+    iterations, runs, warmup = args.iterations, args.runs, args.warmup
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    exporter = InMemorySpanExporter()
+    for mode in ("off", "on"):
+        if mode == "on":
+            provider = TracerProvider()
+            provider.add_span_processor(SimpleSpanProcessor(exporter))
+            trace.set_tracer_provider(provider)
+        gc.collect()
+        for index in range(warmup + runs):
+            elapsed = await agent_reply(kit, iterations)
+            if index >= warmup:
+                times[mode].append(elapsed / iterations * 1e6)
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    return {
+        "off_us": round(off, 1),
+        "on_us": round(on, 1),
+        "on_vs_off": round(on / off, 2),
+        "spans_per_reply": len(exporter.get_finished_spans()) // (warmup + runs),
+    }
+
+
 def run_loop(kind: str, coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
     if kind == "uvloop":
         import uvloop
@@ -456,6 +489,7 @@ def main() -> None:
     memory = run_loop(target_loop, measure_memory(args))
     report["memory"] = {"loop": target_loop, **memory}
     memory_ratio = memory[f"ratio_{max(args.memory_sizes)}_{min(args.memory_sizes)}"]
+    report["tracing_local"] = {"loop": target_loop, **run_loop(target_loop, measure_tracing(args))}
     report["targets_loop"] = target_loop
     report["targets_met"] = {
         "remote_under_1ms": report[target_loop]["remote"]["fleetbus_us"] < TARGET_REMOTE_US,
