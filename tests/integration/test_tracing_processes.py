@@ -22,6 +22,7 @@ from opentelemetry.util._once import Once
 
 from fleetbus.agents import Agent
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
+from fleetbus.models.bus_model import BusChatModel
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit
 from tests.helpers import ROOT, stop, wait_for_workers
@@ -109,3 +110,63 @@ async def test_a_reply_and_its_tool_call_on_a_worker_process_are_one_trace(
     assert run["kind"] == "SpanKind.SERVER"
     assert run["attributes"]["fleetbus.served_by"] == "traced"
     assert run["resource"]["attributes"]["service.name"] == "calculator-worker"
+
+
+def _traced_process(command: list[str], out: Any, service: str) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OTEL_TRACES_EXPORTER": "console",
+        "OTEL_SERVICE_NAME": service,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-m", "fleetbus", *command],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+
+
+@pytest.mark.slow
+async def test_a_reply_on_a_model_worker_with_a_tool_worker_is_one_trace(
+    nats_server: EmbeddedServer, bus: Bus, spans: InMemorySpanExporter, tmp_path: Path
+) -> None:
+    on_bus = ["--nats", nats_server.url, "--prefix", bus.prefix]
+    tools_log, model_log = tmp_path / "tools.out", tmp_path / "model.out"
+    with tools_log.open("wb") as tools_out, model_log.open("wb") as model_out:
+        tools = _traced_process(
+            ["worker", "fleetbus.tools_workers.builtin", *on_bus, "--worker-id", "t1"],
+            tools_out,
+            "tools",
+        )
+        model_worker = _traced_process(
+            ["model-worker", "--model", "offline", "--serve-as", "offline", *on_bus],
+            model_out,
+            "models",
+        )
+        try:
+            await wait_for_workers(bus, "calculator", 1)
+            toolkit = Toolkit()
+            await toolkit.add_remote(ToolClient(bus), ["calculator"])
+            model = BusChatModel(bus, "offline", timeout=20)
+            agent = Agent("planner", "", model, toolkit=toolkit)
+            final = await agent.reply("What is 6 * 7? Use the calculator.")
+        finally:
+            assert stop(tools) == 0
+            assert stop(model_worker) == 0
+    assert "42" in str(final.content)
+    here = spans.get_finished_spans()
+    (reply,) = [s for s in here if s.name == "fleetbus reply"]
+    model_calls = {s.context.span_id for s in here if s.name == "fleetbus model call"}
+    tool_calls = {s.context.span_id for s in here if s.name == "fleetbus tool call"}
+    trace_id = f"0x{reply.context.trace_id:032x}"
+    served = [s for s in exported(model_log.read_text()) if s["name"] == "fleetbus model worker"]
+    runs = [s for s in exported(tools_log.read_text()) if s["name"] == "fleetbus tool run"]
+    assert len(served) == len(model_calls) >= 2, model_log.read_text()[-2000:]
+    assert len(runs) == len(tool_calls) == 1, tools_log.read_text()[-2000:]
+    for span in [*served, *runs]:
+        assert span["context"]["trace_id"] == trace_id  # the agent, the model, the tool: one trace
+    assert {int(s["parent_id"], 16) for s in served} == model_calls
+    assert {int(s["parent_id"], 16) for s in runs} == tool_calls
