@@ -34,7 +34,7 @@ from typing import Any, Final, Protocol
 
 import orjson
 
-from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
+from fleetbus.agents.serving.sessions import SessionRecord, SessionStore, lease_owner
 from fleetbus.bus import SERVICE_NAME, Bus, check_name
 from fleetbus.dashboard._confirm import ConfirmOutcome, send_confirmation
 from fleetbus.dashboard._micro import collect_stats
@@ -341,7 +341,7 @@ class FleetView:
         if not msg.subject.startswith(self._leases_stem) or len(tokens) != 2:
             return
         agent, session_id = tokens
-        owner = _lease_owner(msg.data)
+        owner = lease_owner(msg.data)
         self._agent(agent, "leases", owner)
         view = self._sessions.get((agent, session_id))
         if view is not None:
@@ -616,16 +616,6 @@ def _pending(call: dict[str, Any]) -> dict[str, Any]:
         "rule": None if call.get("rule") is None else str(call.get("rule")),
         "parameters": _clip(parameters, 1000),
     }
-
-
-def _lease_owner(value: bytes) -> str | None:
-    if not value:
-        return None
-    try:
-        owner = orjson.loads(value).get("owner")
-    except (orjson.JSONDecodeError, AttributeError):
-        return None
-    return owner if isinstance(owner, str) else None
 
 
 def _prefix_of(doc: dict[str, Any]) -> str | None:

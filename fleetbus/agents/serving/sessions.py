@@ -492,7 +492,7 @@ class SessionStore:
                     raise
         while True:
             entry = await self.leases.get_or_none(key)
-            holder = _lease_owner(entry.value) if entry is not None else None
+            holder = lease_owner(entry.value) if entry is not None else None
             if entry is not None and holder is not None and holder != self.owner:
                 if take_over:
                     if entry.revision != lease_revision:
@@ -700,7 +700,7 @@ class SessionStore:
                 # A renewal of ours may have landed after its writer stopped
                 # waiting; anyone else's lease stays.
                 entry = await self.leases.get_or_none(key)
-                if entry is None or _lease_owner(entry.value) != self.owner:
+                if entry is None or lease_owner(entry.value) != self.owner:
                     logger.info("lease of %s was taken over before its release", key)
                     return
                 self.note_released(key, await self._remove_lease(key, entry.revision))
@@ -1021,7 +1021,7 @@ class Recovery:
     def _heard(self, key: str, value: bytes | None, revision: int | None) -> None:
         if not self._ours(key):
             return
-        owner = _lease_owner(value) if value else None
+        owner = lease_owner(value) if value else None
         if owner is None:
             self.watched.pop(key, None)
             self._note_gone(key)
@@ -1073,7 +1073,7 @@ class Recovery:
                 if key in self.watched or key in self._gone or not self._ours(key):
                     continue
                 entry = await self.store.leases.get_or_none(key)
-                if entry is None or _lease_owner(entry.value) is None:
+                if entry is None or lease_owner(entry.value) is None:
                     self._note_gone(key)
                     continue
                 self.watched[key] = _Watched(entry.revision, time.monotonic())
@@ -1095,7 +1095,7 @@ class Recovery:
             if now - watched.since <= ttl:
                 continue
             entry = await self.store.leases.get_or_none(key)
-            if entry is None or _lease_owner(entry.value) is None:
+            if entry is None or lease_owner(entry.value) is None:
                 self.watched.pop(key, None)
                 continue
             if entry.revision != watched.revision:
@@ -1139,7 +1139,9 @@ def _dead_request(entry: Entry | None) -> tuple[int, dict[str, Any]] | None:
     return epoch, request
 
 
-def _lease_owner(value: bytes | None) -> str | None:
+def lease_owner(value: bytes | None) -> str | None:
+    """The replica a lease record names as its owner (``None``: a release, or
+    not a lease record)."""
     if not value:
         return None
     try:
