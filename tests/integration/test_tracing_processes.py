@@ -5,6 +5,7 @@ provider with an in-memory exporter), the tool worker's in its own process
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -22,7 +23,9 @@ from opentelemetry.util._once import Once
 
 from fleetbus.agents import Agent
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
+from fleetbus.errors import FleetbusError
 from fleetbus.models.bus_model import BusChatModel
+from fleetbus.protocol import FinalAnswer, UserRequest
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit
 from tests.helpers import ROOT, stop, wait_for_workers
@@ -112,6 +115,25 @@ async def test_a_reply_and_its_tool_call_on_a_worker_process_are_one_trace(
     assert run["resource"]["attributes"]["service.name"] == "calculator-worker"
 
 
+async def answered(bus: Bus, agent: str, timeout: float = 30.0) -> None:
+    """Wait until ``agent`` answers a request (its process is serving)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            reply = await bus.request(
+                bus.subjects.agent_inbox(agent),
+                UserRequest(content="ready?", session_id="warm-up"),
+                timeout=2.0,
+            )
+        except FleetbusError:
+            reply = None
+        if isinstance(reply, FinalAnswer):
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{agent} did not answer within {timeout}s")
+        await asyncio.sleep(0.1)
+
+
 def _traced_process(command: list[str], out: Any, service: str) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
@@ -170,3 +192,53 @@ async def test_a_reply_on_a_model_worker_with_a_tool_worker_is_one_trace(
         assert span["context"]["trace_id"] == trace_id  # the agent, the model, the tool: one trace
     assert {int(s["parent_id"], 16) for s in served} == model_calls
     assert {int(s["parent_id"], 16) for s in runs} == tool_calls
+
+
+@pytest.mark.slow
+async def test_fleetbus_ask_is_one_trace_through_the_agent_and_the_tool_worker(
+    nats_server: EmbeddedServer, bus: Bus, tmp_path: Path
+) -> None:
+    on_bus = ["--nats", nats_server.url, "--prefix", bus.prefix]
+    spec = tmp_path / "agents.toml"
+    spec.write_text('[agent.calc]\nsystem_prompt = "You compute."\nmodel = "offline"\n')
+    logs = {name: tmp_path / f"{name}.out" for name in ("tools", "agent", "ask")}
+    with (
+        logs["tools"].open("wb") as tools_out,
+        logs["agent"].open("wb") as agent_out,
+        logs["ask"].open("wb") as ask_out,
+    ):
+        tools = _traced_process(
+            ["worker", "fleetbus.tools_workers.builtin", *on_bus], tools_out, "tools"
+        )
+        agent = None
+        try:
+            await wait_for_workers(bus, "calculator", 1)
+            agent = _traced_process(["agent", str(spec), *on_bus], agent_out, "agents")
+            await answered(bus, "calc")
+            ask = _traced_process(
+                ["ask", "calc", "What is 6 * 7? Use the calculator.", *on_bus], ask_out, "cli"
+            )
+            assert await asyncio.to_thread(ask.wait, 60) == 0
+        finally:
+            for proc in (agent, tools):
+                if proc is not None:
+                    assert stop(proc) == 0
+    found = {name: exported(path.read_text()) for name, path in logs.items()}
+    (asked,) = [s for s in found["ask"] if s["name"] == "fleetbus ask"]
+    trace_id = asked["context"]["trace_id"]
+
+    def traced(name: str, where: str) -> list[dict[str, Any]]:
+        # The readiness request above is a trace of its own: only the ask's counts.
+        return [
+            s for s in found[where] if s["name"] == name and s["context"]["trace_id"] == trace_id
+        ]
+
+    served = traced("fleetbus agent request", "agent")
+    calls = traced("fleetbus tool call", "agent")
+    runs = traced("fleetbus tool run", "tools")
+    assert len(served) == 1, logs["agent"].read_text()[-2000:]
+    assert len(traced("fleetbus reply", "agent")) == 1
+    assert len(calls) == len(runs) == 1  # the CLI, the agent, the worker: one trace
+    assert served[0]["parent_id"] == asked["context"]["span_id"]
+    assert runs[0]["parent_id"] == calls[0]["context"]["span_id"]
+    assert "42" in logs["ask"].read_text()
