@@ -33,7 +33,7 @@ from pydantic import BaseModel, field_validator, model_validator
 
 from fleetbus.errors import ConfigError
 
-__all__ = ["Action", "Decision", "PermissionRule", "Permissions"]
+__all__ = ["Action", "Decision", "PermissionRule", "Permissions", "coding_permissions"]
 
 Action = Literal["allow", "deny", "ask"]
 """What to do with a tool call: run it, refuse it, or ask a person first."""
@@ -321,3 +321,11 @@ class Permissions(BaseModel):
     def _add_text(self, action: Action, text: str) -> PermissionRule:
         self.add(rule := PermissionRule.parse(action, text))
         return rule
+
+
+def coding_permissions() -> Permissions:
+    """New permissions for an agent given the coding tools
+    (:mod:`fleetbus.tools_workers.coding`): ``Read`` and ``Grep`` run,
+    ``Bash``, ``Write`` and ``Edit`` ask a person first. New on each call: a
+    confirmation with ``always=True`` adds a rule to the agent's own."""
+    return Permissions.from_strings(allow=["Read", "Grep"], ask=["Bash", "Write", "Edit"])
