@@ -148,6 +148,9 @@ class Bus:
         denials = Denials()
         replies: list[Replies] = []  # the bus's, once it is made
         connecting = True
+        credentials = any(
+            (options.user, options.password, options.token, options.creds_file, options.nkey_file)
+        )
 
         async def error_cb(exc: Exception) -> None:
             denial = permission_denied(exc)
@@ -156,6 +159,10 @@ class Bus:
                 if not (replies and replies[0].deny(denial)):
                     logger.warning("%s", denial)
                 return
+            if credentials and isinstance(exc, ConnectionResetError):
+                # A server that refuses credentials writes its -ERR and closes;
+                # the close can reach this client before the -ERR does.
+                exc = _RefusedError(f"the server closed the connection on the credentials: {exc}")
             last_error[:] = [exc]
             logger.debug("nats: %s", exc or type(exc).__name__)
             if connecting and _refused(exc):
@@ -184,6 +191,7 @@ class Bus:
                 options.initial_connect_timeout if timeout is None else timeout,
             )
         except (TimeoutError, OSError, nats.errors.Error, _RefusedError) as exc:
+            connecting = False  # the close below calls back too: nothing to raise then
             await _close_quietly(nc)
             cause = last_error[0] if last_error else exc
             where = ", ".join(options.servers)
@@ -622,7 +630,7 @@ class _RefusedError(Exception):
 
 def _refused(exc: BaseException) -> bool:
     """Whether ``exc`` says the server refused our credentials."""
-    if isinstance(exc, nats.errors.AuthorizationError):
+    if isinstance(exc, nats.errors.AuthorizationError | _RefusedError):
         return True
     text = str(exc).lower()
     return any(words in text for words in _REFUSED)
