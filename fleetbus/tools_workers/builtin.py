@@ -145,6 +145,25 @@ class FileSandbox:
             raise PermissionError(f"path {text!r} escapes the sandbox root {str(self.root)!r}")
         return target
 
+    def write_text(self, path: str, content: str) -> dict[str, Any]:
+        """Write ``content`` (UTF-8) to ``path`` inside the root, creating
+        missing parent directories; the relative path and the bytes written.
+
+        Raises:
+            ValueError: the path leaves the root, or the content is too big.
+            IsADirectoryError: ``path`` is a directory.
+        """
+        data = content.encode("utf-8")
+        if len(data) > self.max_bytes:
+            raise ValueError(_too_big(path, len(data), self.max_bytes, "write"))
+        self.ensure_root()
+        target = self.resolve(path)
+        if target.is_dir():
+            raise IsADirectoryError(f"{path!r} is a directory")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        return {"path": self.relative(target), "bytes": len(data)}
+
     def relative(self, target: Path) -> str:
         """``target`` (a result of :meth:`resolve`) relative to the root, ``"."`` for the root."""
         return target.relative_to(self.root.resolve()).as_posix()
@@ -193,16 +212,7 @@ def file_tools(root: str | Path | FileSandbox) -> list[Tool]:
             path: the file's path, relative to the workspace root.
             content: the whole new content of the file.
         """
-        data = content.encode("utf-8")
-        if len(data) > sandbox.max_bytes:
-            raise ValueError(_too_big(path, len(data), sandbox.max_bytes, "write"))
-        sandbox.ensure_root()
-        target = sandbox.resolve(path)
-        if target.is_dir():
-            raise IsADirectoryError(f"{path!r} is a directory")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-        return {"path": sandbox.relative(target), "bytes": len(data)}
+        return sandbox.write_text(path, content)
 
     @tool(name="list_dir")
     def list_dir(path: str = ".") -> list[dict[str, Any]]:

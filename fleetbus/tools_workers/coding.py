@@ -200,15 +200,7 @@ def coding_tools(
             file_path: the file's path, relative to the workspace root.
             content: the whole new content of the file.
         """
-        data = content.encode("utf-8")
-        _check_size(sandbox, file_path, len(data))
-        sandbox.ensure_root()
-        target = sandbox.resolve(file_path)
-        if target.is_dir():
-            raise IsADirectoryError(f"{file_path!r} is a directory")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-        return {"path": sandbox.relative(target), "bytes": len(data)}
+        return sandbox.write_text(file_path, content)
 
     @tool(name="Edit", concurrency_safe=False)
     def edit(
