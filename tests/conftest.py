@@ -7,8 +7,13 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fleetbus.bus import Bus, EmbeddedServer
+from tests.helpers import reset_tracer_provider
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +37,17 @@ async def bus(nats_server: EmbeddedServer, prefix: str) -> AsyncIterator[Bus]:
         yield connection
     finally:
         await connection.close()
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """Tracing on in this process: a tracer provider whose spans are kept in
+    memory (the exporter), removed afterwards."""
+    reset_tracer_provider()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    yield exporter
+    provider.shutdown()
+    reset_tracer_provider()

@@ -229,3 +229,13 @@ async def ghost_reply(
     task = asyncio.create_task(run())
     await asyncio.sleep(0.3)  # let it get as far as it will
     return Ghost(task, dead)
+
+
+def reset_tracer_provider() -> None:
+    """Forget the process's OpenTelemetry tracer provider (the API lets a
+    process set it once; tests set their own)."""
+    from opentelemetry import trace
+    from opentelemetry.util._once import Once
+
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
+    trace._TRACER_PROVIDER = None

@@ -10,16 +10,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.util._once import Once
 
 from fleetbus.agents import Agent
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
@@ -29,23 +24,6 @@ from fleetbus.protocol import FinalAnswer, UserRequest
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit
 from tests.helpers import ROOT, stop, wait_for_workers
-
-
-def _reset_provider() -> None:
-    trace._TRACER_PROVIDER_SET_ONCE = Once()
-    trace._TRACER_PROVIDER = None
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    _reset_provider()
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    yield exporter
-    provider.shutdown()
-    _reset_provider()
 
 
 def exported(text: str) -> list[dict[str, Any]]:

@@ -3,38 +3,17 @@ on by the standard environment."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.util._once import Once
 
 from fleetbus import tracing
 from fleetbus.agents import Agent
 from fleetbus.protocol import UserRequest
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
-
-
-def _reset_provider() -> None:
-    # OpenTelemetry lets a process set its provider once; tests set their own.
-    trace._TRACER_PROVIDER_SET_ONCE = Once()
-    trace._TRACER_PROVIDER = None
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    _reset_provider()
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    yield exporter
-    provider.shutdown()
-    _reset_provider()
+from tests.helpers import reset_tracer_provider
 
 
 @tool
@@ -106,7 +85,7 @@ def test_headers_carry_the_current_trace_and_bring_it_back(
 
 
 def test_off_without_a_provider_everything_returns_at_once() -> None:
-    _reset_provider()
+    reset_tracer_provider()
     assert not tracing.enabled()
     assert tracing.inject({"a": "1"}) == {"a": "1"}
     assert tracing.inject(None) is None
@@ -116,7 +95,7 @@ def test_off_without_a_provider_everything_returns_at_once() -> None:
 
 
 def test_the_environment_switches_tracing_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    _reset_provider()
+    reset_tracer_provider()
     try:
         monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
         monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
@@ -132,4 +111,4 @@ def test_the_environment_switches_tracing_on(monkeypatch: pytest.MonkeyPatch) ->
         provider = trace.get_tracer_provider()
         if isinstance(provider, TracerProvider):
             provider.shutdown()
-        _reset_provider()
+        reset_tracer_provider()
