@@ -3,11 +3,13 @@
 ``@tool`` makes a typed function a tool; a :class:`Toolkit` holds tools by
 name and group; :class:`ToolWorker` serves a toolkit on the bus. The built-in
 tools are in :mod:`fleetbus.tools_workers.builtin`; :class:`MCPTools` makes
-the tools of an MCP server fleetbus tools (with the ``mcp`` extra).
+the tools of an MCP server fleetbus tools (with the ``mcp`` extra);
+:class:`SkillTool` offers skill folders (``Toolkit(skills=[...])``).
 """
 
 from fleetbus.tools_workers.mcp import MCPTool, MCPTools
 from fleetbus.tools_workers.remote import AgentTool, RemoteToolProxy
+from fleetbus.tools_workers.skills import Skill, SkillTool, load_skills, read_skill
 from fleetbus.tools_workers.tool import DEFAULT_GROUP, Tool, ToolOutcome, tool
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike, load_toolkit
 from fleetbus.tools_workers.worker import ToolWorker
@@ -18,11 +20,15 @@ __all__ = [
     "MCPTool",
     "MCPTools",
     "RemoteToolProxy",
+    "Skill",
+    "SkillTool",
     "Tool",
     "ToolLike",
     "ToolOutcome",
     "ToolWorker",
     "Toolkit",
+    "load_skills",
     "load_toolkit",
+    "read_skill",
     "tool",
 ]

@@ -8,7 +8,9 @@ served by workers. An agent uses both the same way.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable, Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from fleetbus._imports import import_named
@@ -20,6 +22,7 @@ from fleetbus.tools_workers.tool import Tool, ToolOutcome
 
 if TYPE_CHECKING:
     from fleetbus.tools_workers.mcp import MCPTools
+    from fleetbus.tools_workers.skills import SkillTool
 
 __all__ = ["ToolLike", "Toolkit", "load_toolkit"]
 
@@ -59,13 +62,52 @@ class Toolkit:
     Args:
         tools: tools (plain functions are made tools; remote tools are added
             as they are) to add.
+        skills: skill folders, or folders of them, offered through one
+            ``load_skill`` tool (see :meth:`add_skills`).
+
+    Raises:
+        ConfigError: ``skills`` names a folder without skills or an invalid ``SKILL.md``.
     """
 
-    def __init__(self, tools: Iterable[ToolLike | Callable[..., Any]] = ()) -> None:
+    def __init__(
+        self,
+        tools: Iterable[ToolLike | Callable[..., Any]] = (),
+        *,
+        skills: str | Path | Iterable[str | Path] | None = None,
+    ) -> None:
         self._tools: dict[str, ToolLike] = {}
         self._groups: dict[str, str] = {}
         for t in tools:
             self.add(t)
+        if skills is not None:
+            self.add_skills(skills)
+
+    def add_skills(
+        self, skills: str | Path | Iterable[str | Path], *, name: str | None = None
+    ) -> SkillTool:
+        """Offer the skills in ``skills`` (skill folders, or folders of them:
+        :func:`~fleetbus.tools_workers.skills.load_skills`) through the tool
+        ``name`` (``load_skill``), made if absent, else given these skills too.
+
+        Raises:
+            ConfigError: a folder holds no skill, a ``SKILL.md`` is invalid,
+                or two skills have the same name.
+            ToolDefinitionError: ``name`` is taken by a tool that is not a skill tool.
+        """
+        from fleetbus.tools_workers.skills import SKILL_TOOL_NAME, SkillTool, load_skills
+
+        tool_name = name or SKILL_TOOL_NAME
+        loaded = load_skills(skills)
+        found = self._tools.get(tool_name)
+        if found is None:
+            made = SkillTool(loaded, name=tool_name)
+            self.add(made)
+            return made
+        if not isinstance(found, SkillTool):
+            raise ToolDefinitionError(f"a tool named {tool_name!r} is already in the toolkit")
+        made = found.with_skills(loaded)
+        self._tools[tool_name] = made
+        return made
 
     def add_mcp(self, server: MCPTools, *, group: str | None = None) -> list[str]:
         """Add every tool of an open MCP server (:class:`~fleetbus.tools_workers.MCPTools`);
@@ -203,12 +245,14 @@ def load_toolkit(spec: str) -> Toolkit:
 
     ``ATTR`` may be a :class:`Toolkit`, a :class:`Tool`, a list of tools, or a
     function returning one of these. Without ``ATTR``: the module's
-    ``toolkit`` attribute if it has one, else every ``Tool`` defined at its
-    top level.
+    ``toolkit`` attribute if it has one (a Toolkit, or a function returning
+    one), else every ``Tool`` defined at its top level.
 
     Raises:
         ToolDefinitionError: the module or attribute cannot be loaded, or
             holds no tools.
+        ConfigError: a factory refused its settings (``skills.toolkit``
+            without ``FLEETBUS_SKILLS``).
     """
     module_name, _, attr = spec.partition(":")
     try:
@@ -222,7 +266,9 @@ def load_toolkit(spec: str) -> Toolkit:
                 target = getattr(target, part)
         except AttributeError:
             raise ToolDefinitionError(f"module {module_name!r} has no attribute {attr!r}") from None
-    elif isinstance(getattr(module, "toolkit", None), Toolkit):
+    elif isinstance(getattr(module, "toolkit", None), Toolkit) or inspect.isfunction(
+        getattr(module, "toolkit", None)
+    ):
         target = module.toolkit
     else:
         target = [v for v in vars(module).values() if isinstance(v, Tool)]
