@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev]'
 	bash scripts/ensure-chromium.sh
+	bash scripts/ensure-espeak.sh
 	@touch $(STAMP)
 
 install: $(STAMP)

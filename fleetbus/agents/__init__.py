@@ -17,6 +17,7 @@ from fleetbus.agents.middleware import BudgetLimit, Middleware, ReplyContext, St
 from fleetbus.agents.offload import DirectoryOffloader, ObjectStoreOffloader, Offloader
 from fleetbus.agents.permissions import Decision, PermissionRule, Permissions
 from fleetbus.agents.plan import Plan, PlanNotebook, SubTask
+from fleetbus.agents.sentences import SentenceSplitter
 from fleetbus.agents.serving import (
     AgentHost,
     AgentService,
@@ -25,6 +26,7 @@ from fleetbus.agents.serving import (
     SessionRecord,
     SessionStore,
 )
+from fleetbus.agents.speech import SpeakReply, Utterance
 from fleetbus.agents.state import AgentState, PendingCall, ReplyState
 from fleetbus.agents.talk import talk_tools
 from fleetbus.agents.tools import ToolSource
@@ -56,14 +58,17 @@ __all__ = [
     "ReplyContext",
     "ReplyInput",
     "ReplyState",
+    "SentenceSplitter",
     "SessionRecord",
     "SessionStore",
+    "SpeakReply",
     "StepLogger",
     "StopReply",
     "SubTask",
     "Summary",
     "TokenCounter",
     "ToolSource",
+    "Utterance",
     "fanout_pipeline",
     "sequential_pipeline",
     "talk_tools",

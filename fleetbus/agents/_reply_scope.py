@@ -10,6 +10,7 @@ out, how the reader is waited for, how the reply ends and how it is saved.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
@@ -17,7 +18,7 @@ import pydantic
 
 from fleetbus.agents import events as ev
 from fleetbus.agents._reply_settings import ReplySettings
-from fleetbus.agents.middleware import ReplyContext
+from fleetbus.agents.middleware import Middleware, ReplyContext
 from fleetbus.agents.state import AgentState, ReplyState
 from fleetbus.models.model import FINISH_TOOL
 from fleetbus.protocol import (
@@ -30,6 +31,8 @@ from fleetbus.protocol import (
 )
 
 __all__ = ["FINISH_TOOL", "ReplyScope", "tool_result"]
+
+logger = logging.getLogger(__name__)
 
 _F = TypeVar("_F", bound=Callable[..., Awaitable[Any]])
 
@@ -78,6 +81,12 @@ class ReplyScope:
             output_tokens=reply.output_tokens,
             tool_calls=reply.tool_calls,
         )
+        # Only the middleware that watches events is called for each one.
+        self._watchers = [
+            m
+            for m in settings.middlewares
+            if getattr(type(m), "on_event", Middleware.on_event) is not Middleware.on_event
+        ]
 
     @property
     def structured(self) -> bool:
@@ -97,8 +106,20 @@ class ReplyScope:
             await self._demand()
 
     def event(self, name: str, **data: Any) -> None:
-        """Emit one event of this reply."""
-        self._emit(self.events(name, **data))
+        """Emit one event of this reply, then show it to the middleware watching."""
+        event = self.events(name, **data)
+        self._emit(event)
+        for middleware in self._watchers:
+            try:
+                middleware.on_event(self.ctx, event)
+            except Exception:  # a watcher's bug must not become the reply's failure
+                logger.exception(
+                    "%s: %s.on_event failed on %s",
+                    self.settings.name,
+                    type(middleware).__name__,
+                    event.event,
+                    extra={"session_id": self.reply.session_id, "call_id": self.reply.reply_id},
+                )
 
     def finish(
         self,

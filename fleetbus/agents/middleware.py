@@ -11,7 +11,9 @@ whole reply; ``on_reasoning`` around each step's model call and its
 recording; ``on_model_call`` around each attempt at the model (retries and
 the fallback included, so it sees them all); ``on_tool_call`` around each
 tool call, after the permission check. ``system_prompt`` is applied in list
-order before each model call.
+order before each model call. ``on_event`` sees each event of the reply as it
+is emitted (the ``text_delta`` pieces while the model streams, among others),
+in list order.
 
 A middleware ends a reply early by raising :class:`StopReply` — a signal,
 not an error.
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fleetbus.models.model import ModelRequest, ModelResponse
-from fleetbus.protocol import FinalAnswer, FinishedReason, ToolResultBlock, ToolUseBlock
+from fleetbus.protocol import Event, FinalAnswer, FinishedReason, ToolResultBlock, ToolUseBlock
 
 if TYPE_CHECKING:
     from fleetbus.agents.messages import Msg
@@ -121,6 +123,16 @@ class Middleware:
     def system_prompt(self, prompt: str, ctx: ReplyContext) -> str:
         """Transform the system prompt before a model call."""
         return prompt
+
+    def on_event(self, ctx: ReplyContext, event: Event) -> None:
+        """See one event of the reply, just after it is emitted.
+
+        Called in the reply's own flow, for every event (each ``text_delta``
+        piece of a streaming model too): return at once. Work that takes
+        time goes to a task the middleware owns (started and awaited in
+        ``on_reply``). An exception raised here is logged and does not reach
+        the reply.
+        """
 
 
 class BudgetLimit(Middleware):

@@ -2,7 +2,8 @@
 OpenAI-compatible adapter (its wire format and text protocol), the offline
 model, models served on the bus (``BusChatModel`` and the ``ModelWorker`` that
 serves them), model strings and settings (``model_from_string``,
-``ModelSettings``), and the default model of a fleet. Never imports ``agents``."""
+``ModelSettings``), the default model of a fleet, and the ``SpeechModel`` seam
+with ``EspeakSpeech``. Never imports ``agents``."""
 
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from fleetbus.models.model import (
 )
 from fleetbus.models.model_worker import ModelWorker
 from fleetbus.models.offline import OfflineModel
+from fleetbus.models.speech import EspeakSpeech, SpeechError, SpeechModel, speak_to_file
 from fleetbus.models.strings import (
     BusModelRef,
     ModelSettings,
@@ -46,6 +48,7 @@ __all__ = [
     "BusChatModel",
     "BusModelRef",
     "ChatModel",
+    "EspeakSpeech",
     "ModelConfig",
     "ModelError",
     "ModelRequest",
@@ -55,6 +58,8 @@ __all__ = [
     "OfflineModel",
     "OpenAIChatModel",
     "OpenAIConfig",
+    "SpeechError",
+    "SpeechModel",
     "TextDelta",
     "ThinkingDelta",
     "default_model",
@@ -63,4 +68,5 @@ __all__ = [
     "load_model_settings",
     "model_config_from_settings",
     "model_from_string",
+    "speak_to_file",
 ]
