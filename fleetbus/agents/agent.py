@@ -171,7 +171,9 @@ class Agent:
         elif isinstance(plan, PlanNotebook):
             self._state.plan = plan
         # What a new session of this agent starts from (see clone()).
-        self._initial_permissions = (permissions or Permissions()).model_copy(deep=True)
+        self._initial_permissions = (
+            permissions.model_copy(deep=True) if permissions is not None else Permissions()
+        )
         self._plan_enabled = plan is not False
         self._lock = asyncio.Lock()
         self._running: asyncio.Task[Any] | None = None
@@ -539,6 +541,8 @@ class Agent:
                 name = title if isinstance(title, str) else None
         if state.reply is not None:
             self._abandon_reply()
+        if isinstance(inputs, UserRequest) and inputs.call_id:
+            _forget_attempt(state.memory, inputs.call_id)
         for message in _as_messages(inputs):
             state.memory.append(message)
         reply = ReplyState(
@@ -582,12 +586,29 @@ def _as_messages(inputs: Any) -> list[Msg]:
         content = inputs.content
         if not content or (isinstance(content, str) and not content.strip()):
             return []  # a request with no content: answer the memory as it is
-        return [Msg(role="user", content=content, metadata=dict(inputs.metadata))]
+        # The request's call_id is its message's id: a retry finds its attempt.
+        ids = {"msg_id": inputs.call_id} if inputs.call_id else {}
+        return [Msg(role="user", content=content, metadata=dict(inputs.metadata), **ids)]
     if isinstance(inputs, AgentMessage):
         return [Msg(role="user", name=inputs.name or inputs.sender, content=inputs.content)]
     if isinstance(inputs, Sequence):
         return [m for item in inputs for m in _as_messages(item)]
     raise ConfigError(f"cannot reply to a {type(inputs).__name__}")
+
+
+def _forget_attempt(memory: list[Msg], call_id: str) -> None:
+    """Drop an earlier attempt at the request ``call_id`` from ``memory``: its
+    message and everything after it.
+
+    A request asked again (a client's retry, a simulation round asked again
+    after its runner resumed from the round before) replaces its attempt, so
+    memory holds it once and what follows it is what the new attempt does.
+    """
+    for index in range(len(memory) - 1, -1, -1):
+        message = memory[index]
+        if message.msg_id == call_id and message.role == "user":
+            del memory[index:]
+            return
 
 
 def _schema_of(inputs: Any) -> dict[str, Any] | None:

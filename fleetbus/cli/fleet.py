@@ -292,6 +292,7 @@ class PopulationSpec:
         self._model = model
         self._cli = dict(cli)
         self._remote: list[RemoteToolProxy] = []
+        self._remote_toolkit: Toolkit | None = None
 
     def __contains__(self, name: object) -> bool:
         return name in self.source
@@ -306,7 +307,12 @@ class PopulationSpec:
         _apply_model(agent, self._model, self._cli)
         if self._remote:
             if agent.toolkit is None:
-                agent.toolkit = Toolkit()
+                # One toolkit of the remote tools for every agent built without
+                # one: a new one each (an agent is built for each of its
+                # replies) was 3 % of a simulation host's CPU.
+                if self._remote_toolkit is None:
+                    self._remote_toolkit = Toolkit()
+                agent.toolkit = self._remote_toolkit
             if isinstance(agent.toolkit, Toolkit):
                 for proxy in self._remote:
                     if proxy.name not in agent.toolkit:
@@ -327,6 +333,7 @@ class PopulationSpec:
         """Find the tools served on the bus; every agent built from now on has them."""
         found = await client.discover(timeout=1.0)
         self._remote = [RemoteToolProxy(spec, client) for spec in found.values()]
+        self._remote_toolkit = None
         return sorted(found)
 
 

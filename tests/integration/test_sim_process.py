@@ -83,6 +83,9 @@ def test_a_runner_killed_in_round_two_resumes_from_round_one(
         # killed round 2 added was rolled back.
         assert sorted(r["value"] for r in mine) == list(range(4 * round_no - 3, 4 * round_no + 1))
         assert all(f" at {4 * (round_no - 1)} |" in r["answer"] for r in mine)
+        # Each agent's memory holds each round once: the killed round's first
+        # attempt was rolled back with the environment.
+        assert all(r["answer"].endswith(f"| seen={round_no}") for r in mine), mine
     assert files.read_snapshot(3) == {"rounds_applied": 3, "visits": 12}
     state = files.load_state()
     assert state is not None
