@@ -12,6 +12,13 @@ from fleetbus.agents.compression import (
     TokenCounter,
 )
 from fleetbus.agents.hub import MsgHub, Participant, fanout_pipeline, sequential_pipeline
+from fleetbus.agents.long_term_memory import (
+    BusMemory,
+    LongTermMemory,
+    LongTermMemoryConfig,
+    LongTermMemoryMode,
+    MemoryScope,
+)
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import BudgetLimit, Middleware, ReplyContext, StepLogger, StopReply
 from fleetbus.agents.offload import DirectoryOffloader, ObjectStoreOffloader, Offloader
@@ -39,10 +46,15 @@ __all__ = [
     "AgentState",
     "ApproxTokenCounter",
     "BudgetLimit",
+    "BusMemory",
     "CompressionResult",
     "ContextConfig",
     "Decision",
     "DirectoryOffloader",
+    "LongTermMemory",
+    "LongTermMemoryConfig",
+    "LongTermMemoryMode",
+    "MemoryScope",
     "Middleware",
     "Msg",
     "MsgHub",

@@ -24,6 +24,7 @@ from fleetbus._retry import Retry
 from fleetbus.agents import events as ev
 from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope
 from fleetbus.agents.compression import compress, summarize_with_model
+from fleetbus.agents.long_term_memory import STORE_TOOLS
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import StopReply
 from fleetbus.agents.offload import READ_OFFLOADED_SPEC
@@ -50,14 +51,25 @@ class ModelFailedError(Exception):
 
 
 def tool_specs(scope: ReplyScope) -> list[ToolSpec]:
-    """The tools offered to the model in this reply, the internal ones too."""
+    """The tools offered to the model in this reply, the internal ones too.
+
+    Never the memory worker's own tools (``STORE_TOOLS``, which ``fleetbus
+    agent`` finds on the bus with the others): they reach any agent's and any
+    user's memory; the model gets the long-term memory's tools instead, bound
+    to this agent and this user.
+    """
     settings = scope.settings
     state = scope.state
-    specs = list(settings.toolkit.specs()) if settings.toolkit is not None else []
+    memory = settings.long_term_memory
+    memory_specs = memory.tool_specs() if memory is not None else []
+    hidden = STORE_TOOLS | {s.name for s in memory_specs}
+    toolkit = settings.toolkit
+    specs = [s for s in toolkit.specs() if s.name not in hidden] if toolkit is not None else []
     if state.plan is not None:
         specs.extend(state.plan.tool_specs())
     if settings.offloader is not None:
         specs.append(READ_OFFLOADED_SPEC)
+    specs.extend(memory_specs)
     if scope.structured:
         schema = scope.reply.structured_schema or {}
         specs.append(

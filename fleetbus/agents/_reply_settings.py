@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetbus.agents.compression import ContextConfig
+from fleetbus.agents.long_term_memory import MemoryUse
 from fleetbus.agents.middleware import Middleware
 from fleetbus.agents.offload import Offloader
 from fleetbus.agents.tools import ToolSource
@@ -46,3 +47,4 @@ class ReplySettings:
     max_repeated_failures: int
     max_repeated_calls: int | None
     structured_retries: int
+    long_term_memory: MemoryUse | None = None

@@ -26,6 +26,7 @@ from fleetbus import tracing
 from fleetbus.agents import events as ev
 from fleetbus.agents._model_calls import tool_specs
 from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope, tool_result
+from fleetbus.agents.long_term_memory import STORE_TOOLS
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import StopReply
 from fleetbus.agents.offload import READ_OFFLOADED_SPEC, cut, read_offloaded
@@ -157,7 +158,7 @@ class ToolRunner:
         if self._is_internal(use.name):
             return None
         toolkit = self.settings.toolkit
-        if toolkit is None or use.name not in toolkit:
+        if toolkit is None or use.name not in toolkit or use.name in STORE_TOOLS:
             names = [s.name for s in tool_specs(self.scope)]
             available = ", ".join(names) or "none"
             return tool_result(
@@ -185,6 +186,9 @@ class ToolRunner:
         if name == FINISH_TOOL and self.scope.structured:
             return True
         if self.state.plan is not None and self.state.plan.handles(name):
+            return True
+        memory = self.settings.long_term_memory
+        if memory is not None and memory.handles(name):
             return True
         return name == READ_OFFLOADED_SPEC.name and self.settings.offloader is not None
 
@@ -230,6 +234,12 @@ class ToolRunner:
         if plan is not None and plan.handles(use.name):
             done = plan.call(use.name, use.input)
             return tool_result(use, "success" if done.ok else "error", done.text)
+        memory = settings.long_term_memory
+        if memory is not None and memory.handles(use.name):
+            remembered, text = await memory.run_tool(
+                self.scope.ctx, use.name, use.input, record_id=self.call_id_of(use)
+            )
+            return tool_result(use, remembered, text)
         offloader = settings.offloader
         if use.name == READ_OFFLOADED_SPEC.name and offloader is not None:
             # A read brings no more into the context than a tool result may.

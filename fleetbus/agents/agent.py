@@ -38,6 +38,12 @@ from fleetbus.agents.compression import (
     compress,
     summarize_with_model,
 )
+from fleetbus.agents.long_term_memory import (
+    LongTermMemory,
+    LongTermMemoryConfig,
+    LongTermMemoryMode,
+    MemoryUse,
+)
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import Middleware
 from fleetbus.agents.offload import Offloader
@@ -109,6 +115,15 @@ class Agent:
         checkpoint: awaited with the state ahead of every side effect (the
             input recorded, a step's tool calls before they are sent, each
             result as it arrives, each step, the end): to save it.
+        long_term_memory: a memory kept across conversations (see
+            :mod:`fleetbus.agents.long_term_memory`): ``SQLiteMemory``
+            in-process, or ``BusMemory`` for the one served on the bus.
+        long_term_memory_mode: ``static`` (what the memory has for the
+            user's input is shown to the model as a hint, the exchange is
+            recorded after the reply), ``agent`` (the model gets
+            ``record_to_memory`` and ``retrieve_from_memory``) or ``both``.
+        long_term_memory_config: what the memory is keyed by (user, session
+            or agent), how much one retrieval brings, and its timeout.
     """
 
     def __init__(
@@ -133,6 +148,9 @@ class Agent:
         max_repeated_calls: int | None = 3,
         structured_retries: int = 2,
         checkpoint: Callable[[AgentState], Awaitable[None]] | None = None,
+        long_term_memory: LongTermMemory | None = None,
+        long_term_memory_mode: LongTermMemoryMode = "static",
+        long_term_memory_config: LongTermMemoryConfig | None = None,
     ) -> None:
         if model is None:
             raise ConfigError(f"agent {name!r} needs a model")
@@ -158,6 +176,10 @@ class Agent:
         self.max_repeated_calls = max_repeated_calls
         self.structured_retries = structured_retries
         self._checkpoint = checkpoint
+        self.long_term_memory = long_term_memory
+        self.long_term_memory_mode: LongTermMemoryMode = long_term_memory_mode
+        self.long_term_memory_config = long_term_memory_config or LongTermMemoryConfig()
+        self._memory_use()  # a bad memory or mode fails here, not at the first reply
         if state is not None:
             if state.agent_name != name:
                 raise ConfigError(f"the state is agent {state.agent_name!r}'s, not {name!r}'s")
@@ -211,6 +233,9 @@ class Agent:
             max_repeated_calls=self.max_repeated_calls,
             structured_retries=self.structured_retries,
             checkpoint=checkpoint,
+            long_term_memory=self.long_term_memory,
+            long_term_memory_mode=self.long_term_memory_mode,
+            long_term_memory_config=self.long_term_memory_config,
         )
 
     @property
@@ -482,7 +507,7 @@ class Agent:
             toolkit=self.toolkit,
             max_iters=self.max_iters,
             parallel_tool_calls=self.parallel_tool_calls,
-            middlewares=tuple(self.middlewares),
+            middlewares=self._reply_middlewares(),
             context=self.context,
             model_config=self.model_config,
             token_counter=self.token_counter,
@@ -491,7 +516,27 @@ class Agent:
             max_repeated_failures=self.max_repeated_failures,
             max_repeated_calls=self.max_repeated_calls,
             structured_retries=self.structured_retries,
+            long_term_memory=self._memory_use(),
         )
+
+    def _memory_use(self) -> MemoryUse | None:
+        """How the reply uses the long-term memory, if the agent has one.
+
+        Raises:
+            ConfigError: not a memory, or an unknown mode.
+        """
+        if self.long_term_memory is None:
+            return None
+        return MemoryUse(
+            self.long_term_memory, self.long_term_memory_mode, self.long_term_memory_config
+        )
+
+    def _reply_middlewares(self) -> tuple[Middleware, ...]:
+        """The agent's middleware, inside the static long-term memory's (when on):
+        every other layer sees the model calls with the memory's hint."""
+        memory = self._memory_use()
+        static = memory.middleware() if memory is not None else None
+        return (static, *self.middlewares) if static is not None else tuple(self.middlewares)
 
     def _prepare(
         self,
