@@ -6,7 +6,7 @@ did."""
 from __future__ import annotations
 
 from fleetbus.agents import Agent
-from fleetbus.protocol import UserRequest
+from fleetbus.protocol import TextBlock, UserRequest
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
 
@@ -45,12 +45,17 @@ async def test_a_request_asked_again_replaces_its_attempt() -> None:
     assert results == [4]  # the first attempt's call went with it
     # What the model saw on the retry: the first exchange, then the retry only.
     retried = model.requests[3]
-    seen = [m.content[0].text for m in retried.messages if m.role == "user" and m.content]
+    seen = [
+        b.text for m in retried.messages if m.role == "user" for b in m.content
+        if isinstance(b, TextBlock)
+    ]  # fmt: skip
     assert seen[:2] == ["one", "two again"]
 
 
 async def test_requests_without_a_call_id_or_with_new_ones_are_all_kept() -> None:
-    model = ScriptedModel([ScriptedModel.text("a"), ScriptedModel.text("b"), ScriptedModel.text("c")])
+    model = ScriptedModel(
+        [ScriptedModel.text("a"), ScriptedModel.text("b"), ScriptedModel.text("c")]
+    )
     agent = Agent("keep", "", model)
     await agent.reply(UserRequest(sender="c", content="one"))
     await agent.reply(UserRequest(sender="c", content="one"))
