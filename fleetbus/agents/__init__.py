@@ -12,6 +12,14 @@ from fleetbus.agents.compression import (
     TokenCounter,
 )
 from fleetbus.agents.hub import MsgHub, Participant, fanout_pipeline, sequential_pipeline
+from fleetbus.agents.knowledge import (
+    BusKnowledgeBase,
+    KnowledgeBase,
+    KnowledgeConfig,
+    KnowledgeHit,
+    KnowledgeRetrieval,
+    Passage,
+)
 from fleetbus.agents.long_term_memory import (
     BusMemory,
     LongTermMemory,
@@ -46,11 +54,16 @@ __all__ = [
     "AgentState",
     "ApproxTokenCounter",
     "BudgetLimit",
+    "BusKnowledgeBase",
     "BusMemory",
     "CompressionResult",
     "ContextConfig",
     "Decision",
     "DirectoryOffloader",
+    "KnowledgeBase",
+    "KnowledgeConfig",
+    "KnowledgeHit",
+    "KnowledgeRetrieval",
     "LongTermMemory",
     "LongTermMemoryConfig",
     "LongTermMemoryMode",
@@ -61,6 +74,7 @@ __all__ = [
     "ObjectStoreOffloader",
     "Offloader",
     "Participant",
+    "Passage",
     "PendingCall",
     "PermissionRule",
     "Permissions",

@@ -38,6 +38,7 @@ from fleetbus.agents.compression import (
     compress,
     summarize_with_model,
 )
+from fleetbus.agents.knowledge import KnowledgeBase, KnowledgeConfig, knowledge_layer
 from fleetbus.agents.long_term_memory import (
     LongTermMemory,
     LongTermMemoryConfig,
@@ -124,6 +125,12 @@ class Agent:
             ``record_to_memory`` and ``retrieve_from_memory``) or ``both``.
         long_term_memory_config: what the memory is keyed by (user, session
             or agent), how much one retrieval brings, and its timeout.
+        knowledge: knowledge bases searched before the first reasoning step
+            of each reply (see :mod:`fleetbus.agents.knowledge`): what they
+            find is shown to the model with its sources, which the final
+            answer lists (``sources``).
+        knowledge_config: passages per base, score threshold, query rewrite,
+            bounds and timeout of that search.
     """
 
     def __init__(
@@ -151,6 +158,8 @@ class Agent:
         long_term_memory: LongTermMemory | None = None,
         long_term_memory_mode: LongTermMemoryMode = "static",
         long_term_memory_config: LongTermMemoryConfig | None = None,
+        knowledge: Iterable[KnowledgeBase] = (),
+        knowledge_config: KnowledgeConfig | None = None,
     ) -> None:
         if model is None:
             raise ConfigError(f"agent {name!r} needs a model")
@@ -180,6 +189,9 @@ class Agent:
         self.long_term_memory_mode: LongTermMemoryMode = long_term_memory_mode
         self.long_term_memory_config = long_term_memory_config or LongTermMemoryConfig()
         self._memory_use()  # a bad memory or mode fails here, not at the first reply
+        self.knowledge = list(knowledge)
+        self.knowledge_config = knowledge_config or KnowledgeConfig()
+        knowledge_layer(self.knowledge, self.knowledge_config, model)  # bad bases fail here
         if state is not None:
             if state.agent_name != name:
                 raise ConfigError(f"the state is agent {state.agent_name!r}'s, not {name!r}'s")
@@ -236,6 +248,8 @@ class Agent:
             long_term_memory=self.long_term_memory,
             long_term_memory_mode=self.long_term_memory_mode,
             long_term_memory_config=self.long_term_memory_config,
+            knowledge=self.knowledge,
+            knowledge_config=self.knowledge_config,
         )
 
     @property
@@ -536,7 +550,10 @@ class Agent:
         every other layer sees the model calls with the memory's hint."""
         memory = self._memory_use()
         static = memory.middleware() if memory is not None else None
-        return (static, *self.middlewares) if static is not None else tuple(self.middlewares)
+        # The knowledge bases' hint too, outermost: every layer sees it.
+        knowledge = knowledge_layer(self.knowledge, self.knowledge_config, self.model)
+        inner = (static, *self.middlewares) if static is not None else tuple(self.middlewares)
+        return (*knowledge, *inner)
 
     def _prepare(
         self,

@@ -72,6 +72,13 @@ def hush(token: contextvars.Token[_Speaker | None]) -> None:
     _speaker.reset(token)
 
 
+def served_on() -> tuple[Bus, str] | None:
+    """The bus and the agent's name of the reply running here, when a host
+    serves it (see :func:`speaking`); ``None`` elsewhere."""
+    speaker = _speaker.get()
+    return None if speaker is None else (speaker.bus, speaker.name)
+
+
 def _who() -> _Speaker:
     speaker = _speaker.get()
     if speaker is None:

@@ -248,6 +248,10 @@ class FinalAnswer(Message, frozen=True, kw_only=True, tag="final_answer"):
     structured: dict[str, Any] | None = None
     """The validated structured output, when one was asked for."""
     finished_reason: FinishedReason = "completed"
+    sources: list[str] = msgspec.field(default_factory=list)
+    """Where the knowledge shown to the model in this reply came from: the
+    ``source`` of each passage retrieved from the agent's knowledge bases (for
+    a folder, ``path:first-last`` and the headings above), in the order shown."""
 
 
 class ErrorMessage(Message, frozen=True, kw_only=True, tag="error"):
