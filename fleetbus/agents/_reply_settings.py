@@ -14,6 +14,7 @@ from fleetbus.agents.compression import ContextConfig
 from fleetbus.agents.long_term_memory import MemoryUse
 from fleetbus.agents.middleware import Middleware
 from fleetbus.agents.offload import Offloader
+from fleetbus.agents.permissions import RuleBook
 from fleetbus.agents.tools import ToolSource
 from fleetbus.models.model import ChatModel, ModelConfig
 
@@ -47,4 +48,5 @@ class ReplySettings:
     max_repeated_failures: int
     max_repeated_calls: int | None
     structured_retries: int
+    accepted_rules: RuleBook | None = None
     long_term_memory: MemoryUse | None = None

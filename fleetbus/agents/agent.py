@@ -48,7 +48,12 @@ from fleetbus.agents.long_term_memory import (
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import Middleware
 from fleetbus.agents.offload import Offloader
-from fleetbus.agents.permissions import Permissions
+from fleetbus.agents.permissions import (
+    AcceptedRules,
+    Permissions,
+    RuleBook,
+    checked_confirmation,
+)
 from fleetbus.agents.plan import PlanNotebook
 from fleetbus.agents.state import AgentState, ReplyState
 from fleetbus.agents.tools import ToolSource
@@ -96,6 +101,10 @@ class Agent:
             the step is concurrency-safe.
         plan: give it a plan notebook (``True``, or one to start from).
         permissions: allow / deny / ask rules checked before every call.
+        accepted_rules: the allow rules a person accepted when confirming
+            calls (rule texts, or a ``RuleBook`` keeping them elsewhere),
+            shared with the agent's clones: a rule accepted in one session
+            holds in the later ones (each reply loads them as it starts).
         middlewares: hooks around the reply, reasoning, model and tool calls.
         context: context length and compression settings.
         model_config: retries, backoff, timeout and fallback of model calls.
@@ -144,6 +153,7 @@ class Agent:
         parallel_tool_calls: bool = False,
         plan: bool | PlanNotebook = False,
         permissions: Permissions | None = None,
+        accepted_rules: RuleBook | Iterable[str] = (),
         middlewares: Iterable[Middleware] = (),
         context: ContextConfig | None = None,
         model_config: ModelConfig | None = None,
@@ -209,6 +219,12 @@ class Agent:
             permissions.model_copy(deep=True) if permissions is not None else Permissions()
         )
         self._plan_enabled = plan is not False
+        self.accepted_rules: RuleBook = (
+            AcceptedRules(accepted_rules)
+            if isinstance(accepted_rules, Iterable)
+            else accepted_rules
+        )
+        """Where the rules accepted in this agent's sessions are kept (shared by its clones)."""
         self._lock = asyncio.Lock()
         self._running: asyncio.Task[Any] | None = None
         self._interrupted = False
@@ -234,6 +250,7 @@ class Agent:
             parallel_tool_calls=self.parallel_tool_calls,
             plan=self._plan_enabled if state is None else False,
             permissions=self._initial_permissions.model_copy(deep=True) if state is None else None,
+            accepted_rules=self.accepted_rules,
             middlewares=self.middlewares,
             context=self.context,
             model_config=self.model_config,
@@ -362,6 +379,44 @@ class Agent:
         assert final is not None  # reply_stream always ends with one
         return final
 
+    async def confirm(
+        self,
+        call_id: str,
+        *,
+        allow: bool,
+        always: bool = False,
+        parameters: dict[str, Any] | None = None,
+        accept_rules: Sequence[str] = (),
+        session_id: str | None = None,
+    ) -> FinalAnswer:
+        """Answer a tool call the paused reply asks to confirm, and continue it
+        (``reply`` with a ``confirm_result``; give ``reply_stream`` one to stream).
+
+        Args:
+            call_id: the ``call_id`` of the pending call.
+            allow: run it (``True``) or deny it.
+            always: also add a rule so that calls of this tool are not asked again.
+            parameters: run it with this input instead of the model's (checked
+                like any call; memory records it).
+            accept_rules: allow rules (often the call's ``suggested_rules``) this
+                agent keeps for the rest of this session and its later sessions.
+            session_id: carried by the reply's events and final message.
+
+        Returns:
+            The continued reply's end; ``finished_reason="error"`` when nothing
+            waits for ``call_id`` (the reply stays paused).
+
+        Raises:
+            ConfigError: a rule does not parse, ``parameters`` is not a dict,
+                or ``parameters`` goes with a denial.
+        """
+        confirmation = checked_confirmation(
+            call_id, allow=allow, always=always, parameters=parameters, accept_rules=accept_rules
+        )
+        return await self.reply(
+            ConfirmResult(sender="user", confirmations=[confirmation]), session_id=session_id
+        )
+
     async def reply_stream(
         self,
         inputs: ReplyInput = None,
@@ -462,6 +517,8 @@ class Agent:
                 emit(prepared)
                 return prepared
             reply, resume = prepared
+            if self._state.permissions.asks:  # accepted rules only ever answer an ask
+                self._state.permissions.agent_accepted = await self.accepted_rules.load()
             run = ReplyRun(
                 ReplyScope(
                     self._reply_settings(),
@@ -530,6 +587,7 @@ class Agent:
             max_repeated_failures=self.max_repeated_failures,
             max_repeated_calls=self.max_repeated_calls,
             structured_retries=self.structured_retries,
+            accepted_rules=self.accepted_rules,
             long_term_memory=self._memory_use(),
         )
 

@@ -23,6 +23,7 @@ from rich.table import Table
 from fleetbus import logs
 from fleetbus._imports import import_named
 from fleetbus.agents import Agent, Permissions
+from fleetbus.agents.permissions import checked_confirmation, suggest_rules
 from fleetbus.agents.serving.host import AgentHost, AgentSource
 from fleetbus.agents.serving.remote import RemoteAgent
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
@@ -66,7 +67,7 @@ from fleetbus.protocol import (
 )
 from fleetbus.tools_workers import RemoteToolProxy, Toolkit, load_toolkit
 
-__all__ = ["add_fleet_commands", "commands", "load_agents", "stream_reply"]
+__all__ = ["add_fleet_commands", "commands", "confirm_result", "load_agents", "stream_reply"]
 
 
 def add_fleet_commands(sub: Any, bus_options: Any) -> None:
@@ -149,6 +150,23 @@ def add_fleet_commands(sub: Any, bus_options: Any) -> None:
     p.add_argument("--allow", action="append", default=[], metavar="CALL_ID")
     p.add_argument("--deny", action="append", default=[], metavar="CALL_ID")
     p.add_argument("--always", action="store_true", help="also add a rule for these tools")
+    p.add_argument(
+        "--edit",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("CALL_ID", "JSON"),
+        help="allow the call with this input instead of the model's (a JSON object)",
+    )
+    p.add_argument(
+        "--accept-rules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="RULE",
+        help="allow rules the agent keeps for this and its later sessions, e.g. "
+        "'write_file(path=notes/*)' (the pending calls show suggestions)",
+    )
     p.add_argument("--agent", help="the agent (found from the session when omitted)")
     p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
@@ -820,7 +838,12 @@ def _summary(record: SessionRecord) -> dict[str, Any]:
         "step": record.step,
         "updated_at": record.updated_at.isoformat(),
         "owner": record.owner,
-        "pending": [p.model_dump() for p in pending],
+        "pending": [
+            {**p.model_dump(), "suggested_rules": suggest_rules(p.tool_name, p.parameters)}
+            if p.kind == "confirm"
+            else p.model_dump()
+            for p in pending
+        ],
         "last_answer": final.get("content"),
     }
 
@@ -851,16 +874,21 @@ async def _find_agent(bus: Bus, session: str, agent: str | None) -> str:
 
 
 def cmd_confirm(args: argparse.Namespace) -> int:
-    """Confirm or deny pending calls, then stream the resumed reply."""
-    if not args.allow and not args.deny:
-        raise ConfigError("name at least one call: --allow CALL_ID or --deny CALL_ID")
-    message = ConfirmResult(
+    """Confirm or deny pending calls (maybe edited, maybe accepting rules),
+    then stream the resumed reply.
+
+    Raises:
+        ConfigError: no call named, a call both allowed and denied, an edit
+            that is not a JSON object, or a rule that does not parse.
+    """
+    message = confirm_result(
+        args.session,
+        allow=args.allow,
+        deny=args.deny,
+        always=args.always,
+        edits=[(call_id, _edited_parameters(call_id, text)) for call_id, text in args.edit],
+        accept_rules=args.accept_rules,
         sender="cli",
-        session_id=args.session,
-        confirmations=[
-            Confirmation(call_id=c, confirmed=True, always=args.always) for c in args.allow
-        ]
-        + [Confirmation(call_id=c, confirmed=False, always=args.always) for c in args.deny],
     )
 
     async def main() -> int:
@@ -872,6 +900,73 @@ def cmd_confirm(args: argparse.Namespace) -> int:
         return await _converse(args, agent, args.session, message)
 
     return run(main())
+
+
+def confirm_result(
+    session_id: str,
+    *,
+    allow: Iterable[str] = (),
+    deny: Iterable[str] = (),
+    always: bool = False,
+    edits: Iterable[tuple[str, dict[str, Any]]] = (),
+    accept_rules: Iterable[str] = (),
+    sender: str = "cli",
+) -> ConfirmResult:
+    """The ``confirm_result`` of ``fleetbus confirm SESSION --allow … --deny …
+    --edit CALL_ID JSON … --accept-rules RULE …``.
+
+    An edited call is allowed. The accepted rules go with the first allowed
+    call (with the first call when all are denied): they are the agent's, for
+    any call.
+
+    Raises:
+        ConfigError: no call is named, a call is both allowed and denied (or
+            edited and denied, or edited twice), or a rule does not parse.
+    """
+    allowed, denied = list(dict.fromkeys(allow)), list(dict.fromkeys(deny))
+    edited: dict[str, dict[str, Any]] = {}
+    for call_id, parameters in edits:
+        if call_id in edited:
+            raise ConfigError(f"the call {call_id!r} is edited twice")
+        edited[call_id] = parameters
+        if call_id not in allowed:
+            allowed.append(call_id)
+    both = sorted(set(allowed) & set(denied))
+    if both:
+        raise ConfigError(f"allowed and denied at once: {', '.join(both)}")
+    if not allowed and not denied:
+        raise ConfigError("name at least one call to allow, deny or edit")
+    rules = list(accept_rules)
+    confirmations: list[Confirmation] = []
+    for call_id, confirmed in [(c, True) for c in allowed] + [(c, False) for c in denied]:
+        confirmations.append(
+            checked_confirmation(
+                call_id,
+                allow=confirmed,
+                always=always,
+                parameters=edited.get(call_id),
+                accept_rules=rules if not confirmations else (),
+            )
+        )
+    return ConfirmResult(sender=sender, session_id=session_id, confirmations=confirmations)
+
+
+def _edited_parameters(call_id: str, text: str) -> dict[str, Any]:
+    """The input of ``--edit CALL_ID JSON``.
+
+    Raises:
+        ConfigError: the text is not JSON, or not an object.
+    """
+    try:
+        parameters = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--edit {call_id}: the parameters are not JSON ({exc})") from None
+    if not isinstance(parameters, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean"}.get(
+            type(parameters), "null" if parameters is None else "a number"
+        )
+        raise ConfigError(f"--edit {call_id}: the parameters must be a JSON object, not {kind}")
+    return parameters
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:

@@ -406,6 +406,19 @@ class ReplyPrinter:
                     self._line(
                         Text.assemble(f"    {verb + ':':<7}", (command, "bold")), soft_wrap=True
                     )
+                # Single-quoted for the shell: an edited input, an accepted rule.
+                parameters = json.dumps(call.get("parameters", {}), ensure_ascii=False)
+                if len(parameters) <= 200:
+                    quoted = "'" + parameters.replace("'", "'\\''") + "'"
+                    command = f"fleetbus confirm {session} --edit {call_id} {quoted}"
+                    self._line(Text.assemble("    edit:  ", (command, "bold")), soft_wrap=True)
+                rules = call.get("suggested_rules")
+                if isinstance(rules, list) and rules:
+                    shown = " or ".join("'" + str(r).replace("'", "'\\''") + "'" for r in rules)
+                    self._line(
+                        Text.assemble("    rules: ", ("--accept-rules ", "bold"), shown),
+                        soft_wrap=True,
+                    )
             else:
                 self._line(
                     Text(

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from fleetbus.bus import Bus
-from fleetbus.cli.fleet import stream_reply
-from fleetbus.errors import ConfigError, FleetbusError, NoRespondersError
-from fleetbus.protocol import AnyMessage, Confirmation, ConfirmResult, ErrorMessage, Event
+from fleetbus.cli.fleet import confirm_result, stream_reply
+from fleetbus.errors import FleetbusError, NoRespondersError
+from fleetbus.protocol import AnyMessage, ConfirmResult, ErrorMessage, Event
 
 __all__ = ["ConfirmOutcome", "send_confirmation"]
 
@@ -33,20 +34,29 @@ class ConfirmOutcome:
 
 
 def confirmation(
-    session_id: str, *, allow: list[str], deny: list[str], always: bool
+    session_id: str,
+    *,
+    allow: list[str],
+    deny: list[str],
+    always: bool,
+    edits: Sequence[tuple[str, dict[str, Any]]] = (),
+    accept_rules: Sequence[str] = (),
 ) -> ConfirmResult:
-    """The ``confirm_result`` of ``fleetbus confirm SESSION --allow … --deny …``.
+    """The ``confirm_result`` of ``fleetbus confirm SESSION --allow … --deny …
+    --edit CALL_ID JSON --accept-rules RULE …``.
 
     Raises:
-        ConfigError: no call is named.
+        ConfigError: no call is named, a call is allowed and denied at once,
+            or a rule does not parse.
     """
-    if not allow and not deny:
-        raise ConfigError("name at least one call to allow or deny")
-    return ConfirmResult(
+    return confirm_result(
+        session_id,
+        allow=allow,
+        deny=deny,
+        always=always,
+        edits=edits,
+        accept_rules=accept_rules,
         sender=SENDER,
-        session_id=session_id,
-        confirmations=[Confirmation(call_id=c, confirmed=True, always=always) for c in allow]
-        + [Confirmation(call_id=c, confirmed=False, always=always) for c in deny],
     )
 
 
@@ -60,16 +70,26 @@ async def send_confirmation(
     always: bool,
     timeout: float,
     answered: asyncio.Event,
+    edits: Sequence[tuple[str, dict[str, Any]]] = (),
+    accept_rules: Sequence[str] = (),
 ) -> ConfirmOutcome:
     """Send the decisions to ``agent`` and follow the resumed reply to its end.
 
     ``answered`` is set at the first event of the resumed reply, and when
-    this returns (a refusal comes as the answer, without events).
+    this returns (a refusal comes as the answer, without events). ``edits``
+    and ``accept_rules`` are those of :func:`confirmation`.
 
     Raises:
-        ConfigError: no call is named.
+        ConfigError: no call is named, or a rule does not parse.
     """
-    message = confirmation(session_id, allow=allow, deny=deny, always=always)
+    message = confirmation(
+        session_id,
+        allow=allow,
+        deny=deny,
+        always=always,
+        edits=edits,
+        accept_rules=accept_rules,
+    )
 
     def seen(item: AnyMessage) -> None:
         if isinstance(item, Event):

@@ -320,6 +320,13 @@ class Confirmation(msgspec.Struct, frozen=True, kw_only=True):
     confirmed: bool
     always: bool = False
     """Also add a rule so that calls like this one are not asked again."""
+    parameters: dict[str, Any] | None = None
+    """With ``confirmed``: the call's input as the person changed it, run (and
+    recorded in memory) instead of the model's; ``None`` keeps the model's."""
+    accept_rules: list[str] = msgspec.field(default_factory=list)
+    """Allow rules (permission rule text, e.g. ``write_file(path=notes/*)``,
+    often one of the call's ``suggested_rules``) the agent keeps: calls they
+    match run without asking, in this session and the agent's later ones."""
 
 
 class ConfirmResult(Message, frozen=True, kw_only=True, tag="confirm_result"):

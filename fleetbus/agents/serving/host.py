@@ -67,6 +67,7 @@ from fleetbus._retry import Retry
 from fleetbus.agents import talk
 from fleetbus.agents.agent import Agent
 from fleetbus.agents.long_term_memory import bind_to_bus
+from fleetbus.agents.serving.rules import serve_rules
 from fleetbus.agents.serving.sessions import Lease, SessionStatus, SessionStore, session_key
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus, Lifecycle, Request
@@ -542,7 +543,9 @@ class AgentHost(Lifecycle):
                 return  # the end of a reply: written below with its answer and status
             await self._save(lease, self.lease_ttl, state=state, input_recorded=run.recording)
 
-        agent = self.definition(name).clone(state=record.state, checkpoint=checkpoint)
+        agent = serve_rules(
+            self.bus, self.definition(name).clone(state=record.state, checkpoint=checkpoint)
+        )
         # (input, who waits for its answer, whether it is the pending input)
         phases: list[tuple[Any, str | None, bool]] = []
         orphan_message = _decode_input(orphan)
@@ -603,7 +606,7 @@ class AgentHost(Lifecycle):
                 last_to = phase_to  # answered once its end is written
             elif phase_to and final is not None:
                 await self._publish(phase_to, final)
-        if final is None:
+        if final is None or agent.state.paused:  # (a refused confirmation keeps it paused)
             status: SessionStatus = "paused" if agent.state.paused else "idle"
         else:
             status = _STATUS.get(final.finished_reason, "done")

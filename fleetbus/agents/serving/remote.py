@@ -48,6 +48,7 @@ import msgspec
 import pydantic
 
 from fleetbus import tracing
+from fleetbus.agents.permissions import checked_confirmation
 from fleetbus.bus import Observation, Subjects
 from fleetbus.errors import (
     BusError,
@@ -60,7 +61,6 @@ from fleetbus.protocol import (
     AgentMessage,
     AnyMessage,
     Cancel,
-    Confirmation,
     ConfirmResult,
     ContentBlock,
     ErrorDetail,
@@ -455,6 +455,8 @@ class RemoteAgent:
         *,
         allow: bool,
         always: bool = False,
+        parameters: dict[str, Any] | None = None,
+        accept_rules: Sequence[str] = (),
         session_id: str | None = None,
     ) -> FinalAnswer:
         """Answer a tool call the paused reply asks to confirm, and continue it.
@@ -465,18 +467,30 @@ class RemoteAgent:
             call_id: the ``call_id`` of the pending tool call.
             allow: run it (``True``) or deny it.
             always: also remember the decision for calls like this one.
+            parameters: run it with this input instead of the model's (the
+                agent checks it like any call, and its memory records it).
+            accept_rules: allow rules (often the call's ``suggested_rules``)
+                the agent keeps for the rest of this session and its later
+                sessions, whichever replica serves them.
             session_id: the conversation, for this call only.
 
+        Returns:
+            The continued reply's end; ``finished_reason="error"``, the reply
+            still paused, when the agent refuses the confirmation (nothing
+            waits for ``call_id``).
+
         Raises:
+            ConfigError: a rule does not parse, or ``parameters`` is not a
+                dict or goes with a denial (nothing is sent).
             RemoteError: the agent answered an ``error`` message.
             UnexpectedMessageError: it answered something else than a
                 ``final_answer``.
             CallTimeoutError: no answer within ``timeout``.
         """
-        message = ConfirmResult(
-            sender=self.sender,
-            confirmations=[Confirmation(call_id=call_id, confirmed=allow, always=always)],
+        confirmation = checked_confirmation(
+            call_id, allow=allow, always=always, parameters=parameters, accept_rules=accept_rules
         )
+        message = ConfirmResult(sender=self.sender, confirmations=[confirmation])
         return await self.reply(message, session_id=session_id)
 
     async def external_result(

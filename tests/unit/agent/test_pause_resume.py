@@ -309,7 +309,9 @@ async def test_a_confirmation_for_another_call_leaves_the_reply_paused() -> None
     await agent.reply("write")
     wrong = ConfirmResult(confirmations=[Confirmation(call_id="nope", confirmed=True)])
     final = await agent.reply(wrong)
-    assert final.finished_reason == "paused"
+    assert final.finished_reason == "error"  # refused, saying why
+    assert "no call 'nope' waits for a confirmation" in str(final.content)
+    assert agent.state.paused
     assert [p.call_id for p in agent.state.reply.pending] == ["c1"]  # type: ignore[union-attr]
     assert written == []
 
