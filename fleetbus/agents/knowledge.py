@@ -35,6 +35,7 @@ from typing import Final, Protocol, runtime_checkable
 import msgspec
 
 from fleetbus.agents import talk
+from fleetbus.agents._hints import with_hint
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import Middleware, ReplyContext
 from fleetbus.bus import Bus, ToolClient
@@ -326,7 +327,7 @@ class KnowledgeRetrieval(Middleware):
     ) -> ModelResponse:
         retrieved = ctx.extra.get(_EXTRA)
         if isinstance(retrieved, _Retrieved):
-            messages = _with_hint(request.messages, retrieved.hint, retrieved.anchor)
+            messages = with_hint(request.messages, retrieved.hint, retrieved.anchor)
             request = dataclasses.replace(request, messages=messages)
         return await call_next(request)
 
@@ -499,24 +500,6 @@ def _render(hits: list[KnowledgeHit], failures: list[str], query: str | None) ->
     parts.extend(f"\n({failure})" for failure in failures)
     parts.append("</knowledge>")
     return "\n".join(parts)
-
-
-def _with_hint(
-    messages: list[ChatMessage], hint: str, anchor: ChatMessage | None
-) -> list[ChatMessage]:
-    """``messages`` with the hint just before the input (``anchor``), else last."""
-    chat = Msg.text_message("user", hint, marks={"hint"}).to_chat()
-    at = len(messages)
-    for index in range(len(messages) - 1, -1, -1):
-        if messages[index] is anchor:
-            at = index
-            break
-    else:  # a copy of the input (a model request made anew): the latest equal message
-        for index in range(len(messages) - 1, -1, -1):
-            if messages[index] == anchor:
-                at = index
-                break
-    return [*messages[:at], chat, *messages[at:]]
 
 
 def _describe(exc: BaseException, timeout: float) -> str:

@@ -5,7 +5,7 @@ An agent given a :class:`LongTermMemory` uses it in one of two modes, or both
 
 - ``static``: before the reply, the memory is searched with the user's input
   and what it finds is shown to the model as a hint with every model call of
-  that reply — after the input, never stored in the conversation; after the
+  that reply — just before the input, never stored in the conversation; after the
   reply (``completed``), the exchange — the input and the answer — is
   recorded;
 - ``agent``: the model gets two tools, ``record_to_memory`` (facts to keep)
@@ -46,12 +46,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol, runtime_checkable
 
+from fleetbus.agents._hints import with_hint
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import Middleware, ReplyContext
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.errors import ConfigError, RemoteError
 from fleetbus.models.model import ModelRequest, ModelResponse
-from fleetbus.protocol import ChatMessage, FinalAnswer, ToolSpec, ToolStatus
+from fleetbus.protocol import FinalAnswer, ToolSpec, ToolStatus
 
 __all__ = [
     "RECORD_TO_MEMORY_SPEC",
@@ -502,7 +503,7 @@ class _StaticMemory(Middleware):
         hint = ctx.extra.get(_HINT)
         if isinstance(hint, str):
             anchor = ctx.extra.get(_ANCHOR)
-            messages = _with_hint(request.messages, hint, anchor)
+            messages = with_hint(request.messages, hint, anchor)
             request = dataclasses.replace(request, messages=messages)
         return await call_next(request)
 
@@ -514,22 +515,6 @@ def _reply_input(memory: list[Msg]) -> Msg | None:
         if message.role == "user" and not message.marks & {"hint", "observed", "compressed"}:
             return message if message.text.strip() else None
     return None
-
-
-def _with_hint(messages: list[ChatMessage], hint: str, anchor: object) -> list[ChatMessage]:
-    """``messages`` with the hint right after the input (``anchor``), else last."""
-    chat = Msg.text_message("user", hint, marks={"hint"}).to_chat()
-    at = len(messages)
-    for index in range(len(messages) - 1, -1, -1):
-        if messages[index] is anchor:
-            at = index + 1
-            break
-    else:
-        for index in range(len(messages) - 1, -1, -1):
-            if messages[index] == anchor:
-                at = index + 1
-                break
-    return [*messages[:at], chat, *messages[at:]]
 
 
 def _render(hits: list[str]) -> str:

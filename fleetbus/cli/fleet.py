@@ -130,6 +130,11 @@ def add_fleet_commands(sub: Any, bus_options: Any) -> None:
     p.add_argument("agent", metavar="AGENT")
     p.add_argument("text", metavar="TEXT")
     p.add_argument("--session", help="continue this session (default: a new one)")
+    p.add_argument(
+        "--user",
+        metavar="USER_ID",
+        help="who asks (the request's metadata user_id: a long-term memory keyed by user)",
+    )
     p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
     p.add_argument(
@@ -632,7 +637,8 @@ def cmd_ask(args: argparse.Namespace) -> int:
     """Ask an agent, streaming its reply; exit 1 when it ends in error.
 
     With ``--schema FILE`` the request carries that JSON Schema as its
-    ``output_schema`` and the answer's ``structured`` object is printed.
+    ``output_schema`` and the answer's ``structured`` object is printed;
+    with ``--user ID``, ``metadata.user_id`` names who asks.
 
     Raises:
         ConfigError: an invalid session id, or a schema file that cannot be
@@ -641,7 +647,13 @@ def cmd_ask(args: argparse.Namespace) -> int:
     session = args.session or f"s-{new_id()[:12]}"
     check_name(session, what="session id")
     schema = None if args.schema is None else _read_output_schema(args.schema)
-    request = UserRequest(sender="cli", session_id=session, content=args.text, output_schema=schema)
+    request = UserRequest(
+        sender="cli",
+        session_id=session,
+        content=args.text,
+        output_schema=schema,
+        metadata={"user_id": args.user} if args.user else {},
+    )
     return run(_converse(args, args.agent, session, request))
 
 

@@ -226,7 +226,7 @@ async def test_static_a_fact_told_in_one_session_is_a_hint_in_another(
         [hint] = hints(request)
         assert "My favourite colour is teal" in hint
         texts = [text_of(m) for m in request.messages]
-        assert texts[texts.index(hint) - 1] == "What is my favourite colour?"  # right after it
+        assert texts[texts.index(hint) + 1] == "What is my favourite colour?"  # just before it
     assert not any(HINT in m.text for m in second.memory)  # never stored
     assert second.memory[0].text == "What is my favourite colour?"
     # Both exchanges are recorded, under the user.
