@@ -32,7 +32,11 @@ lint: install
 	$(BIN)/mypy
 
 # One pytest worker per core: the suite mostly waits on processes and servers.
+# The suite starts hundreds of fleetbus processes: their bytecode is compiled
+# once here, so none compiles the sources itself (where PYTHONDONTWRITEBYTECODE
+# is set, each did, 0.35 s of a 1.2 s start).
 test: lint
+	$(PY) -m compileall -q fleetbus tests bench examples
 	$(BIN)/pytest -n auto
 
 format: install
