@@ -194,13 +194,17 @@ async def measure(
     return results
 
 
-async def measure_tracing(url: str, n_tp: int, in_flight: int, repeats: int) -> dict[str, Any]:
+async def measure_tracing(
+    url: str, n_tp: int, in_flight: int, repeats: int, spans: str
+) -> dict[str, Any]:
     """Throughput with 64 in flight and one worker, tracing off then on (an
-    SDK provider with an in-memory exporter here and in the worker, each call
-    made under a span as an agent's tool call is): what tracing costs."""
+    SDK provider with an in-memory exporter here and in the worker, behind
+    the SDK's batch span processor, as ``fleetbus`` commands install it, or
+    its simple one; each call made under a span as an agent's tool call is):
+    what tracing costs."""
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from fleetbus import tracing
@@ -228,15 +232,20 @@ async def measure_tracing(url: str, n_tp: int, in_flight: int, repeats: int) -> 
         for mode in ("off", "on"):
             if mode == "on":
                 provider = TracerProvider()
-                provider.add_span_processor(SimpleSpanProcessor(exporter))
+                processor = SimpleSpanProcessor if spans == "simple" else BatchSpanProcessor
+                provider.add_span_processor(processor(exporter))
                 trace.set_tracer_provider(provider)
             env = {"FLEETBUS_UVLOOP": "1", "BENCH_TRACING": "1" if mode == "on" else "0"}
+            env["BENCH_SPANS"] = spans
             with processes([worker_cmd], env):
                 await wait_until(up)
                 rates[mode] = await throughput(call, n_tp, in_flight, repeats)
     finally:
         await bus.close()
+        if rates.get("on") is not None:
+            trace.get_tracer_provider().force_flush()  # type: ignore[attr-defined]
     return {
+        "span_processor": spans,
         "off_calls_per_s": rates["off"],
         "on_calls_per_s": rates["on"],
         "on_vs_off": round(rates["on"] / rates["off"], 3),
@@ -261,6 +270,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="throughput runs (median)")
     parser.add_argument("--loops", default="asyncio,uvloop", help="event loops to measure")
     parser.add_argument("--no-tracing", action="store_true", help="skip the tracing run")
+    parser.add_argument(
+        "--spans",
+        choices=("batch", "simple"),
+        default="batch",
+        help="the SDK span processor of the tracing run (default: batch, as fleetbus installs)",
+    )
     args = parser.parse_args()
     report: dict[str, Any] = {"bench": "tool_calls", "cpus": os.cpu_count()}
     with EmbeddedServer() as server:
@@ -270,7 +285,7 @@ def main() -> None:
             import uvloop
 
             report["tracing_uvloop_in_flight_64"] = uvloop.run(
-                measure_tracing(server.url, args.calls, args.in_flight, args.repeats)
+                measure_tracing(server.url, args.calls, args.in_flight, args.repeats, args.spans)
             )
     targets = report.get("uvloop") or report["asyncio"]
     report["targets_met"] = {

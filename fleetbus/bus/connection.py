@@ -84,6 +84,8 @@ class Bus:
     ) -> None:
         self._nc = nc
         self.denials = denials or Denials()
+        self._last_encoded: tuple[Message, bytes] | None = None
+        """The last message :meth:`encode` encoded, and its payload."""
         """The permission violations the server reported on this connection."""
         self.reconnects = reconnects or Reconnects()
         """Signals each re-established connection (requests in flight resend)."""
@@ -513,7 +515,25 @@ class Bus:
         if denial is not None:
             raise denial
 
+    def encode(self, message: Message) -> bytes:
+        """``message`` as this bus sends it, checked against the server's limit.
+
+        The last message encoded is remembered (by identity), so a serving
+        loop's handler that measures its reply before returning it does not
+        have it encoded twice.
+
+        Raises:
+            PayloadTooLargeError: it is larger than the server's ``max_payload``.
+            ProtocolError: it cannot be encoded.
+        """
+        payload = self._encode(message)
+        self._last_encoded = (message, payload)
+        return payload
+
     def _encode(self, message: Message) -> bytes:
+        last = self._last_encoded
+        if last is not None and last[0] is message:
+            return last[1]
         payload = encode(message)
         if len(payload) > self._nc.max_payload:  # on every message: not through the property
             limit = self.max_payload

@@ -46,10 +46,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_GROUP = "default"
 """The group a tool joins when none is named."""
 
+_JSON_SCALARS = frozenset({str, int, float, bool})
+"""Results that are JSON as they are (exactly these types: not a subclass,
+such as an enum, which pydantic turns into its value)."""
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(slots=True)
 class ToolOutcome:
-    """How one run of a tool ended.
+    """How one run of a tool ended (not frozen: a frozen dataclass is made
+    three times slower, and one is made per call).
 
     Attributes:
         status: success, error, timeout, denied or cancelled.
@@ -179,6 +184,8 @@ class Tool:
             failed = clip(f"{type(exc).__name__}: {exc}")
             logger.info("tool %s raised %s", self.name, failed)
             return ToolOutcome.failure("error", "tool_error", failed)
+        if result is None or type(result) in _JSON_SCALARS:
+            return ToolOutcome(status="success", content=result)
         try:
             content = pydantic_core.to_jsonable_python(result)
         except ValueError as exc:  # PydanticSerializationError, or a value nested too deep

@@ -46,14 +46,13 @@ from fleetbus.bus import (
     Request,
     ResultStore,
 )
-from fleetbus.errors import ProtocolError, StoreError
+from fleetbus.errors import PayloadTooLargeError, ProtocolError, StoreError
 from fleetbus.protocol import (
     Cancel,
     ErrorMessage,
     Message,
     ToolCall,
     ToolResult,
-    encode,
     error_reply,
     new_id,
 )
@@ -421,7 +420,10 @@ class ToolWorker(Lifecycle):
         result = self._result(call, outcome)
         limit = self.max_result_bytes or self.bus.max_payload - RESULT_HEADROOM
         try:
-            size = len(encode(result))
+            # Encoded as the serving loop sends it, which then takes this payload.
+            size = len(self.bus.encode(result))
+        except PayloadTooLargeError as exc:
+            size = exc.size
         except ProtocolError:
             return result, True, None  # the serving loop answers what cannot be encoded
         if size <= limit or not result.ok:

@@ -357,3 +357,17 @@ async def test_a_request_in_flight_is_sent_again_as_soon_as_the_connection_is_ba
     assert reply.call_id == "c-9"
     assert seen[:2] == [1, 2]
     assert time.monotonic() - started < 5
+
+
+async def test_encode_keeps_the_last_payload_for_the_serving_loop(bus: Bus) -> None:
+    first = ToolResult(call_id="c-1", tool_name="t", status="success", content=[1, 2])
+    payload = bus.encode(first)
+    assert decode(payload) == first
+    assert bus.encode(first) is payload  # measured by a handler, sent as it is
+    second = ToolResult(call_id="c-2", tool_name="t", status="success", content="x")
+    assert decode(bus.encode(second)) == second
+    assert bus.encode(first) is not payload  # only the last one is kept
+    huge = ToolResult(call_id="c-3", tool_name="t", status="success", content="x" * bus.max_payload)
+    with pytest.raises(PayloadTooLargeError) as caught:
+        bus.encode(huge)
+    assert caught.value.size > bus.max_payload

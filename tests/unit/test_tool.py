@@ -291,3 +291,26 @@ def test_load_toolkit_finds_tools_in_modules(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ToolDefinitionError, match="cannot import"):
         load_toolkit("no_such_module_here")
     assert "calculator" in load_toolkit("fleetbus.tools_workers.builtin").names
+
+
+async def test_results_are_json_as_pydantic_makes_them_scalars_as_they_are() -> None:
+    import enum
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    @tool
+    def give(kind: str) -> Any:
+        """Give something of a kind."""
+        return {"none": None, "int": 7, "bool": True, "str": "s", "float": 1.5, "enum": Level.HIGH}[
+            kind
+        ]
+
+    outcomes = {k: await give.run({"kind": k}) for k in ("none", "int", "bool", "str", "float")}
+    assert {k: o.content for k, o in outcomes.items()} == {
+        "none": None, "int": 7, "bool": True, "str": "s", "float": 1.5,
+    }  # fmt: skip
+    assert all(o.status == "success" for o in outcomes.values())
+    made = await give.run({"kind": "enum"})
+    assert made.content == 3
+    assert type(made.content) is int  # the enum's value, not the enum

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fleetbus import tracing
@@ -112,3 +113,46 @@ def test_the_environment_switches_tracing_on(monkeypatch: pytest.MonkeyPatch) ->
         if isinstance(provider, TracerProvider):
             provider.shutdown()
         reset_tracer_provider()
+
+
+def test_a_span_is_current_in_its_block_and_records_what_escapes_it(
+    spans: InMemorySpanExporter,
+) -> None:
+    with tracing.span("outer", attributes={"fleetbus.call_id": "c-1", "fleetbus.none": None}):
+        seen: list[object] = []
+
+        def fail() -> None:
+            with tracing.span("inner") as inner:
+                seen.extend([inner, trace.get_current_span()])
+                raise ValueError("bad")
+
+        with pytest.raises(ValueError, match="bad"):
+            fail()
+        assert seen[0] is seen[1]  # current in its block
+        assert trace.get_current_span().get_span_context().is_valid  # back to outer
+    assert not trace.get_current_span().get_span_context().is_valid
+    named = by_name(spans.get_finished_spans())
+    (outer,) = named["outer"]
+    (failed,) = named["inner"]
+    assert outer.attributes is not None
+    assert dict(outer.attributes) == {"fleetbus.call_id": "c-1"}  # None values left out
+    assert outer.status.status_code is trace.StatusCode.UNSET
+    assert failed.parent is not None
+    assert failed.parent.span_id == outer.context.span_id
+    assert failed.status.status_code is trace.StatusCode.ERROR
+    assert failed.status.description == "ValueError: bad"
+    assert [e.name for e in failed.events] == ["exception"]
+
+
+def test_the_tracer_follows_a_new_provider(spans: InMemorySpanExporter) -> None:
+    with tracing.span("first"):
+        pass
+    other = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(other))
+    reset_tracer_provider()
+    trace.set_tracer_provider(provider)
+    with tracing.span("second"):
+        pass
+    assert [s.name for s in spans.get_finished_spans()] == ["first"]
+    assert [s.name for s in other.get_finished_spans()] == ["second"]
