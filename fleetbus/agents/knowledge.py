@@ -30,12 +30,12 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 import msgspec
 
-from fleetbus.agents import talk
 from fleetbus.agents._hints import with_hint
+from fleetbus.agents._worker_tools import WorkerTools
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import Middleware, ReplyContext
 from fleetbus.bus import Bus, ToolClient
@@ -190,24 +190,19 @@ class BusKnowledgeBase:
         timeout: float = 10.0,
         attempts: int = 2,
     ) -> None:
-        if not timeout > 0 or attempts < 1:
-            raise ConfigError("BusKnowledgeBase needs a positive timeout and at least one attempt")
+        self._tools = WorkerTools(
+            f"BusKnowledgeBase({tool!r})", bus, timeout=timeout, attempts=attempts
+        )
         self.tool = tool
         self.timeout = timeout
         self.attempts = attempts
-        self._client: ToolClient | None = None
-        if bus is not None:
-            self.bind(bus)
 
     def __repr__(self) -> str:
         return f"BusKnowledgeBase({self.tool!r})"
 
     def bind(self, bus: Bus | ToolClient) -> None:
         """Search over ``bus`` from now on."""
-        if isinstance(bus, ToolClient):
-            self._client = bus
-        else:
-            self._client = ToolClient(bus, timeout=self.timeout, attempts=self.attempts)
+        self._tools.bind(bus)
 
     async def retrieve(
         self, query: str, limit: int = 5, score_threshold: float | None = None
@@ -221,43 +216,22 @@ class BusKnowledgeBase:
             BusError: no worker answered (``NoRespondersError``,
                 ``CallTimeoutError``…).
         """
-        client = self._client or self._served_client()
-        parameters = {"query": query[:_QUERY_CHARS], "limit": limit}
+        parameters: dict[str, Any] = {"query": query[:_QUERY_CHARS], "limit": limit}
         if score_threshold is not None:
             parameters["score_threshold"] = score_threshold
-        result = await client.call(self.tool, parameters, timeout=self.timeout)
-        if result.status != "success":
-            detail = result.error_detail
-            code = detail.code if detail else result.status
-            raise RemoteError(
-                f"knowledge base {self.tool}: {code}: {detail.message if detail else code}",
-                code=code,
-                source_component=result.sender,
-                call_id=result.call_id,
-            )
+        content = await self._tools.call(self.tool, parameters)
         try:
-            hits = msgspec.convert(result.content, type=list[_WireHit])
+            hits = msgspec.convert(content, type=list[_WireHit])
         except msgspec.ValidationError as exc:
             raise RemoteError(
                 f"knowledge base {self.tool} answered something else than passages: {exc}",
                 code="internal",
-                source_component=result.sender,
-                call_id=result.call_id,
+                source_component=self.tool,
             ) from exc
         return [
             Passage(text=h.text[:_TEXT_CHARS], source=h.source[:_SOURCE_CHARS], score=h.score)
             for h in hits[:limit]
         ]
-
-    def _served_client(self) -> ToolClient:
-        served = talk.served_on()
-        if served is None:
-            raise ConfigError(
-                f"BusKnowledgeBase({self.tool!r}) has no bus: give it one (bus=…), call "
-                "bind(bus), or serve the agent with fleetbus agent / AgentHost"
-            )
-        bus, name = served
-        return ToolClient(bus, sender=f"agent.{name}", timeout=self.timeout, attempts=self.attempts)
 
 
 class _WireHit(msgspec.Struct):

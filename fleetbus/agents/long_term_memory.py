@@ -47,10 +47,11 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol, runtime_checkable
 
 from fleetbus.agents._hints import with_hint
+from fleetbus.agents._worker_tools import WorkerTools
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import Middleware, ReplyContext
 from fleetbus.bus import Bus, ToolClient
-from fleetbus.errors import ConfigError, RemoteError
+from fleetbus.errors import ConfigError
 from fleetbus.models.model import ModelRequest, ModelResponse
 from fleetbus.protocol import FinalAnswer, ToolSpec, ToolStatus
 
@@ -64,7 +65,6 @@ __all__ = [
     "LongTermMemoryMode",
     "MemoryScope",
     "MemoryUse",
-    "bind_to_bus",
     "memory_key",
 ]
 
@@ -213,36 +213,32 @@ class BusMemory:
 
     Args:
         bus: the bus (or a :class:`~fleetbus.bus.ToolClient` of it). Without
-            one, an agent served by ``fleetbus agent`` (any
-            :class:`~fleetbus.agents.AgentHost`) is bound to the host's bus;
-            elsewhere call :meth:`bind`.
+            one, it uses the bus of the reply's host: an agent served by
+            ``fleetbus agent`` (any :class:`~fleetbus.agents.AgentHost`)
+            needs none; elsewhere call :meth:`bind`.
         timeout: seconds to wait for the worker's answer to one attempt.
         attempts: how many times a call is sent (a retry of a record is
             recorded once).
+
+    Raises:
+        ConfigError: the timeout is not positive, or no attempt is allowed.
     """
 
     def __init__(
         self, bus: Bus | ToolClient | None = None, *, timeout: float = 5.0, attempts: int = 2
     ) -> None:
-        if not timeout > 0 or attempts < 1:
-            raise ConfigError("BusMemory needs a positive timeout and at least one attempt")
+        self._tools = WorkerTools("BusMemory", bus, timeout=timeout, attempts=attempts)
         self.timeout = timeout
         self.attempts = attempts
-        self._client: ToolClient | None = None
-        if bus is not None:
-            self.bind(bus)
 
     @property
     def bound(self) -> bool:
-        """Whether it has a bus."""
-        return self._client is not None
+        """Whether it was given a bus (else it uses the serving host's)."""
+        return self._tools.bound
 
     def bind(self, bus: Bus | ToolClient) -> None:
         """Call the memory worker over ``bus`` from now on."""
-        if isinstance(bus, ToolClient):
-            self._client = bus
-        else:
-            self._client = ToolClient(bus, timeout=self.timeout, attempts=self.attempts)
+        self._tools.bind(bus)
 
     async def record(
         self, agent_name: str, key: str, texts: Sequence[str], *, record_id: str | None = None
@@ -292,32 +288,9 @@ class BusMemory:
         return [t for t in content if isinstance(t, str)][:limit]
 
     async def _call(self, tool_name: str, parameters: dict[str, Any]) -> Any:
-        if self._client is None:
-            raise ConfigError(
-                "BusMemory has no bus: give it one (BusMemory(bus)), call bind(bus), "
-                "or serve the agent with fleetbus agent / AgentHost, which binds it"
-            )
         # A call's retries share its call_id (the worker answers them from its
         # record); a record repeated later is told apart by its record_id.
-        result = await self._client.call(tool_name, parameters)
-        if result.status != "success":
-            detail = result.error_detail
-            code = detail.code if detail else result.status
-            message = detail.message if detail else result.status
-            raise RemoteError(
-                f"long-term memory ({tool_name}): {code}: {message}",
-                code=code,
-                source_component=result.sender,
-                call_id=result.call_id,
-            )
-        return result.content
-
-
-def bind_to_bus(memory: object, bus: Bus) -> None:
-    """Bind ``memory`` to ``bus`` if it is a :class:`BusMemory` without one
-    (what a host does for the agents it serves); anything else is left as it is."""
-    if isinstance(memory, BusMemory) and not memory.bound:
-        memory.bind(bus)
+        return await self._tools.call(tool_name, parameters)
 
 
 def memory_key(scope: MemoryScope, *, user_id: str | None, session_id: str | None) -> str:

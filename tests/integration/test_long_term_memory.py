@@ -1,6 +1,6 @@
 """Long-term memory on the bus: the memory worker (SQLite FTS5) reached with
 BusMemory — ranked, bounded, hostile queries answered — an agent served in
-this process bound to it by its host, and agent replica processes sharing it
+this process reaching it over its host's bus, and agent replica processes sharing it
 across sessions in both modes, through a restart of the worker process."""
 
 from __future__ import annotations

@@ -66,7 +66,6 @@ import orjson
 from fleetbus._retry import Retry
 from fleetbus.agents import talk
 from fleetbus.agents.agent import Agent
-from fleetbus.agents.long_term_memory import bind_to_bus
 from fleetbus.agents.serving.rules import serve_rules
 from fleetbus.agents.serving.sessions import Lease, SessionStatus, SessionStore, session_key
 from fleetbus.agents.state import AgentState
@@ -279,16 +278,12 @@ class AgentHost(Lifecycle):
         return name in self.source
 
     def definition(self, name: str) -> Agent:
-        """The definition of agent ``name`` (built by the source, cached); its
-        long-term memory, a ``BusMemory`` without a bus, is bound to this host's."""
+        """The definition of agent ``name`` (built by the source, cached)."""
         if isinstance(self.source, _Named):
-            named = self.source.agent(name)
-            bind_to_bus(named.long_term_memory, self.bus)
-            return named
+            return self.source.agent(name)
         agent = self._definitions.get(name)
         if agent is None:
             agent = self.source.agent(name)
-            bind_to_bus(agent.long_term_memory, self.bus)
             if agent.name != name:
                 raise ConfigError(f"the agent source built {agent.name!r} for {name!r}")
             self._definitions[name] = agent
