@@ -45,6 +45,7 @@ from typing import Annotated, Any, Final
 from pydantic import Field
 
 from fleetbus.errors import ConfigError
+from fleetbus.tools_workers._fts import any_of, query_words
 from fleetbus.tools_workers._knowledge_chunks import DEFAULT_CHUNK_CHARS, Chunk, chunk_document
 from fleetbus.tools_workers.tool import Tool, tool
 from fleetbus.tools_workers.toolkit import Toolkit
@@ -98,7 +99,6 @@ _MIN_CHUNK_CHARS: Final = 100
 _MAX_CHUNK_CHARS: Final = 20_000
 _MAX_QUERY_CHARS: Final = 8000
 """Characters of a query read for words: a whole pasted document is not searched word by word."""
-_MAX_TERM_CHARS: Final = 64
 _SCHEMA_VERSION: Final = "1"
 _MARKDOWN: Final = frozenset({".md", ".markdown"})
 _WORD = re.compile(r"\w+")
@@ -561,15 +561,10 @@ def _stemmed(db: sqlite3.Connection, words: str) -> list[str]:
 def _match_expression(query: str) -> tuple[str, str] | None:
     """The FTS5 query matching any word of ``query``, each quoted (so nothing
     in it is FTS5 syntax), and those words; ``None`` when it has no words."""
-    terms: dict[str, None] = {}
-    for word in _WORD.findall(query[:_MAX_QUERY_CHARS].lower()):
-        terms.setdefault(word[:_MAX_TERM_CHARS], None)
-        if len(terms) == MAX_QUERY_TERMS:
-            break
-    words = [term for term in terms if term not in _STOPWORDS] or list(terms)
-    if not words:
-        return None
-    return " OR ".join(f'"{word}"' for word in words), " ".join(words)
+    words = query_words(
+        query, max_chars=_MAX_QUERY_CHARS, max_terms=MAX_QUERY_TERMS, stopwords=_STOPWORDS
+    )
+    return (any_of(words), " ".join(words)) if words else None
 
 
 def _hit(path: str, first: int, last: int, heading: str, text: str, score: float) -> IndexHit:

@@ -40,7 +40,6 @@ import asyncio
 import hashlib
 import logging
 import os
-import re
 import sqlite3
 import threading
 import time
@@ -51,6 +50,7 @@ from typing import Annotated, Final, TypeVar
 from pydantic import Field
 
 from fleetbus.errors import ConfigError, StoreError
+from fleetbus.tools_workers._fts import any_of, query_words
 from fleetbus.tools_workers.tool import tool
 from fleetbus.tools_workers.toolkit import Toolkit
 
@@ -113,7 +113,6 @@ MAX_NAME_CHARS: Final = 256
 MAX_KEY_CHARS: Final = 1_024
 """Longest key."""
 
-_MAX_TERM_CHARS: Final = 64
 _MAX_RECORD_ID_CHARS: Final = 512
 _MIN_CUT_CHARS: Final = 40
 """A hit that would have to be cut below this many characters to fit is left out
@@ -121,7 +120,6 @@ _MIN_CUT_CHARS: Final = 40
 _BUSY_TIMEOUT: Final = 10.0
 """Seconds a call waits for another process's write to the file."""
 _SCHEMA_VERSION: Final = 1
-_WORD = re.compile(r"\w+")
 
 _SCHEMA: Final = """
 CREATE TABLE IF NOT EXISTS memories (
@@ -150,19 +148,8 @@ def match_expression(query: str) -> str | None:
     with ``OR``: an entry matching any of them is found, ranked by how well
     it matches them all.
     """
-    words: list[str] = []
-    seen: set[str] = set()
-    for found in _WORD.finditer(query[:MAX_QUERY_CHARS]):
-        word = found.group().lower()[:_MAX_TERM_CHARS]
-        if (len(word) < 2 and not word.isdigit()) or word in seen:
-            continue
-        seen.add(word)
-        words.append(word)
-        if len(words) == MAX_QUERY_TERMS:
-            break
-    if not words:
-        return None
-    return " OR ".join(f'"{word}"' for word in words)
+    words = query_words(query, max_chars=MAX_QUERY_CHARS, max_terms=MAX_QUERY_TERMS)
+    return any_of(words) if words else None
 
 
 def _scope_token(agent_name: str, key: str) -> str:
