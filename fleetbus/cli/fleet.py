@@ -381,8 +381,8 @@ def _model_environment(model: str | None, cli: Mapping[str, Any]) -> Iterator[No
 
 def _agents_from_toml(path: Path, model: str | None, cli: Mapping[str, Any]) -> list[Agent]:
     """``[agent.NAME]`` tables: system_prompt, model (a model string),
-    model_settings (a table), tools (MODULE[:ATTR] specs), max_iters,
-    allow/ask/deny rule lists."""
+    model_settings (a table), tools (MODULE[:ATTR] specs), skills (folders,
+    relative to the file), max_iters, allow/ask/deny rule lists."""
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -399,6 +399,11 @@ def _agents_from_toml(path: Path, model: str | None, cli: Mapping[str, Any]) -> 
         for tool_spec in table.get("tools", []):
             for t in load_toolkit(tool_spec):
                 toolkit.add(t)
+        skills = table.get("skills", [])
+        if not isinstance(skills, list) or not all(isinstance(s, str) for s in skills):
+            raise ConfigError(f"{path}: agent.{name}.skills is a list of folders")
+        if skills:  # folders relative to the file
+            toolkit.add_skills([path.parent / folder for folder in skills])
         chat_model, model_config = _toml_model(path, name, table, model, cli)
         agents.append(
             Agent(
