@@ -30,7 +30,6 @@ from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.bus.subjects import check_name
 from fleetbus.cli._common import (
-    add_model_options,
     connect,
     console,
     err_console,
@@ -40,6 +39,7 @@ from fleetbus.cli._common import (
     on_stop_signals,
     run,
 )
+from fleetbus.cli._parsers import add_fleet_commands
 from fleetbus.errors import ConfigError, FleetbusError, RemoteError
 from fleetbus.models import ChatModel, ModelConfig, default_model
 from fleetbus.models.strings import (
@@ -68,130 +68,6 @@ from fleetbus.protocol import (
 from fleetbus.tools_workers import RemoteToolProxy, Toolkit, load_toolkit
 
 __all__ = ["add_fleet_commands", "commands", "confirm_result", "load_agents", "stream_reply"]
-
-
-def add_fleet_commands(sub: Any, bus_options: Any) -> None:
-    """Add the fleet commands to the ``fleetbus`` parser."""
-    p = sub.add_parser("agent", help="serve agents on the bus (module:factory or a TOML file)")
-    p.add_argument(
-        "spec",
-        metavar="SPEC",
-        help="module:factory returning Agent(s) or a population (an AgentSource), or agents.toml",
-    )
-    p.add_argument(
-        "--replicas", type=int, default=1, help="processes serving each agent (default 1)"
-    )
-    p.add_argument(
-        "--group",
-        help="serve with wildcard subscriptions in queue group host.GROUP, shared by every "
-        "process started with this group (default for a population: its name)",
-    )
-    p.add_argument("--topic", action="append", default=[], help="a broadcast topic to observe")
-    p.add_argument(
-        "--durable-topics",
-        action="store_true",
-        help="keep the topics in JetStream streams, so a host that was down catches up",
-    )
-    p.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a session lease lasts")
-    p.add_argument(
-        "--events",
-        choices=("all", "final", "none"),
-        default="all",
-        help="what of each reply is published on its events subject (default all)",
-    )
-    p.add_argument(
-        "--concurrency",
-        type=int,
-        help="replies a process runs at once (default 16 for named agents, 64 for a group)",
-    )
-    p.add_argument(
-        "--checkpoints",
-        choices=("step", "reply"),
-        default="step",
-        help="write sessions ahead of every side effect (step, the default), or only when a "
-        "request is taken and answered (reply: half the writes; a take-over reruns the reply)",
-    )
-    p.add_argument(
-        "--no-remote-tools",
-        action="store_true",
-        help="do not add the tools served on the bus to the agents' toolkits",
-    )
-    p.add_argument(
-        "--model",
-        metavar="MODEL",
-        help="the model of every agent of the spec, a model string: openai:NAME, bus:NAME, "
-        "offline or module:attr (default: the spec's, else $FLEETBUS_MODEL)",
-    )
-    p.add_argument("--replica-id", help=argparse.SUPPRESS)
-    add_model_options(p)
-    bus_options(p)
-
-    p = sub.add_parser("ask", help="ask an agent; streams the reply as it happens")
-    p.add_argument("agent", metavar="AGENT")
-    p.add_argument("text", metavar="TEXT")
-    p.add_argument("--session", help="continue this session (default: a new one)")
-    p.add_argument(
-        "--user",
-        metavar="USER_ID",
-        help="who asks (the request's metadata user_id: a long-term memory keyed by user)",
-    )
-    p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
-    p.add_argument(
-        "--schema",
-        metavar="FILE",
-        type=Path,
-        help="a JSON Schema (of an object) the answer must fit; prints the structured answer",
-    )
-    bus_options(p)
-
-    p = sub.add_parser("sessions", help="list agent sessions with their status")
-    p.add_argument("agent", metavar="AGENT", nargs="?")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    bus_options(p)
-
-    p = sub.add_parser("confirm", help="allow or deny the tool calls a paused session waits for")
-    p.add_argument("session", metavar="SESSION")
-    p.add_argument("--allow", action="append", default=[], metavar="CALL_ID")
-    p.add_argument("--deny", action="append", default=[], metavar="CALL_ID")
-    p.add_argument("--always", action="store_true", help="also add a rule for these tools")
-    p.add_argument(
-        "--edit",
-        nargs=2,
-        action="append",
-        default=[],
-        metavar=("CALL_ID", "JSON"),
-        help="allow the call with this input instead of the model's (a JSON object)",
-    )
-    p.add_argument(
-        "--accept-rules",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="RULE",
-        help="allow rules the agent keeps for this and its later sessions, e.g. "
-        "'write_file(path=notes/*)' (the pending calls show suggestions)",
-    )
-    p.add_argument("--agent", help="the agent (found from the session when omitted)")
-    p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
-    bus_options(p)
-
-    p = sub.add_parser("cancel", help="interrupt the reply running in a session")
-    p.add_argument("session", metavar="SESSION")
-    p.add_argument("--agent", help="the agent (found from the session when omitted)")
-    p.add_argument("--reason", default="cancelled from the command line")
-    bus_options(p)
-
-    p = sub.add_parser("watch", help="live traffic on the bus, one message a line")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--session", help="only this session")
-    group.add_argument("--agent", help="only this agent")
-    p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
-    bus_options(p)
-
-
-# -- loading agents ------------------------------------------------------------------------
 
 
 def load_agents(

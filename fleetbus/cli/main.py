@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +21,7 @@ from rich.table import Table
 from fleetbus import logs, tracing
 from fleetbus._version import __version__
 from fleetbus.bus import EmbeddedServer, ToolClient
-from fleetbus.cli import auth_cmd, dashboard_cmd, model_worker_cmd, sim_cmd
+from fleetbus.cli import auth_cmd, dashboard_cmd
 from fleetbus.cli._common import (
     add_connection_options,
     connect,
@@ -32,8 +32,12 @@ from fleetbus.cli._common import (
     run,
     setup_logging,
 )
-from fleetbus.cli.fleet import add_fleet_commands
-from fleetbus.cli.fleet import commands as fleet_commands
+from fleetbus.cli._parsers import (
+    FLEET_COMMANDS,
+    add_fleet_commands,
+    add_model_worker_parser,
+    add_sim_parser,
+)
 from fleetbus.errors import ConfigError
 from fleetbus.protocol import PROTOCOL_VERSION, render_schemas, to_builtins
 
@@ -141,8 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="exit 1 if the files differ from the code")
 
     add_fleet_commands(sub, bus_options)
-    model_worker_cmd.add_parser(sub, bus_options)
-    sim_cmd.add_parser(sub, bus_options)
+    add_model_worker_parser(sub, bus_options)
+    add_sim_parser(sub, bus_options)
     dashboard_cmd.add_parser(sub, bus_options)
     auth_cmd.add_parser(sub)
 
@@ -210,20 +214,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The option wins over the environment, here and in the processes the
         # command starts (agent replicas), which inherit it.
         os.environ["FLEETBUS_JS_REPLICAS"] = str(replicas)
-    command = {
-        **fleet_commands(),
-        "model-worker": model_worker_cmd.cmd,
-        "sim": sim_cmd.cmd,
-        "dashboard": dashboard_cmd.cmd,
-        "auth": auth_cmd.cmd,
-        "server": cmd_server,
-        "worker": cmd_worker,
-        "tools": cmd_tools,
-        "call": cmd_call,
-        "schema": cmd_schema,
-        "demo": cmd_demo,
-    }[args.command]
+    command = (
+        _heavy_command(args.command)
+        or {
+            "dashboard": dashboard_cmd.cmd,
+            "auth": auth_cmd.cmd,
+            "server": cmd_server,
+            "worker": cmd_worker,
+            "tools": cmd_tools,
+            "call": cmd_call,
+            "schema": cmd_schema,
+            "demo": cmd_demo,
+        }[args.command]
+    )
     return guarded(lambda: command(args))
+
+
+def _heavy_command(name: str) -> Callable[[argparse.Namespace], int] | None:
+    """The command ``name`` when its code is imported only to run it (see
+    :mod:`fleetbus.cli._parsers`); ``None`` for the others."""
+    if name in FLEET_COMMANDS:
+        from fleetbus.cli.fleet import commands
+
+        found: Callable[[argparse.Namespace], int] = commands()[name]
+        return found
+    if name == "sim":
+        from fleetbus.cli import sim_cmd
+
+        return sim_cmd.cmd
+    if name == "model-worker":
+        from fleetbus.cli import model_worker_cmd
+
+        return model_worker_cmd.cmd
+    return None
 
 
 def cmd_server(args: argparse.Namespace) -> int:

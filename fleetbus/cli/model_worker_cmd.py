@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from fleetbus import logs
 from fleetbus.cli._common import (
-    add_model_options,
     connect,
     console,
     guarded,
@@ -31,6 +30,7 @@ from fleetbus.cli._common import (
     run,
     setup_logging,
 )
+from fleetbus.cli._parsers import add_model_worker_parser as add_parser
 from fleetbus.errors import ConfigError
 from fleetbus.models.model import ChatModel
 from fleetbus.models.strings import (
@@ -46,35 +46,6 @@ __all__ = ["add_parser", "cmd", "main"]
 
 _CALL_TIMEOUT = 300.0
 """Seconds one call may take on the worker, unless the model timeout says otherwise."""
-
-
-def add_parser(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    bus_options: Callable[[argparse.ArgumentParser], None],
-) -> None:
-    """Add the ``model-worker`` command to ``sub``."""
-    p = sub.add_parser("model-worker", help="serve a model on the bus (API key and rate limits)")
-    p.add_argument(
-        "--model",
-        metavar="MODEL",
-        help="a model string: openai:NAME (an OpenAI-compatible endpoint), offline (no "
-        "network) or module:attr (default: $FLEETBUS_MODEL)",
-    )
-    p.add_argument(
-        "--serve-as",
-        metavar="NAME",
-        help="the name agents call it by (default: the model name, "
-        "characters other than letters, digits, '_' and '-' replaced by '-')",
-    )
-    p.add_argument("--concurrency", type=int, default=8, help="calls run at once (default 8)")
-    p.add_argument("--rpm", type=int, help="requests per minute (default: unlimited)")
-    p.add_argument("--tpm", type=int, help="tokens per minute (default: unlimited)")
-    p.add_argument("--worker-id", help="this worker's id (default: model-worker.<host>-<pid>)")
-    p.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds to finish calls on stop"
-    )
-    add_model_options(p, fallback=False)
-    bus_options(p)
 
 
 def _model(args: argparse.Namespace) -> tuple[ChatModel, ModelSettings, str]:

@@ -35,7 +35,6 @@ from rich.table import Table
 
 from fleetbus.bus import Bus, EmbeddedServer
 from fleetbus.cli._common import (
-    add_model_options,
     connect,
     console,
     err_console,
@@ -43,6 +42,7 @@ from fleetbus.cli._common import (
     on_stop_signals,
     run,
 )
+from fleetbus.cli._parsers import add_sim_parser as add_parser
 from fleetbus.errors import CallTimeoutError, ConfigError, FleetbusError, NoRespondersError
 from fleetbus.protocol import ErrorMessage, Event
 from fleetbus.sim import (
@@ -70,89 +70,6 @@ LOCK_WAIT = 60.0
 """Seconds ``sim server`` waits for the server of a previous run to let go."""
 
 
-def add_parser(sub: Any, bus_options: Any) -> None:
-    """Add ``fleetbus sim …`` to the ``fleetbus`` parser."""
-    p = sub.add_parser("sim", help="run a simulation: a population of agents, in rounds")
-    sim = p.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", required=True)
-
-    def spec_options(q: argparse.ArgumentParser) -> None:
-        q.add_argument("spec", metavar="SPEC", help="path/to/file.py:attr or module:attr")
-        q.add_argument(
-            "--agents", type=_positive_or_zero, metavar="N", help="population size (if it allows)"
-        )
-        q.add_argument(
-            "--model",
-            metavar="MODEL",
-            help="the model of every agent, a model string: openai:NAME, bus:NAME, offline "
-            "or module:attr (default: the spec's, else $FLEETBUS_MODEL)",
-        )
-        q.add_argument("--parent-pipe", action="store_true", help=argparse.SUPPRESS)
-
-    q = sim.add_parser("run", help="run (or resume) a simulation; results in --out")
-    spec_options(q)
-    q.add_argument(
-        "--out", type=Path, metavar="DIR", help="the run's directory (default: sim-<name>)"
-    )
-    q.add_argument(
-        "--rounds", type=_positive_or_zero, metavar="N", help="rounds in all (default: the spec's)"
-    )
-    q.add_argument(
-        "--deadline",
-        type=float,
-        metavar="SECONDS",
-        help="seconds each round may take (default: the spec's)",
-    )
-    q.add_argument(
-        "--concurrency",
-        type=_positive,
-        default=1000,
-        metavar="N",
-        help="requests in flight (default 1000)",
-    )
-    q.add_argument(
-        "--hosts",
-        type=_positive_or_zero,
-        default=1,
-        metavar="K",
-        help="host processes to start (default 1; 0: use running hosts)",
-    )
-    q.add_argument(
-        "--tool-workers",
-        type=_positive_or_zero,
-        default=1,
-        metavar="W",
-        help="tool worker processes to start (default 1; 0: use running workers)",
-    )
-    q.add_argument(
-        "--host-concurrency",
-        type=_positive,
-        default=64,
-        metavar="N",
-        help="replies each host runs at once (default 64)",
-    )
-    add_model_options(q)
-    bus_options(q)
-
-    q = sim.add_parser("host", help="serve a simulation's agents (one host process)")
-    spec_options(q)
-    q.add_argument("--concurrency", type=_positive, default=64, metavar="N")
-    q.add_argument("--replica-id", help="this host's id (default: <name>@<host>-<pid>)")
-    q.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a session lease lasts")
-    q.add_argument("--tool-wait", type=float, default=30.0, help="seconds to wait for the tools")
-    add_model_options(q)
-    bus_options(q)
-
-    q = sim.add_parser("tools", help="serve a simulation's tools and environment tools")
-    spec_options(q)
-    q.add_argument("--concurrency", type=_positive, default=256, metavar="N")
-    q.add_argument("--worker-id", help="this worker's id")
-    bus_options(q)
-
-    q = sim.add_parser("server", help="the embedded nats-server of a run (sim run starts it)")
-    q.add_argument("--state-dir", type=Path, required=True, help="JetStream storage")
-    q.add_argument("--parent-pipe", action="store_true", help=argparse.SUPPRESS)
-
-
 def cmd(args: argparse.Namespace) -> int:
     """Run ``fleetbus sim <subcommand>``."""
     return {
@@ -161,23 +78,6 @@ def cmd(args: argparse.Namespace) -> int:
         "tools": cmd_tools,
         "server": cmd_server,
     }[args.sim_command](args)
-
-
-def _positive(text: str) -> int:
-    value = _positive_or_zero(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {text!r}")
-    return value
-
-
-def _positive_or_zero(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a count of 0 or more, not {text!r}")
-    return value
 
 
 def _model_environment(args: argparse.Namespace) -> None:

@@ -1,0 +1,271 @@
+"""The argument parsers of the commands whose code is heavy to import (the
+fleet commands, ``sim`` and ``model-worker``: agents, simulations, model
+adapters), apart from that code: ``fleetbus`` builds its whole parser at
+every start, and imports a command's code only when it runs that command.
+A ``fleetbus worker`` (or ``call``, ``tools``, ``server``) process so starts
+without importing the agent, the simulation toolkit or the OpenAI SDK.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fleetbus.cli._common import add_model_options
+
+__all__ = ["FLEET_COMMANDS", "add_fleet_commands", "add_model_worker_parser", "add_sim_parser"]
+
+FLEET_COMMANDS = ("agent", "ask", "sessions", "confirm", "cancel", "watch")
+"""The commands of :mod:`fleetbus.cli.fleet`."""
+
+
+def add_fleet_commands(sub: Any, bus_options: Any) -> None:
+    """Add the fleet commands to the ``fleetbus`` parser."""
+    p = sub.add_parser("agent", help="serve agents on the bus (module:factory or a TOML file)")
+    p.add_argument(
+        "spec",
+        metavar="SPEC",
+        help="module:factory returning Agent(s) or a population (an AgentSource), or agents.toml",
+    )
+    p.add_argument(
+        "--replicas", type=int, default=1, help="processes serving each agent (default 1)"
+    )
+    p.add_argument(
+        "--group",
+        help="serve with wildcard subscriptions in queue group host.GROUP, shared by every "
+        "process started with this group (default for a population: its name)",
+    )
+    p.add_argument("--topic", action="append", default=[], help="a broadcast topic to observe")
+    p.add_argument(
+        "--durable-topics",
+        action="store_true",
+        help="keep the topics in JetStream streams, so a host that was down catches up",
+    )
+    p.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a session lease lasts")
+    p.add_argument(
+        "--events",
+        choices=("all", "final", "none"),
+        default="all",
+        help="what of each reply is published on its events subject (default all)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        help="replies a process runs at once (default 16 for named agents, 64 for a group)",
+    )
+    p.add_argument(
+        "--checkpoints",
+        choices=("step", "reply"),
+        default="step",
+        help="write sessions ahead of every side effect (step, the default), or only when a "
+        "request is taken and answered (reply: half the writes; a take-over reruns the reply)",
+    )
+    p.add_argument(
+        "--no-remote-tools",
+        action="store_true",
+        help="do not add the tools served on the bus to the agents' toolkits",
+    )
+    p.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="the model of every agent of the spec, a model string: openai:NAME, bus:NAME, "
+        "offline or module:attr (default: the spec's, else $FLEETBUS_MODEL)",
+    )
+    p.add_argument("--replica-id", help=argparse.SUPPRESS)
+    add_model_options(p)
+    bus_options(p)
+
+    p = sub.add_parser("ask", help="ask an agent; streams the reply as it happens")
+    p.add_argument("agent", metavar="AGENT")
+    p.add_argument("text", metavar="TEXT")
+    p.add_argument("--session", help="continue this session (default: a new one)")
+    p.add_argument(
+        "--user",
+        metavar="USER_ID",
+        help="who asks (the request's metadata user_id: a long-term memory keyed by user)",
+    )
+    p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
+    p.add_argument(
+        "--schema",
+        metavar="FILE",
+        type=Path,
+        help="a JSON Schema (of an object) the answer must fit; prints the structured answer",
+    )
+    bus_options(p)
+
+    p = sub.add_parser("sessions", help="list agent sessions with their status")
+    p.add_argument("agent", metavar="AGENT", nargs="?")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    bus_options(p)
+
+    p = sub.add_parser("confirm", help="allow or deny the tool calls a paused session waits for")
+    p.add_argument("session", metavar="SESSION")
+    p.add_argument("--allow", action="append", default=[], metavar="CALL_ID")
+    p.add_argument("--deny", action="append", default=[], metavar="CALL_ID")
+    p.add_argument("--always", action="store_true", help="also add a rule for these tools")
+    p.add_argument(
+        "--edit",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("CALL_ID", "JSON"),
+        help="allow the call with this input instead of the model's (a JSON object)",
+    )
+    p.add_argument(
+        "--accept-rules",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="RULE",
+        help="allow rules the agent keeps for this and its later sessions, e.g. "
+        "'write_file(path=notes/*)' (the pending calls show suggestions)",
+    )
+    p.add_argument("--agent", help="the agent (found from the session when omitted)")
+    p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
+    bus_options(p)
+
+    p = sub.add_parser("cancel", help="interrupt the reply running in a session")
+    p.add_argument("session", metavar="SESSION")
+    p.add_argument("--agent", help="the agent (found from the session when omitted)")
+    p.add_argument("--reason", default="cancelled from the command line")
+    bus_options(p)
+
+    p = sub.add_parser("watch", help="live traffic on the bus, one message a line")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--session", help="only this session")
+    group.add_argument("--agent", help="only this agent")
+    p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
+    bus_options(p)
+
+
+def add_sim_parser(sub: Any, bus_options: Any) -> None:
+    """Add ``fleetbus sim …`` to the ``fleetbus`` parser."""
+    p = sub.add_parser("sim", help="run a simulation: a population of agents, in rounds")
+    sim = p.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", required=True)
+
+    def spec_options(q: argparse.ArgumentParser) -> None:
+        q.add_argument("spec", metavar="SPEC", help="path/to/file.py:attr or module:attr")
+        q.add_argument(
+            "--agents", type=_positive_or_zero, metavar="N", help="population size (if it allows)"
+        )
+        q.add_argument(
+            "--model",
+            metavar="MODEL",
+            help="the model of every agent, a model string: openai:NAME, bus:NAME, offline "
+            "or module:attr (default: the spec's, else $FLEETBUS_MODEL)",
+        )
+        q.add_argument("--parent-pipe", action="store_true", help=argparse.SUPPRESS)
+
+    q = sim.add_parser("run", help="run (or resume) a simulation; results in --out")
+    spec_options(q)
+    q.add_argument(
+        "--out", type=Path, metavar="DIR", help="the run's directory (default: sim-<name>)"
+    )
+    q.add_argument(
+        "--rounds", type=_positive_or_zero, metavar="N", help="rounds in all (default: the spec's)"
+    )
+    q.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help="seconds each round may take (default: the spec's)",
+    )
+    q.add_argument(
+        "--concurrency",
+        type=_positive,
+        default=1000,
+        metavar="N",
+        help="requests in flight (default 1000)",
+    )
+    q.add_argument(
+        "--hosts",
+        type=_positive_or_zero,
+        default=1,
+        metavar="K",
+        help="host processes to start (default 1; 0: use running hosts)",
+    )
+    q.add_argument(
+        "--tool-workers",
+        type=_positive_or_zero,
+        default=1,
+        metavar="W",
+        help="tool worker processes to start (default 1; 0: use running workers)",
+    )
+    q.add_argument(
+        "--host-concurrency",
+        type=_positive,
+        default=64,
+        metavar="N",
+        help="replies each host runs at once (default 64)",
+    )
+    add_model_options(q)
+    bus_options(q)
+
+    q = sim.add_parser("host", help="serve a simulation's agents (one host process)")
+    spec_options(q)
+    q.add_argument("--concurrency", type=_positive, default=64, metavar="N")
+    q.add_argument("--replica-id", help="this host's id (default: <name>@<host>-<pid>)")
+    q.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a session lease lasts")
+    q.add_argument("--tool-wait", type=float, default=30.0, help="seconds to wait for the tools")
+    add_model_options(q)
+    bus_options(q)
+
+    q = sim.add_parser("tools", help="serve a simulation's tools and environment tools")
+    spec_options(q)
+    q.add_argument("--concurrency", type=_positive, default=256, metavar="N")
+    q.add_argument("--worker-id", help="this worker's id")
+    bus_options(q)
+
+    q = sim.add_parser("server", help="the embedded nats-server of a run (sim run starts it)")
+    q.add_argument("--state-dir", type=Path, required=True, help="JetStream storage")
+    q.add_argument("--parent-pipe", action="store_true", help=argparse.SUPPRESS)
+
+
+def add_model_worker_parser(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    bus_options: Callable[[argparse.ArgumentParser], None],
+) -> None:
+    """Add the ``model-worker`` command to ``sub``."""
+    p = sub.add_parser("model-worker", help="serve a model on the bus (API key and rate limits)")
+    p.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="a model string: openai:NAME (an OpenAI-compatible endpoint), offline (no "
+        "network) or module:attr (default: $FLEETBUS_MODEL)",
+    )
+    p.add_argument(
+        "--serve-as",
+        metavar="NAME",
+        help="the name agents call it by (default: the model name, "
+        "characters other than letters, digits, '_' and '-' replaced by '-')",
+    )
+    p.add_argument("--concurrency", type=int, default=8, help="calls run at once (default 8)")
+    p.add_argument("--rpm", type=int, help="requests per minute (default: unlimited)")
+    p.add_argument("--tpm", type=int, help="tokens per minute (default: unlimited)")
+    p.add_argument("--worker-id", help="this worker's id (default: model-worker.<host>-<pid>)")
+    p.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds to finish calls on stop"
+    )
+    add_model_options(p, fallback=False)
+    bus_options(p)
+
+
+def _positive(text: str) -> int:
+    value = _positive_or_zero(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text!r}")
+    return value
+
+
+def _positive_or_zero(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a count of 0 or more, not {text!r}")
+    return value
