@@ -42,11 +42,26 @@ def setup_logging(verbose: int, log_format: str | None = None) -> None:
         configure(level, "text", handler=handler, text_format="%(message)s")
     else:
         raise ConfigError(f"the log format must be text or json, not {chosen!r}")
+    _log_settings.update(
+        FLEETBUS_LOG_LEVEL=logging.getLevelName(level).lower(), FLEETBUS_LOG_FORMAT=chosen
+    )
+
     # stamina logs every scheduled retry at warning level; fleetbus reports the
     # failures that matter itself, so its retries show from -vv on.
     logging.getLogger("stamina").setLevel(
         logging.WARNING if level <= logging.DEBUG else logging.ERROR
     )
+
+
+_log_settings: dict[str, str] = {}
+"""The log level and format :func:`setup_logging` chose, as their variables."""
+
+
+def child_environment() -> dict[str, str]:
+    """The environment of a process this command starts (an agent replica):
+    this one's, with the log level and format it was given (``-v``,
+    ``--log-format``), so that the child logs as it does."""
+    return {**os.environ, **_log_settings}
 
 
 def run(main: Coroutine[Any, Any, int]) -> int:

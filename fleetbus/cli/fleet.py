@@ -30,6 +30,7 @@ from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.bus.subjects import check_name
 from fleetbus.cli._common import (
+    child_environment,
     connect,
     console,
     err_console,
@@ -451,9 +452,17 @@ def _supervise(args: argparse.Namespace) -> int:
     base = [sys.executable, "-m", "fleetbus", *_child_args(args)]
     stopping = False
     children: dict[int, subprocess.Popen[bytes]] = {}
+    starts: dict[int, int] = {}
 
     def start(index: int) -> None:
-        children[index] = subprocess.Popen([*base, "--replica-id", f"r{index}-{os.getpid()}"])
+        # A restarted replica has an id of its own: one that took its dead
+        # predecessor's id would take the sessions it left for its own.
+        starts[index] = starts.get(index, 0) + 1
+        again = f"-{starts[index]}" if starts[index] > 1 else ""
+        replica = f"r{index}-{os.getpid()}{again}"
+        children[index] = subprocess.Popen(
+            [*base, "--replica-id", replica], env=child_environment()
+        )
 
     def on_signal(signum: int, _frame: Any) -> None:
         nonlocal stopping

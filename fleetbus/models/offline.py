@@ -65,6 +65,11 @@ _HINT_STARTS = ("<plan_hint>", "<summary of earlier", "<earlier conversation", "
                 "The reply must end now", "Give your final answer by calling the tool")  # fmt: skip
 _MAX_PARSED = 10_000  # characters of a message searched for requests: bounds the work
 _TALLIES_KEPT = 1024  # conversations whose tally is kept (many agents may share a model)
+_TALLIED_MESSAGES = 10_000
+"""Messages the kept tallies hold together, at most (each holds its whole
+conversation): a host that reloads its sessions from the store, as new
+objects, started a tally per request, and a long-lived replica grew by a copy
+of each conversation (67 to 703 MB in a 10-minute soak)."""
 _NUM = r"\d+(?:\.\d+)?"
 _ARITH = re.compile(
     rf"(?<![(\d.])(?:\(\s*)*+-?{_NUM}(?:[\s)]*(?:\*\*|//|[-+*/%^\u00d7\u00f7])[\s(]*-?\s*{_NUM})+[\s)]*"
@@ -150,6 +155,8 @@ class OfflineModel:
         self._chunk_size = max(1, chunk_size)
         self._tallies: OrderedDict[int, _Tally] = OrderedDict()
         """By the id of the conversation's first message (held by its tally)."""
+        self._tallied = 0
+        """The messages the kept tallies hold."""
 
     @property
     def name(self) -> str:
@@ -197,12 +204,18 @@ class OfflineModel:
             return _Tally().follow(listed)
         tallies = self._tallies
         tally = tallies.pop(id(first), None)  # not put back if the messages are refused
+        if tally is not None:
+            self._tallied -= len(tally.messages)
         if tally is None or tally.first is not first:
             tally = _Tally(first=first)
         tally.follow(listed)
         tallies[id(first)] = tally
-        if len(tallies) > _TALLIES_KEPT:
-            tallies.popitem(last=False)
+        self._tallied += len(tally.messages)
+        while len(tallies) > _TALLIES_KEPT or (
+            len(tallies) > 1 and self._tallied > _TALLIED_MESSAGES
+        ):
+            _, dropped = tallies.popitem(last=False)
+            self._tallied -= len(dropped.messages)
         return tally
 
     def _decide(self, request: ModelRequest, tally: _Tally) -> tuple[list[ContentBlock], str]:

@@ -346,3 +346,25 @@ async def test_an_unanswerable_request_raises_a_final_model_error() -> None:
         await run(OfflineModel(), request)
 
     assert caught.value.retryable is False
+
+
+async def test_the_conversations_it_keeps_are_bounded_in_messages() -> None:
+    """A host that reloads each session from the store sends each request's
+    conversation as new objects: every request starts a tally, and what the
+    tallies hold together stays bounded (a replica grew by a copy of each
+    conversation before)."""
+    from fleetbus.models import offline
+
+    model = OfflineModel()
+    for n in range(300):
+        conversation = [user(f"conversation {n}, message {i}") for i in range(100)]
+        await run(model, ModelRequest(messages=conversation))
+    kept = model._tallies.values()
+    assert model._tallied == sum(len(t.messages) for t in kept)
+    assert model._tallied <= offline._TALLIED_MESSAGES
+    assert len(kept) <= offline._TALLIED_MESSAGES // 100
+    # A conversation longer than the bound is still tallied (alone).
+    long = [user(f"long {i}") for i in range(offline._TALLIED_MESSAGES + 10)]
+    _, answer = await run(model, ModelRequest(messages=long))
+    assert answer.content
+    assert len(model._tallies) == 1
