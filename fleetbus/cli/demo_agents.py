@@ -68,7 +68,7 @@ async def converse_with_fleet(bus: Bus, url: str, run_dir: Path) -> int:
     log.close()
     try:
         with console.status("starting the agent 'assistant' with two replicas…"):
-            await _wait_for_agent(bus)
+            await _wait_for_agent(bus, supervisor, run_dir / "agent.log")
         console.print(
             f"agent [bold]{AGENT}[/]: 2 replica processes in queue group agent.{AGENT}, "
             f"sessions in JetStream KV; model: [bold]{describe_model()}[/]"
@@ -86,23 +86,54 @@ async def converse_with_fleet(bus: Bus, url: str, run_dir: Path) -> int:
         console.print(f"agent stopped (exit code {supervisor.returncode})")
 
 
-async def _wait_for_agent(bus: Bus, timeout: float = 60.0) -> None:
+async def _wait_for_agent(
+    bus: Bus, supervisor: asyncio.subprocess.Process, log: Path, timeout: float = 60.0
+) -> None:
+    """Wait until a replica serves the agent's inbox: an ``agent_message``
+    that only adds to memory is answered with an ``observed`` event, with no
+    model call (a small local model takes a minute over its first one).
+
+    Raises:
+        FleetbusError: the agent exited (with the last line it wrote: why), or
+            did not come up within ``timeout`` seconds.
+    """
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if supervisor.returncode is not None:
+            raise FleetbusError(f"the agent exited ({_last_line(log)})")
         try:
             reply = await bus.request(
                 bus.subjects.agent_inbox(AGENT),
-                UserRequest(content="ping", session_id="demo-ready"),
-                timeout=10,
+                AgentMessage(
+                    content=[TextBlock(text="ping")], reply=False, session_id="demo-ready"
+                ),
+                timeout=5,
                 attempts=1,
             )
         except FleetbusError:
             await asyncio.sleep(0.2)
             continue
-        if isinstance(reply, FinalAnswer):
+        if isinstance(reply, Event):
             return
-    raise FleetbusError(f"the agent did not come up within {timeout:g}s")
+    raise FleetbusError(f"the agent did not come up within {timeout:g}s ({_last_line(log)})")
 
+
+def _last_line(log: Path) -> str:
+    """What a process said last in ``log``: its last ``error:`` line (joined
+    with the lines the console wrapped it onto), else its last line."""
+    try:
+        said = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+    except OSError:
+        said = []
+    said = [line for line in said if line]
+    errors = [i for i, line in enumerate(said) if line.startswith("error:")]
+    if errors:
+        return " ".join(said[errors[-1] :])[:500]
+    return said[-1][:500] if said else "it wrote nothing"
+
+
+_GRANTS = 3
+"""Confirmations the demo gives one reply before it leaves the rest to a person."""
 
 REPLY_TIMEOUT = float(os.environ.get("FLEETBUS_DEMO_TIMEOUT", "900"))
 """Seconds one reply of the demo may take: a small local model on a shared
@@ -216,17 +247,33 @@ async def _confirm(bus: Bus, store: SessionStore, asked: _Step, seen: _Outcome) 
             "with write_file, the reply pauses until someone allows it"
         )
         return
-    call = pending[0]
-    console.print(
-        f"\n[bold yellow]the demo grants it[/] (as `fleetbus confirm {SESSION} "
-        f"--allow {call.call_id}` would): {call.tool_name}({call.parameters})"
+    granted = 0
+    while pending and granted < _GRANTS:
+        granted += 1
+        call = pending[0]
+        console.print(
+            f"\n[bold yellow]the demo grants it[/] (as `fleetbus confirm {SESSION} "
+            f"--allow {call.call_id}` would): {call.tool_name}({call.parameters})"
+        )
+        confirm = ConfirmResult(
+            session_id=SESSION,
+            confirmations=[Confirmation(call_id=call.call_id, confirmed=True)],
+        )
+        done = await _say(bus, confirm, f"confirm {call.call_id}")
+        if not seen.answered(done, "the confirmed write"):
+            return
+        assert done.final is not None
+        if done.final.finished_reason != "paused":
+            return
+        # The model asked for another call that needs a confirmation (a small
+        # model often repeats the write it was allowed).
+        record = await store.get(AGENT, SESSION)
+        pending = record.state.reply.pending if record and record.state.reply else []
+    seen.notes.append(
+        f"the confirmed write: after {granted} confirmation(s) the model still asked for "
+        "more calls that need one; the session stays paused (fleetbus confirm "
+        f"{SESSION} --allow CALL_ID, or --deny)"
     )
-    confirm = ConfirmResult(
-        session_id=SESSION,
-        confirmations=[Confirmation(call_id=call.call_id, confirmed=True)],
-    )
-    done = await _say(bus, confirm, f"confirm {call.call_id}")
-    seen.answered(done, "the confirmed write")
 
 
 def _verdict(seen: _Outcome) -> int:

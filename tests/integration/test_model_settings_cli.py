@@ -247,3 +247,20 @@ async def test_a_model_that_cannot_be_configured_or_reached_stops_with_one_line(
     assert code == 1, out
     assert len(lines) == 1, out
     assert lines[0].startswith(message.replace("{port}", port)), out
+
+
+@pytest.mark.slow
+async def test_the_demo_says_why_its_agent_could_not_start() -> None:
+    """The demo's agent stops at once on a model it cannot reach: the demo
+    says why, in its last line, instead of waiting for it (60 s) and saying
+    only that it did not come up."""
+    port = str(closed_port())
+    env = {"FLEETBUS_MODEL": "gpt-x", "OPENAI_BASE_URL": f"http://127.0.0.1:{port}/v1"}
+    env["OPENAI_API_KEY"] = "sk-unused"
+    code, out = await run_cli("demo", "--calls", "20", "--workers", "1", env=env)
+    assert code == 1, out
+    said = " ".join(out.split())  # the console wraps long lines
+    assert (
+        f"error: the agent exited (error: model openai:gpt-x: cannot reach http://127.0.0.1:{port}/v1"
+        in said
+    ), out
