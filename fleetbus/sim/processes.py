@@ -213,8 +213,12 @@ def stop_when_parent_exits(stop: Callable[[], None]) -> None:
     loop = asyncio.get_running_loop()
 
     def wait_for_eof() -> None:
+        # The descriptor itself, not sys.stdin's buffered reader: a daemon
+        # thread blocked in that reader holds its lock, and the interpreter
+        # aborted at exit when it could not take it ("Fatal Python error:
+        # _enter_buffered_busy"), so every child ended with a core dump.
         with contextlib.suppress(OSError, ValueError):
-            while sys.stdin.buffer.read(4096):
+            while os.read(sys.stdin.fileno(), 4096):
                 pass
         with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to stop
             loop.call_soon_threadsafe(stop)

@@ -42,6 +42,11 @@ def test_guess_two_thirds_with_the_offline_model(
     assert 25 < means[0] < 45
     assert means[0] > means[1] > means[2]
 
+    # Every child (server, host, tools) stopped cleanly: none aborted at exit.
+    logs = {log.name: log.read_text() for log in (out / "logs").glob("*.log")}
+    assert logs
+    assert not [name for name, text in logs.items() if "Fatal Python error" in text], logs
+
     records = list(RunFiles(out).records())
     assert len(records) == 36
     assert all(r["status"] == "ok" for r in records)
