@@ -347,3 +347,29 @@ async def test_a_reply_taken_over_after_a_crash_still_ends_once(
     assert len({item.id for item in items}) == len(items)
     assert record is not None
     assert record.status == "done"
+
+
+async def test_a_fast_answer_comes_after_every_event_of_its_reply(
+    nats_server: EmbeddedServer, bus: Bus, prefix: str
+) -> None:
+    """An answer that arrives right behind the reply's last events: the
+    stream still hands out every event before it (it waits for the answer's
+    copy on the events subject; one round trip lost some of them)."""
+    from fleetbus.testing import ScriptedModel
+
+    text = "We ship to Canada within five to eight working days, and customs are included."
+    model = ScriptedModel([ScriptedModel.text(text)], repeat_last=True)
+    async with serving(nats_server.url, prefix, Agent("fast", "", model)):
+        remote = RemoteAgent(bus, "fast")
+        for n in range(8):
+            items = await collect(
+                remote.reply_stream("Do you ship to Canada?", session_id=f"f-{n}")
+            )
+            assert isinstance(items[-1], FinalAnswer)
+            assert names(items)[-1] == "reply_end", names(items)
+            deltas = "".join(
+                str(i.data.get("text", ""))
+                for i in items
+                if isinstance(i, Event) and i.event == "text_delta"
+            )
+            assert deltas == text

@@ -41,7 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Final, Protocol
 
 import msgspec
@@ -359,13 +359,12 @@ class RemoteAgent:
             answer = self._answer(asking, message, limit)
             if answer.id not in seen:
                 # The copy and the events before it were published before the
-                # answer: after a round trip to the server they are in.
-                await self._settle(deadline)
-                while not queue.empty():
-                    item = queue.get_nowait()
-                    if item is None or item.id == answer.id:
-                        break
-                    if isinstance(item, Event) and item.id not in seen:
+                # answer. A reply that streams its events publishes the copy
+                # too: wait for it (briefly), so that no event still on its way
+                # from the subscription is dropped; one that publishes none
+                # (--events none) gets a round trip.
+                async for item in self._rest(queue, answer, deadline, streamed=bool(seen)):
+                    if item.id not in seen:
                         seen.add(item.id)
                         yield item
             yield answer
@@ -601,6 +600,37 @@ class RemoteAgent:
             subject=self._inbox,
             call_id=message.call_id,
         )
+
+    async def _rest(
+        self,
+        queue: asyncio.Queue[AnyMessage | None],
+        answer: FinalAnswer,
+        deadline: float,
+        *,
+        streamed: bool,
+    ) -> AsyncIterator[Event]:
+        """The events still coming after the answer, up to its copy on the
+        events subject: waited for at most :data:`SETTLE_TIMEOUT` seconds (and
+        the deadline) when the reply ``streamed`` events, else what one round
+        trip to the server brings."""
+        if not streamed:
+            await self._settle(deadline)
+        loop = asyncio.get_running_loop()
+        until = min(deadline, loop.time() + SETTLE_TIMEOUT)
+        while True:
+            if queue.empty() and not streamed:
+                return
+            try:
+                async with asyncio.timeout_at(until):
+                    item = await queue.get()
+            except TimeoutError:
+                return
+            if item is None:
+                continue
+            if item.id == answer.id:
+                return
+            if isinstance(item, Event):
+                yield item
 
     async def _settle(self, deadline: float) -> None:
         """One round trip to the server, within the deadline (best effort)."""
