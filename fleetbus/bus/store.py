@@ -81,6 +81,10 @@ def _store_error(exc: BaseException, what: str) -> StoreError | ConnectionClosed
     return StoreError(f"{what} failed: {exc or type(exc).__name__}")
 
 
+ADMIN_TIMEOUT = 15.0
+"""Seconds JetStream may take to make or change a bucket's stream."""
+
+
 async def key_value(
     bus: Bus,
     name: str,
@@ -124,6 +128,10 @@ async def key_value(
     what = f"KV bucket {bucket}"
     wanted = wanted_replicas(bus, replicas)
     js = bus.nc.jetstream()
+    # Making or changing a stream is a Raft proposal on a cluster: more time
+    # than a read or a write gets (an R3 bucket made on three busy nodes took
+    # longer than nats-py's 5 s).
+    admin = bus.nc.jetstream(timeout=ADMIN_TIMEOUT)
     writes = (
         RePublish(src=Subjects.kv_keys(bucket, ">"), dest=bus.subjects.kv_writes(name))
         if republish
@@ -135,13 +143,14 @@ async def key_value(
         except nats.js.errors.BucketNotFoundError:
             if not create:
                 raise StoreError(f"KV bucket {bucket} does not exist") from None
-            kv = await js.create_key_value(
+            await admin.create_key_value(
                 bucket=bucket, ttl=ttl, history=history, replicas=wanted, republish=writes
             )
+            kv = await js.key_value(bucket)  # reads and writes keep their own timeout
         else:
-            await ensure_replicas(js, kv_stream_name(bucket), wanted, what=what)
-        markers = expiring_markers and await _allow_msg_ttl(js, kv_stream_name(bucket), what)
-        republished = writes is not None and await _republish(js, kv_stream_name(bucket), writes)
+            await ensure_replicas(admin, kv_stream_name(bucket), wanted, what=what)
+        markers = expiring_markers and await _allow_msg_ttl(admin, kv_stream_name(bucket), what)
+        republished = writes is not None and await _republish(admin, kv_stream_name(bucket), writes)
     except StoreError:
         raise
     except (nats.errors.Error, TimeoutError) as exc:
@@ -481,9 +490,12 @@ async def object_store(
         except nats.js.errors.BucketNotFoundError:
             if not create:
                 raise StoreError(f"object store {bucket} does not exist") from None
-            store = await js.create_object_store(bucket, replicas=wanted, ttl=ttl)
+            admin = bus.nc.jetstream(timeout=ADMIN_TIMEOUT)
+            await admin.create_object_store(bucket, replicas=wanted, ttl=ttl)
+            store = await js.object_store(bucket)
         else:
-            await ensure_replicas(js, object_stream_name(bucket), wanted, what=what)
+            admin = bus.nc.jetstream(timeout=ADMIN_TIMEOUT)
+            await ensure_replicas(admin, object_stream_name(bucket), wanted, what=what)
     except StoreError:
         raise
     except (nats.errors.Error, TimeoutError) as exc:
