@@ -24,6 +24,7 @@ from fleetbus.protocol import FinalAnswer, UserRequest
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit
 from tests.helpers import ROOT, stop, wait_for_workers
+from tests.integration.test_openai_through_worker import wait_for_model
 
 
 def exported(text: str) -> list[dict[str, Any]]:
@@ -148,6 +149,7 @@ async def test_a_reply_on_a_model_worker_with_a_tool_worker_is_one_trace(
         )
         try:
             await wait_for_workers(bus, "calculator", 1)
+            await wait_for_model(bus, "offline")  # it may start after the tool worker
             toolkit = Toolkit()
             await toolkit.add_remote(ToolClient(bus), ["calculator"])
             model = BusChatModel(bus, "offline", timeout=20)
