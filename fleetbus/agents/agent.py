@@ -216,7 +216,7 @@ class Agent:
             self._state.plan = plan
         # What a new session of this agent starts from (see clone()).
         self._initial_permissions = (
-            permissions.model_copy(deep=True) if permissions is not None else Permissions()
+            permissions.model_copy(deep=True) if permissions is not None else None
         )
         self._plan_enabled = plan is not False
         self.accepted_rules: RuleBook = (
@@ -240,34 +240,38 @@ class Agent:
     ) -> Agent:
         """The same agent (model, tools, settings) with another state: a saved
         session's, or a fresh one with the permissions and plan it was built
-        with. Used to serve many sessions from one definition."""
-        return Agent(
-            self.name,
-            self.system_prompt,
-            self.model,
-            toolkit=self.toolkit,
-            max_iters=self.max_iters,
-            parallel_tool_calls=self.parallel_tool_calls,
-            plan=self._plan_enabled if state is None else False,
-            permissions=self._initial_permissions.model_copy(deep=True) if state is None else None,
-            accepted_rules=self.accepted_rules,
-            middlewares=self.middlewares,
-            context=self.context,
-            model_config=self.model_config,
-            state=state,
-            token_counter=self.token_counter,
-            offloader=self.offloader,
-            tool_timeout=self.tool_timeout,
-            max_repeated_failures=self.max_repeated_failures,
-            max_repeated_calls=self.max_repeated_calls,
-            structured_retries=self.structured_retries,
-            checkpoint=checkpoint,
-            long_term_memory=self.long_term_memory,
-            long_term_memory_mode=self.long_term_memory_mode,
-            long_term_memory_config=self.long_term_memory_config,
-            knowledge=self.knowledge,
-            knowledge_config=self.knowledge_config,
-        )
+        with (:meth:`initial_state`). Used to serve many sessions from one
+        definition.
+
+        The settings are shared, not validated again: a host makes a clone
+        for every message it serves, and building one through ``__init__``
+        (six settings models, a deep copy of the permissions) was 7 % of a
+        simulation host's CPU (``bench/simulation.py``).
+
+        Raises:
+            ConfigError: ``state`` is another agent's.
+        """
+        if state is not None and state.agent_name != self.name:
+            raise ConfigError(f"the state is agent {state.agent_name!r}'s, not {self.name!r}'s")
+        twin = object.__new__(Agent)
+        twin.__dict__.update(self.__dict__)
+        twin.middlewares = list(self.middlewares)
+        twin._state = state if state is not None else self.initial_state()
+        twin._checkpoint = checkpoint
+        twin._lock = asyncio.Lock()
+        twin._running = None
+        twin._interrupted = twin._interrupt_next = twin._stalled = False
+        return twin
+
+    def initial_state(self) -> AgentState:
+        """The state a new session of this agent starts from: empty memory,
+        the permissions and the plan it was built with."""
+        state = AgentState(agent_name=self.name)  # (default permissions: the state's own)
+        if self._initial_permissions is not None:
+            state.permissions = self._initial_permissions.model_copy(deep=True)
+        if self._plan_enabled:
+            state.plan = PlanNotebook()
+        return state
 
     @property
     def state(self) -> AgentState:

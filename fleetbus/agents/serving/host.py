@@ -473,7 +473,7 @@ class AgentHost(Lifecycle):
             return await self.store.acquire(
                 name,
                 session,
-                fresh=lambda: self.definition(name).clone().state,
+                fresh=lambda: self.definition(name).initial_state(),
                 reply_to=reply_to,
                 pending_input=pending,
                 wait=self.busy_wait,

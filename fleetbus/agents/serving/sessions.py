@@ -221,7 +221,8 @@ class SessionStore:
         self.leases = leases
         self.owner = owner
         self.lease_ttl = lease_ttl
-        self._cache: OrderedDict[str, tuple[int, Lease]] = OrderedDict()
+        # key: (head revision, lease as released, the marker that release left)
+        self._cache: OrderedDict[str, tuple[int, Lease, int | None]] = OrderedDict()
         self._cache_size = cache_size
         self._cached_messages = 0
         """Messages held by the cache: it is bounded by them too (sessions grow)."""
@@ -287,12 +288,27 @@ class SessionStore:
         head: dict[str, Any] = orjson.loads(data)
         return entry.revision, head, blob
 
+    def _cached(
+        self, key: str, *, revision: int | None = None, marker: int | None = None
+    ) -> Lease | None:
+        """A copy of the session as this replica released it, if the cache
+        holds it at head ``revision``, or with the lease at ``marker`` (the
+        release this replica made)."""
+        cached = self._cache.get(key)
+        if cached is None:
+            return None
+        if revision is not None and cached[0] != revision:
+            return None
+        if marker is not None and cached[2] != marker:
+            return None
+        self._cache.move_to_end(key)
+        return _copy_lease(cached[1])
+
     async def _load(self, key: str, revision: int, head: dict[str, Any], blob: str | None) -> Lease:
         """The record of a head, memory read from its chunks (or the cache)."""
-        cached = self._cache.get(key)
-        if cached is not None and cached[0] == revision:
-            self._cache.move_to_end(key)
-            return _copy_lease(cached[1])
+        cached = self._cached(key, revision=revision)
+        if cached is not None:
+            return cached
         if "format" not in head:  # a session stored whole, before chunks existed
             record = SessionRecord.model_validate(head)
             return Lease(record, revision, 0, 0)
@@ -474,6 +490,10 @@ class SessionStore:
             except RevisionMismatchError:
                 pass
             else:
+                # Taken over the marker of this replica's own release: nobody
+                # held the lease since, so nobody wrote the head since, and
+                # the head as released here is the head (no read).
+                known = self._cached(key, marker=released) if released is not None else None
                 try:
                     return await self._fence(
                         key,
@@ -486,6 +506,7 @@ class SessionStore:
                         False,
                         carried=carried,
                         handed_over=released is not None,
+                        known=known,
                     )
                 except BaseException:
                     await self._drop_lease(key, revision)
@@ -563,6 +584,7 @@ class SessionStore:
         carried: dict[str, Any] | None = None,
         handed_over: bool = False,
         dead: tuple[int, dict[str, Any]] | None = None,
+        known: Lease | None = None,
     ) -> Lease:
         """Write the head as this owner's (epoch), so that a previous owner's
         late writes fail their compare-and-set.
@@ -575,10 +597,11 @@ class SessionStore:
 
         ``dead``: the epoch and carried request of a dead owner's lease, which
         are its request still to serve when that owner never wrote the head.
+        ``known``: the head as it is, known without reading it.
         """
         for _ in range(8):
-            read = await self._read_head(key)
-            if read is None:
+            read = None if known is not None else await self._read_head(key)
+            if read is None and known is None:
                 if take_over:
                     raise SessionBusyError(
                         f"session {session_id} of {agent} no longer exists",
@@ -601,7 +624,11 @@ class SessionStore:
                 except RevisionMismatchError:
                     continue
                 return lease
-            lease = await self._load(key, *read)
+            if known is not None:
+                lease, known = known, None  # (a failed write below reads it again)
+            else:
+                assert read is not None
+                lease = await self._load(key, *read)
             record = lease.record
             if dead is not None and dead[0] != lease.epoch:
                 # The dead owner never wrote the head: its request is in its lease.
@@ -680,8 +707,8 @@ class SessionStore:
         record = lease.record
         key = session_key(record.agent, record.session_id)
         async with lease.lock:
-            await self._drop_lease(key, lease.lease_revision)
-            self._remember(key, lease, record.state)
+            marker = await self._drop_lease(key, lease.lease_revision)
+            self._remember(key, lease, record.state, marker)
 
     async def _remove_lease(self, key: str, revision: int) -> int:
         """Remove a lease of ours; the marker's revision. The marker expires
@@ -692,22 +719,28 @@ class SessionStore:
             return await self.leases.purge(key, revision=revision, ttl=ttl)
         return await self.leases.delete(key, revision=revision)
 
-    async def _drop_lease(self, key: str, revision: int) -> None:
+    async def _drop_lease(self, key: str, revision: int) -> int | None:
+        """Release a lease of ours; the revision of the marker left, or
+        ``None`` when it was not released here."""
         try:
             try:
-                self.note_released(key, await self._remove_lease(key, revision))
+                marker = await self._remove_lease(key, revision)
             except RevisionMismatchError:
                 # A renewal of ours may have landed after its writer stopped
                 # waiting; anyone else's lease stays.
                 entry = await self.leases.get_or_none(key)
                 if entry is None or lease_owner(entry.value) != self.owner:
                     logger.info("lease of %s was taken over before its release", key)
-                    return
-                self.note_released(key, await self._remove_lease(key, entry.revision))
+                    return None
+                marker = await self._remove_lease(key, entry.revision)
         except RevisionMismatchError:
             logger.info("lease of %s was taken over before its release", key)
+            return None
         except StoreError as exc:
             logger.warning("lease of %s not released (it will lapse): %s", key, exc)
+            return None
+        self.note_released(key, marker)
+        return marker
 
     def note_released(self, key: str, marker: int) -> None:
         """Lease ``key`` was released, leaving a marker at revision ``marker``
@@ -782,8 +815,8 @@ class SessionStore:
         await self._write_head(lease, record, state or lease.record.state)
         if release:
             key = session_key(record.agent, record.session_id)
-            await self._drop_lease(key, lease.lease_revision)
-            self._remember(key, lease, state)
+            marker = await self._drop_lease(key, lease.lease_revision)
+            self._remember(key, lease, state, marker)
 
     async def _write_head(
         self, lease: Lease, record: SessionRecord, state: AgentState, *, create: bool = False
@@ -893,7 +926,9 @@ class SessionStore:
         except StoreError as exc:
             logger.warning("memory chunk %s not deleted: %s", key, exc)
 
-    def _remember(self, key: str, lease: Lease, state: AgentState | None) -> None:
+    def _remember(
+        self, key: str, lease: Lease, state: AgentState | None, marker: int | None
+    ) -> None:
         """Keep the state as stored, for the next message of this session.
 
         Kept as it is, not copied: the reply that made it is over (only the
@@ -904,7 +939,7 @@ class SessionStore:
             return
         kept = _copy_lease(lease, state, copy_state=False)
         self._forget(key)
-        self._cache[key] = (lease.revision, kept)
+        self._cache[key] = (lease.revision, kept, marker)
         self._cached_messages += len(kept.record.state.memory)
         while self._cache and (
             len(self._cache) > self._cache_size or self._cached_messages > _CACHED_MESSAGES

@@ -1,0 +1,71 @@
+"""A session taken again by the replica that released it last is taken
+without reading its head (nobody held the lease since, so nobody wrote the
+head since); a session another replica held meanwhile is read, whether this
+replica heard that replica's release or not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fleetbus.agents.messages import Msg
+from fleetbus.agents.serving.sessions import SessionStore, session_key
+from fleetbus.agents.state import AgentState
+from fleetbus.bus import Bus
+from fleetbus.protocol import TextBlock
+
+
+def counting_head_reads(store: SessionStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys of the heads ``store`` reads from now on."""
+    reads: list[str] = []
+    original = store.heads.get_or_none
+
+    async def get_or_none(key: str) -> Any:
+        reads.append(key)
+        return await original(key)
+
+    monkeypatch.setattr(store.heads, "get_or_none", get_or_none)
+    return reads
+
+
+async def serve(store: SessionStore, text: str) -> list[str]:
+    """One reply's worth of session work: take, add ``text``, save, release;
+    the texts memory held when taken."""
+    lease = await store.acquire("ann", "s1", fresh=AgentState(agent_name="ann"))
+    seen = [m.text for m in lease.record.state.memory]
+    state = lease.record.state
+    state.memory.append(Msg(name="user", role="user", content=[TextBlock(text=text)]))
+    await store.save(lease, state=state, status="idle")
+    await store.release(lease)
+    return seen
+
+
+async def test_taken_again_by_its_last_owner_the_head_is_not_read(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = await SessionStore.open(bus, owner="a")
+    assert await serve(store, "one") == []
+    reads = counting_head_reads(store, monkeypatch)
+    assert await serve(store, "two") == ["one"]
+    assert await serve(store, "three") == ["one", "two"]
+    assert reads == []
+    record = await store.get("ann", "s1")
+    assert record is not None
+    assert [m.text for m in record.state.memory] == ["one", "two", "three"]
+
+
+@pytest.mark.parametrize("heard", [True, False], ids=["heard", "unheard"])
+async def test_held_by_another_replica_meanwhile_the_head_is_read(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch, heard: bool
+) -> None:
+    a = await SessionStore.open(bus, owner="a")
+    b = await SessionStore.open(bus, owner="b")
+    assert await serve(a, "one") == []
+    assert await serve(b, "two") == ["one"]
+    if heard:  # as a's recovery hears b's release: a's next take writes over its marker
+        key = session_key("ann", "s1")
+        a.note_released(key, b._released[key])
+    reads = counting_head_reads(a, monkeypatch)
+    assert await serve(a, "three") == ["one", "two"]
+    assert reads == [session_key("ann", "s1")]
