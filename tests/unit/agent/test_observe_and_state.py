@@ -80,18 +80,23 @@ async def test_a_clone_shares_the_settings_and_starts_from_the_state_it_was_buil
         max_iters=4,
     )
     first, second = definition.clone(), definition.clone()
-    assert first.model is definition.model and first.max_iters == 4
-    assert first.state is not second.state and first.state.memory == []
-    assert first.state.plan is not None and first.state.plan is not second.state.plan
+    assert first.model is definition.model
+    assert first.max_iters == 4
+    assert first.state is not second.state
+    assert first.state.memory == []
+    assert first.state.plan is not None
+    assert first.state.plan is not second.state.plan
     assert first.state.permissions.default == "deny"
     first.state.permissions.default = "allow"  # a session's permissions are its own
     assert second.state.permissions.default == definition.initial_state().permissions.default
     assert definition.initial_state().permissions.default == "deny"
     await first.reply("hello")
-    assert [m.text for m in second.memory] == [] and len(first.memory) == 2
+    assert [m.text for m in second.memory] == []
+    assert len(first.memory) == 2
     assert (await second.reply("again")).content == "hi"  # its own lock, not first's
     saved = first.state
     resumed = definition.clone(state=saved)
-    assert resumed.state is saved and resumed.state.permissions.default == "allow"
+    assert resumed.state is saved
+    assert resumed.state.permissions.default == "allow"
     with pytest.raises(ConfigError, match="agent 'b'"):
         definition.clone(state=AgentState(agent_name="b"))
