@@ -29,7 +29,8 @@ it (``CallTimeoutError`` is a ``TimeoutError``)::
     │       ├── PortInUseError (OSError)
     │       └── ServerStartError
     ├── SessionError                         an agent session on the bus
-    │   └── SessionBusyError                 another replica runs it (lease held)
+    │   ├── SessionBusyError                 another replica runs it (lease held)
+    │   └── SessionNotFoundError             no such session, and none to start
     └── ToolError                            defining or looking up tools
         ├── ToolDefinitionError (TypeError)  a function that cannot become a tool
         └── UnknownToolError (KeyError)
@@ -69,6 +70,7 @@ __all__ = [
     "SessionBusyError",
     "SessionError",
     "SessionLost",
+    "SessionNotFoundError",
     "StoreError",
     "ToolDefinitionError",
     "ToolError",
@@ -310,6 +312,10 @@ class SessionError(FleetbusError):
 
 class SessionBusyError(SessionError):
     """Another replica holds the session's lease and is running it."""
+
+
+class SessionNotFoundError(SessionError):
+    """The session does not exist (and the message could not start one)."""
 
 
 class SessionLost(BaseException):

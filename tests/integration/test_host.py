@@ -205,3 +205,34 @@ async def test_a_broadcast_naming_no_session_is_recorded_in_the_topics_session(
 def test_a_host_of_no_agents_is_refused(bus: Bus) -> None:
     with pytest.raises(ConfigError, match="at least one agent"):
         AgentHost(bus, [])
+
+
+async def test_a_confirmation_for_a_session_that_does_not_exist_does_not_start_it(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    from fleetbus.protocol import Confirmation, ConfirmResult, ExternalOutput, ExternalResult
+
+    async with hosting(nats_server.url, bus.prefix, [scripted("ann", "a")]):
+        inbox = bus.subjects.agent_inbox("ann")
+        confirm = ConfirmResult(
+            sender="cli",
+            session_id="nosuch",
+            confirmations=[Confirmation(call_id="c1", confirmed=True)],
+        )
+        external = ExternalResult(
+            sender="cli",
+            session_id="nosuch",
+            results=[ExternalOutput(call_id="c1", content="x")],
+        )
+        answers = [await bus.request(inbox, m, timeout=10) for m in (confirm, external)]
+        store = await SessionStore.open(bus, owner="test")
+        record = await store.get("ann", "nosuch")
+        leases = await store.leases.keys("ann.>")
+    for answer, what in zip(answers, ["confirmation", "external result"], strict=True):
+        assert isinstance(answer, FinalAnswer)
+        assert answer.finished_reason == "error"
+        assert answer.content == (
+            f"Not resumed: agent ann has no session nosuch, so no call waits for this {what}."
+        )
+    assert record is None
+    assert leases == []

@@ -79,6 +79,7 @@ from fleetbus.errors import (
     ProtocolError,
     SessionBusyError,
     SessionLost,
+    SessionNotFoundError,
     StoreError,
 )
 from fleetbus.protocol import (
@@ -442,7 +443,7 @@ class AgentHost(Lifecycle):
             async with self._session_lock(key):
                 reply_to = (request.reply or None) if request is not None else None
                 lease = await self._acquire(name, message, session, reply_to)
-                if isinstance(lease, ErrorMessage):
+                if isinstance(lease, ErrorMessage | FinalAnswer):
                     return lease
                 final = await self._run_reply(lease, message, run, answer_to=reply_to)
                 # Answered by _run_reply once its end was stored (or by the
@@ -455,8 +456,9 @@ class AgentHost(Lifecycle):
 
     async def _acquire(
         self, name: str, message: AnyMessage, session: str, reply_to: str | None
-    ) -> Lease | ErrorMessage:
-        """The session's lease with ``message`` recorded, or the error to answer."""
+    ) -> Lease | ErrorMessage | FinalAnswer:
+        """The session's lease with ``message`` recorded, or what to answer
+        instead (an error; a resume of a session that does not exist)."""
         assert self.store is not None
         try:
             pending = to_builtins(message)
@@ -477,7 +479,12 @@ class AgentHost(Lifecycle):
                 reply_to=reply_to,
                 pending_input=pending,
                 wait=self.busy_wait,
+                # A confirmation or an external result continues a session:
+                # one to a session that does not exist must not start it.
+                create=not isinstance(message, ConfirmResult | ExternalResult),
             )
+        except SessionNotFoundError as exc:
+            return _nothing_waits(name, message, session, str(exc))
         except SessionBusyError as exc:
             return self._error(message, "overloaded", str(exc))
         except StoreError as exc:
@@ -716,7 +723,7 @@ class AgentHost(Lifecycle):
         async with self._session_lock(session_key(name, session)):
             while True:
                 lease = await self._acquire(name, message, session, None)
-                if isinstance(lease, ErrorMessage):
+                if isinstance(lease, ErrorMessage | FinalAnswer):
                     return lease
                 state = lease.record.state
                 stored = _decode_final(lease.orphan_final)
@@ -913,6 +920,20 @@ class _Run:
     cancelled: bool = False
     recording: bool = False
     """The phase running serves the request recorded with the lease."""
+
+
+def _nothing_waits(name: str, message: AnyMessage, session: str, why: str) -> FinalAnswer:
+    """The answer to a confirmation or external result for a session that
+    does not exist: the reply it would resume is nowhere (as for a session
+    that is not paused, the reply ends ``error``)."""
+    what = "confirmation" if isinstance(message, ConfirmResult) else "external result"
+    return FinalAnswer(
+        sender=name,
+        session_id=session,
+        call_id=message.call_id,
+        content=f"Not resumed: {why}, so no call waits for this {what}.",
+        finished_reason="error",
+    )
 
 
 def _nests_deeper(value: Any, limit: int) -> bool:

@@ -62,6 +62,7 @@ from fleetbus.errors import (
     RevisionMismatchError,
     SessionBusyError,
     SessionLost,
+    SessionNotFoundError,
     StoreError,
 )
 from fleetbus.protocol import new_id, utc_now
@@ -425,6 +426,7 @@ class SessionStore:
         wait: float = 0.0,
         take_over: bool = False,
         lease_revision: int | None = None,
+        create: bool = True,
     ) -> Lease:
         """Take the session's lease, then fence its head (creating the session
         if it is new): from then on only this replica's writes land.
@@ -444,13 +446,26 @@ class SessionStore:
                 (recovery); never create one.
             lease_revision: with ``take_over``, the lease revision found
                 silent: the take-over happens only if it is still current.
+            create: make the session if it does not exist (``False``: a
+                message that only continues a session, a confirmation).
 
         Raises:
             SessionBusyError: another replica holds the lease after ``wait``,
                 or (``take_over``) the session needs no take-over.
+            SessionNotFoundError: ``create`` is false and there is no such session.
             StoreError: a bucket failed.
         """
-        args = (agent, session_id, fresh, reply_to, pending_input, wait, take_over, lease_revision)
+        args = (
+            agent,
+            session_id,
+            fresh,
+            reply_to,
+            pending_input,
+            wait,
+            take_over,
+            lease_revision,
+            create,
+        )
         if not take_over:
             return await self._acquire(*args)
         with tracing.span(
@@ -469,6 +484,7 @@ class SessionStore:
         wait: float,
         take_over: bool,
         lease_revision: int | None,
+        create: bool,
     ) -> Lease:
         key = session_key(agent, session_id)
         deadline = time.monotonic() + wait
@@ -507,6 +523,7 @@ class SessionStore:
                         carried=carried,
                         handed_over=released is not None,
                         known=known,
+                        create=create,
                     )
                 except BaseException:
                     await self._drop_lease(key, revision)
@@ -564,6 +581,7 @@ class SessionStore:
                     from_dead=from_dead,
                     carried=carried,
                     dead=_dead_request(entry) if from_dead or take_over else None,
+                    create=create,
                 )
             except BaseException:
                 await self._drop_lease(key, revision)
@@ -585,6 +603,7 @@ class SessionStore:
         handed_over: bool = False,
         dead: tuple[int, dict[str, Any]] | None = None,
         known: Lease | None = None,
+        create: bool = True,
     ) -> Lease:
         """Write the head as this owner's (epoch), so that a previous owner's
         late writes fail their compare-and-set.
@@ -605,6 +624,12 @@ class SessionStore:
                 if take_over:
                     raise SessionBusyError(
                         f"session {session_id} of {agent} no longer exists",
+                        agent=agent,
+                        session_id=session_id,
+                    )
+                if not create:
+                    raise SessionNotFoundError(
+                        f"agent {agent} has no session {session_id}",
                         agent=agent,
                         session_id=session_id,
                     )
