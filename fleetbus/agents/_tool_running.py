@@ -32,6 +32,7 @@ from fleetbus.agents.middleware import StopReply
 from fleetbus.agents.offload import READ_OFFLOADED_SPEC, cut, read_offloaded
 from fleetbus.agents.state import PendingCall, RecentCall
 from fleetbus.errors import FleetbusError
+from fleetbus.models.model import FORMAT_ERROR_TOOL
 from fleetbus.protocol import (
     TOOL_STATUSES,
     FinalAnswer,
@@ -147,6 +148,14 @@ class ToolRunner:
 
     def _check(self, use: ToolUseBlock) -> ToolResultBlock | PendingCall | None:
         """What happens to a call before it runs: a result now, a pause, or None (run it)."""
+        if use.name == FORMAT_ERROR_TOOL:  # no tool: the model's step could not be used
+            why = use.input.get("error") if isinstance(use.input, dict) else None
+            return tool_result(
+                use,
+                "error",
+                f"format_error: the model's step could not be used ({why or 'unreadable'}); "
+                "the model is shown what it wrote, with a reminder",
+            )
         if use.raw_arguments is not None:
             preview = use.raw_arguments[:300]
             return tool_result(

@@ -82,6 +82,11 @@ def _json(value: Any) -> str:
         return repr(value)
 
 
+FORMAT_ERROR_TOOL: Final = "format_error"
+"""The call an adapter makes of an unusable step (``fleetbus.models.model``'s,
+repeated here: this module is imported by commands that load no model code)."""
+
+
 def _show(value: Any, limit: int = _OUTPUT_LIMIT) -> str:
     """A value for a person: strings as they are, anything else as JSON."""
     return shorten(value if isinstance(value, str) else _json(value), limit)
@@ -323,6 +328,20 @@ class ReplyPrinter:
                 self._delta("thinking", data.get("thinking"))
             case "text_delta":
                 self._delta("text", data.get("text"))
+            case "tool_call" if data.get("tool_name") == FORMAT_ERROR_TOOL:
+                # No tool: the model wrote a step that was neither a call nor an answer.
+                parameters = data.get("parameters")
+                why = parameters.get("error") if isinstance(parameters, dict) else None
+                self._line(
+                    Text.assemble(
+                        ("⚠ ", "yellow"),
+                        ("the model's step could not be used", "yellow"),
+                        f": {_show(why)}" if why else "",
+                        " — it is shown what it wrote and asked again",
+                    )
+                )
+            case "tool_result" if data.get("tool_name") == FORMAT_ERROR_TOOL:
+                pass  # said with its call
             case "tool_call":
                 self._line(
                     Text.assemble(

@@ -13,12 +13,15 @@ them into native calls). :func:`read_calls` finds the shapes they write:
 - the same in a fenced code block, or a JSON list of such objects;
 - Hermes / Qwen ``<tool_call>{…}</tool_call>`` tags, one or several;
 
-with prose before, after or between them. An object counts as a call only
+with prose before, after or between them. An object counts as a call
 when it names a tool on offer and has no other keys than the call's (so a
-JSON answer, a call to an unknown name or an object without a name stays the
-answer); inside ``<tool_call>`` tags any named call counts (a call to an
-unknown tool then gets the agent's ``unknown_tool`` error, as a native one
-would).
+JSON answer or an object without a name stays the answer). An object to a
+name *not* on offer counts only when it is plainly a call — nothing but a
+name and an object of arguments — and inside ``<tool_call>`` tags any named
+call counts: a call to an unknown tool then gets the agent's
+``unknown_tool`` error, as a native one would, instead of being taken for
+the answer. A tool's description the model echoed (name, description and a
+JSON Schema as its parameters) is never a call.
 
 It also finds an *invented observation* (:func:`find_observation`): the
 model writing ``Observation from calculator: …`` (or a ``<tool_response>``
@@ -66,6 +69,7 @@ _CALL_EXTRAS = frozenset({"type", "id"})
 """Keys a call object may carry besides its name and arguments."""
 _TAG = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 _EMPTY_FENCE = re.compile(r"```[A-Za-z0-9_-]*\s*```")
+_TOOL_NAME = re.compile(r"[A-Za-z_][\w.-]{0,63}")
 _NAMED = re.compile(r"""["']?\b(?:name|tool|tool_name|function)\b["']?\s*:\s*["']([\w.-]+)["']""")
 """A name in an object that could not be read (is it an attempt at a call?)."""
 _OBSERVATION = re.compile(
@@ -133,6 +137,12 @@ def read_calls(text: str, offered: Collection[str]) -> ReadText:
         if found:
             calls.extend(found)
             spans.append((start, end))
+        elif error is None and (echoed := _echoed(value, offered)) is not None:
+            error = (
+                f"it holds the description of the tool {echoed}, not a call of it. To call "
+                f'it, write {{"name": "{echoed}", "arguments": {{...}}}} with the values '
+                "its parameters describe"
+            )
     if calls:
         return ReadText(calls=calls, prose=_without(body, spans))
     if error is not None:
@@ -277,17 +287,76 @@ def _as_call(value: Any, offered: Collection[str], *, tagged: bool) -> TextCall 
     if not isinstance(name, str) or not name.strip():
         return None
     name = name.strip()
-    if name not in offered and not tagged:
-        return None
     argument_key = next((k for k in _ARGUMENT_KEYS if k in holder), None)
+    arguments = holder.get(argument_key) if argument_key is not None else None
+    if _is_schema(holder, arguments):
+        return None  # a tool's description the model echoed, not a call of it
+    if (
+        name not in offered
+        and not tagged
+        and not (offered and _is_call_shaped(value, holder, argument_key, arguments, name))
+    ):
+        return None
     if holder is value:
         if argument_key is not None:
             own_keys.add(argument_key)
         elif value.keys() - own_keys - _CALL_EXTRAS:
             # {"name": "search", "results": […]} is data, not a call.
             return None
-    arguments = holder.get(argument_key) if argument_key is not None else None
     return _with_arguments(name, arguments)
+
+
+def _echoed(value: Any, offered: Collection[str]) -> str | None:
+    """The tool on offer whose description ``value`` is (echoed by the model), if any."""
+    for item in value if isinstance(value, list) else [value]:
+        if not isinstance(item, dict):
+            continue
+        function = item.get("function")
+        holder: dict[str, Any] = function if isinstance(function, dict) else item
+        name = holder.get("name")
+        arguments = next((holder[k] for k in _ARGUMENT_KEYS if k in holder), None)
+        if isinstance(name, str) and name.strip() in offered and _is_schema(holder, arguments):
+            return name.strip()
+    return None
+
+
+def _is_schema(holder: dict[str, Any], arguments: Any) -> bool:
+    """Whether a would-be call is a tool's description (name, description,
+    a JSON Schema of an object as its parameters), as the request offered it."""
+    return (
+        "description" in holder
+        and isinstance(arguments, dict)
+        and arguments.get("type") == "object"
+        and isinstance(arguments.get("properties"), dict)
+    )
+
+
+def _is_call_shaped(
+    value: dict[str, Any],
+    holder: dict[str, Any],
+    argument_key: str | None,
+    arguments: Any,
+    name: str,
+) -> bool:
+    """Whether an object to a tool *not* on offer is still plainly a call:
+    only a name and arguments (an object, or one encoded as a string), the
+    name a tool name could be. Then the agent's ``unknown_tool`` error goes
+    back to the model, as for a native call, instead of the object being
+    taken for the answer."""
+    if argument_key is None or _TOOL_NAME.fullmatch(name) is None:
+        return False
+    if isinstance(arguments, str):
+        try:
+            loads_object(arguments)
+        except ValueError:
+            return False
+    elif not isinstance(arguments, dict):
+        return False
+    if holder is value:
+        return not (value.keys() - {"name", "tool", "tool_name", argument_key} - _CALL_EXTRAS)
+    return not (value.keys() - {"function"} - _CALL_EXTRAS) and not (
+        holder.keys() - {"name", argument_key}
+    )
 
 
 def _with_arguments(name: str, arguments: Any) -> TextCall:

@@ -33,7 +33,7 @@ import msgspec
 
 from fleetbus.models import _text_calls as tc
 from fleetbus.models._openai_format import output_text
-from fleetbus.models.model import FINISH_TOOL
+from fleetbus.models.model import FINISH_TOOL, FORMAT_ERROR_TOOL
 from fleetbus.protocol import (
     ChatMessage,
     ContentBlock,
@@ -58,7 +58,6 @@ __all__ = [
 
 loads_object = tc.loads_object
 
-FORMAT_ERROR_TOOL = "format_error"
 """The name of the tool call that stands for a step the model wrote in the
 wrong format (its ``raw_arguments`` hold what it wrote)."""
 

@@ -43,6 +43,12 @@ FINISH_TOOL = "generate_response"
 """The tool a model calls to give a structured answer (offered by the agent
 when a reply wants one; adapters that support ``response_format`` use it)."""
 
+FORMAT_ERROR_TOOL = "format_error"
+"""The call an adapter makes of a step the model wrote that could be used
+neither as a call nor as an answer (``raw_arguments``: the text; ``input``:
+``{"error": why}``). No tool runs: the agent answers it with an error result
+and the next request shows the model what it wrote, with a reminder."""
+
 
 class ModelError(FleetbusError):
     """A model call failed (the adapter's error, translated).

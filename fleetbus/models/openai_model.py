@@ -619,7 +619,9 @@ class OpenAIChatModel:
                 retryable=False,
             )
         call_id = f"call_{new_id()[:16]}"
-        return ToolUseBlock(id=call_id, name=tp.FORMAT_ERROR_TOOL, input={}, raw_arguments=text)
+        return ToolUseBlock(
+            id=call_id, name=tp.FORMAT_ERROR_TOOL, input={"error": error}, raw_arguments=text
+        )
 
     # -- errors --------------------------------------------------------------------
 

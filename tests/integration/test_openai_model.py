@@ -766,25 +766,35 @@ async def test_an_agent_uses_tools_through_the_text_protocol(server: FakeOpenAIS
 
 
 @pytest.mark.parametrize(
-    "written",
+    ("written", "why"),
     [
-        '{"tool": "add", "arguments": {"a": 2, "b": 3',
-        '{"tool": "add", "arguments": {"a": 2 "b": 3}}',
-        '{"tool": "add", "arguments": "a=2, b=3"}',
-        "",
+        (
+            '{"tool": "add", "arguments": {"a": 2, "b": 3',
+            "the JSON object is not valid (Expecting ',' delimiter: line 1 column 45 (char 44))",
+        ),
+        (
+            '{"tool": "add", "arguments": {"a": 2 "b": 3}}',
+            "the JSON object is not valid (Expecting ',' delimiter: line 1 column 38 (char 37))",
+        ),
+        (
+            '{"tool": "add", "arguments": "a=2, b=3"}',
+            'the "arguments" of add must be a JSON object',
+        ),
+        ("", "the answer is empty"),
     ],
 )
 async def test_an_unreadable_action_is_a_format_error_not_a_guess(
-    server: FakeOpenAIServer, written: str
+    server: FakeOpenAIServer, written: str, why: str
 ) -> None:
     server.add(sse(text_chunks(written) if written else []))
 
     async with OpenAIChatModel("fake-model", base_url=server.url, config=TEXT) as m:
         deltas, final = await collect(m, ask(tools=[ADD_SPEC]))
 
-    assert final.content == [
-        ToolUseBlock(id=final.tool_uses[0].id, name="format_error", input={}, raw_arguments=written)
-    ]
+    [use] = final.content
+    assert isinstance(use, ToolUseBlock)
+    assert (use.name, use.raw_arguments) == ("format_error", written)
+    assert use.input == {"error": why}  # what the agent records, and a person is shown
     assert deltas == []
 
 

@@ -19,7 +19,7 @@ from fleetbus.bus import Bus, ToolClient
 from fleetbus.models import ModelConfig, ModelError, ModelRequest
 from fleetbus.models.model import ModelStreamItem, TextDelta
 from fleetbus.models.openai_model import OpenAIChatModel, OpenAIConfig
-from fleetbus.protocol import ChatMessage, TextBlock, ToolSpec, ToolUseBlock
+from fleetbus.protocol import ChatMessage, TextBlock, ToolResultBlock, ToolSpec, ToolUseBlock
 from fleetbus.tools_workers import Toolkit, ToolWorker
 from fleetbus.tools_workers.builtin import calculator
 from tests.integration.test_openai_model import collect
@@ -140,7 +140,10 @@ async def test_a_call_written_as_text_is_read_as_a_tool_call(
     "written",
     [
         pytest.param('{"answer": 395, "explanation": "17 * 23 = 391"}', id="a-json-answer"),
-        pytest.param('```json\n{"name": "weather", "arguments": {}}\n```', id="an-unknown-name"),
+        pytest.param(
+            '```json\n{"name": "weather", "arguments": {}, "units": "metric"}\n```',
+            id="an-unknown-name-with-more-keys",
+        ),
         pytest.param('{"arguments": {"expr": "17 * 23 + 4"}}', id="no-name"),
         pytest.param('The result is 395. In JSON: {"result": 395}', id="prose-with-json"),
     ],
@@ -263,6 +266,29 @@ async def test_an_agent_runs_a_call_written_as_text_and_answers_with_its_result(
         ],
     }
     assert result == {"role": "tool", "tool_call_id": call_id, "content": "395"}
+
+
+async def test_a_text_call_to_a_tool_not_on_offer_gets_unknown_tool_not_the_answer(
+    server: FakeOpenAIServer, model: OpenAIChatModel
+) -> None:
+    # What a small local model wrote in a walk of the README: a call to a
+    # tool it imagined, which had been shown to the person as the answer.
+    server.add(
+        completion('```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```'),
+        completion("I have no weather tool; 17 * 23 + 4 is what I can compute."),
+    )
+    agent = fleetbus.Agent(
+        "calc", "You compute.", model, toolkit=Toolkit([calculator]), model_config=NO_RETRY
+    )
+
+    final = await asyncio.wait_for(agent.reply("Weather in Oslo?"), timeout=10)
+
+    assert final.content == "I have no weather tool; 17 * 23 + 4 is what I can compute."
+    call, result = server.bodies[1]["messages"][-2:]
+    assert call["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert result["role"] == "tool"
+    assert result["content"].startswith("unknown_tool: there is no tool 'get_weather'")
+    assert "calculator" in result["content"]
 
 
 async def test_a_model_that_keeps_writing_calls_as_text_is_switched_to_the_text_protocol(
@@ -411,3 +437,35 @@ async def test_a_call_written_as_text_runs_on_a_tool_worker_on_the_bus(
     assert call["content"] == "I will use the calculator."
     assert json.loads(call["tool_calls"][0]["function"]["arguments"]) == {"expr": "2026 - 1991"}
     assert result == {"role": "tool", "tool_call_id": call["tool_calls"][0]["id"], "content": "35"}
+
+
+async def test_a_step_the_model_wrote_wrong_is_shown_to_a_person_as_a_warning_not_a_tool(
+    server: FakeOpenAIServer, model: OpenAIChatModel
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    from fleetbus.cli.render import ReplyPrinter
+
+    server.add(completion(INVENTED), completion("17 * 23 + 4 = 395."))
+    agent = fleetbus.Agent(
+        "calc", "You compute.", model, toolkit=Toolkit([calculator]), model_config=NO_RETRY
+    )
+    console = Console(record=True, width=200, file=io.StringIO())
+    printer = ReplyPrinter(console)
+
+    async for item in agent.reply_stream("What is 17 * 23 + 4?"):
+        printer.handle(item)
+    printer.close()
+    text = console.export_text()
+
+    assert "⚠ the model's step could not be used: it holds 'Observation from calculator:'" in text
+    assert "asked again" in text
+    assert "format_error" not in text
+    assert "←" not in text
+    assert text.count("17 * 23 + 4 = 395.") == 1
+    # What memory records for the step says why, for whoever reads the session.
+    block = next(m for m in agent.memory if m.role == "tool").content[0]
+    assert isinstance(block, ToolResultBlock)
+    assert "format_error: the model's step could not be used (it holds" in str(block.output)

@@ -146,7 +146,12 @@ def test_calls_written_as_text_are_read(text: str, calls: list[TextCall], prose:
     "text",
     [
         pytest.param('{"answer": 395, "unit": "none"}', id="a-json-answer"),
-        pytest.param('{"name": "weather", "arguments": {"city": "Oslo"}}', id="an-unknown-name"),
+        pytest.param(
+            '{"name": "weather", "arguments": {"city": "Oslo"}, "source": "met.no"}',
+            id="an-unknown-name-with-more-keys",
+        ),
+        pytest.param('{"name": "Ada Lovelace", "arguments": {"a": 1}}', id="a-name-no-tool-has"),
+        pytest.param('{"name": "weather", "arguments": [1, 2]}', id="arguments-not-an-object"),
         pytest.param('{"arguments": {"expr": "1 + 1"}}', id="no-name"),
         pytest.param('{"name": "search", "results": ["a", "b"]}', id="data-with-a-tool-name"),
         pytest.param('```json\n{"name": "Ada", "born": 1815}\n```', id="fenced-data"),
@@ -199,6 +204,57 @@ def test_an_invented_observation_or_a_broken_call_is_an_error(text: str, error: 
     assert read.calls == []
     assert read.error is not None
     assert read.error.startswith(error)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param('{"name": "weather", "arguments": {"city": "Oslo"}}', id="bare"),
+        pytest.param('{"tool": "weather", "args": "{\\"city\\": \\"Oslo\\"}"}', id="encoded"),
+        pytest.param(
+            'Let me check.\n```json\n{"type": "function", "function": {"name": "weather", '
+            '"arguments": "{\\"city\\": \\"Oslo\\"}"}}\n```',
+            id="openai-shape-fenced",
+        ),
+    ],
+)
+def test_a_plain_call_to_an_unknown_tool_is_a_call(text: str) -> None:
+    # Nothing but a name and arguments: the agent answers unknown_tool (and
+    # lists the tools on offer) instead of taking the object for the answer.
+    read = read_calls(text, OFFERED)
+
+    assert read.calls == [TextCall("weather", {"city": "Oslo"})]
+    assert read.error is None
+
+
+def test_without_tools_on_offer_an_object_is_never_a_call() -> None:
+    text = '{"name": "weather", "arguments": {"city": "Oslo"}}'
+
+    assert read_calls(text, frozenset()).calls == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        pytest.param(
+            'Calling it.\n{"name": "calculator", "description": "Evaluate arithmetic.", '
+            '"parameters": {"type": "object", "properties": {"expr": {"type": "string"}}}}',
+            id="bare",
+        ),
+        pytest.param(
+            '[{"type": "function", "function": {"name": "calculator", "description": "x", '
+            '"parameters": {"type": "object", "properties": {}}}}]',
+            id="as-offered",
+        ),
+    ],
+)
+def test_a_tool_description_the_model_echoed_is_an_error_not_a_call(text: str) -> None:
+    read = read_calls(text, OFFERED)
+
+    assert read.calls == []
+    assert read.error is not None
+    assert read.error.startswith("it holds the description of the tool calculator")
+    assert '{"name": "calculator", "arguments": {...}}' in read.error
 
 
 def test_a_tagged_call_to_an_unknown_tool_is_still_a_call() -> None:
