@@ -37,7 +37,9 @@ scheduling retries, so a wait begun just before it could end well past it;
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import ParamSpec, TypeAlias, TypeVar
 
@@ -50,6 +52,26 @@ _T = TypeVar("_T")
 
 RetryOn: TypeAlias = type[Exception] | tuple[type[Exception], ...] | Callable[[Exception], bool]
 """What is retried: exception types, or a predicate on the exception."""
+
+_scheduling: ContextVar[bool] = ContextVar("fleetbus_retry_scheduling", default=False)
+"""Set while :class:`Retry` asks stamina for its next attempt (when stamina's
+instrumentation hooks run)."""
+
+
+class _OwnRetries(logging.Filter):
+    """Keeps stamina's warning about each retry fleetbus schedules (a request
+    nobody answered yet, a store write refused) out of the logs of a program
+    that uses fleetbus, unless the ``fleetbus`` logger is at debug level:
+    fleetbus logs the failures that matter itself. Without this, a program
+    that configures no logging got ``stamina.retry_scheduled`` lines on its
+    stderr (Python's last-resort handler) whenever a worker restarted.
+    stamina's lines about the program's own retries are left alone."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _scheduling.get() or logging.getLogger("fleetbus").isEnabledFor(logging.DEBUG)
+
+
+logging.getLogger("stamina").addFilter(_OwnRetries())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -151,6 +173,7 @@ class Retry:
         failure: BaseException | None = None
         replay: BaseException | None = first
         while True:
+            scheduling = _scheduling.set(True)
             try:
                 async with asyncio.timeout_at(deadline):
                     attempt = await anext(retrying)  # waits before each retry
@@ -159,6 +182,8 @@ class Retry:
                     raise
                 last = failure
                 break
+            finally:
+                _scheduling.reset(scheduling)
             with attempt:
                 try:
                     if replay is not None:  # the first attempt, made in call()

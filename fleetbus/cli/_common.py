@@ -45,12 +45,8 @@ def setup_logging(verbose: int, log_format: str | None = None) -> None:
     _log_settings.update(
         FLEETBUS_LOG_LEVEL=logging.getLevelName(level).lower(), FLEETBUS_LOG_FORMAT=chosen
     )
-
-    # stamina logs every scheduled retry at warning level; fleetbus reports the
-    # failures that matter itself, so its retries show from -vv on.
-    logging.getLogger("stamina").setLevel(
-        logging.WARNING if level <= logging.DEBUG else logging.ERROR
-    )
+    # (stamina's line about each retry fleetbus schedules shows from -vv on:
+    # fleetbus._retry filters it below the debug level.)
 
 
 _log_settings: dict[str, str] = {}

@@ -160,3 +160,49 @@ def test_a_policy_without_a_limit_or_with_bad_values_is_refused() -> None:
         Retry(on=ConnectionError, attempts=0, backoff=0.1)
     with pytest.raises(ValueError, match="negative"):
         Retry(on=ConnectionError, attempts=2, backoff=-1.0)
+
+
+_PROGRAM = """
+import asyncio, logging, sys
+import stamina
+from fleetbus._retry import Retry
+
+async def main():
+    failures = [OSError("one"), OSError("two")]
+
+    async def flaky():
+        if failures:
+            raise failures.pop()
+        return "ok"
+
+    print(await Retry(on=OSError, attempts=3, backoff=0.001).call(flaky))
+    async for attempt in stamina.retry_context(on=OSError, attempts=2, wait_initial=0.001):
+        with attempt:
+            if attempt.num == 1:
+                raise OSError("the program's own")
+
+if sys.argv[1] == "debug":
+    logging.basicConfig(level=logging.DEBUG)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("logging_set_up", ["none", "debug"])
+def test_a_program_sees_fleetbus_retries_only_when_it_asks_for_fleetbus_debug_logs(
+    logging_set_up: str,
+) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _PROGRAM, logging_set_up],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+
+    assert done.stdout == "ok\n"
+    lines = [line for line in done.stderr.splitlines() if "stamina.retry_scheduled" in line]
+    # One line for the program's own retry; with debug logs, the two of fleetbus too.
+    assert len(lines) == (1 if logging_set_up == "none" else 3), done.stderr
