@@ -395,7 +395,8 @@ class Bus:
                 reply = await retry.call(send)
         except nats.errors.NoRespondersError as exc:
             raise NoRespondersError(
-                f"no responders on {subject} after {sent} attempt(s)",
+                f"{self.subjects.nobody_serves(subject)}; no responders on {subject} "
+                f"after {sent} attempt(s)",
                 subject=subject,
                 call_id=message.call_id,
             ) from exc

@@ -120,6 +120,22 @@ class Subjects:
         """The agent name in an inbox or control subject (its next-to-last token)."""
         return subject.rsplit(".", 2)[-2]
 
+    def nobody_serves(self, subject: str) -> str:
+        """Who is missing when nobody answers on ``subject``, for a person:
+        ``no agent 'x' is served with prefix 'fleet'``, ``no worker serves
+        the tool 'x' …``, ``no model worker serves 'x' …``."""
+        own = subject.startswith(self.prefix + ".")
+        tokens = subject[len(self.prefix) + 1 :].split(".") if own else []
+        where = f"with prefix {self.prefix!r}"
+        match tokens:
+            case ["agent", name, "inbox"]:
+                return f"no agent {name!r} is served {where}"
+            case ["tool", name]:
+                return f"no worker serves the tool {name!r} {where}"
+            case ["model", name]:
+                return f"no model worker serves {name!r} {where}"
+        return f"nobody serves {subject}"
+
     def topic_queue(self, agent_name: str) -> str:
         """Queue group in which the replicas of an agent observe topics, so
         one replica records each broadcast: ``agent.<name>.topics``."""

@@ -102,7 +102,8 @@ def test_mistakes_get_one_clear_line(
 def test_calling_a_tool_nobody_serves(nats_server: EmbeddedServer) -> None:
     code, out = run_cli("call", "ghost", "{}", "--nats", nats_server.url, "--prefix", "nobody")
     assert code == 1
-    assert "no responders on nobody.tool.ghost" in out
+    assert out.startswith("error: no worker serves the tool 'ghost' with prefix 'nobody'; ")
+    assert "no responders on nobody.tool.ghost after 3 attempt(s)" in " ".join(out.split())
 
 
 def test_server_runs_in_the_foreground_until_sigterm() -> None:

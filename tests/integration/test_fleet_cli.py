@@ -420,7 +420,7 @@ async def test_mistakes_are_one_clear_line(
     a_list.write_text('{"type": "array", "items": {"type": "string"}}')
     cases: list[tuple[list[str], str]] = [
         (["agent", "no.such:thing", *on_bus], "cannot import 'no.such'"),
-        (["ask", "nobody", "hi", *on_bus], f"no responders on {prefix}.agent.nobody.inbox"),
+        (["ask", "nobody", "hi", *on_bus], f"no agent 'nobody' is served with prefix '{prefix}'"),
         (["ask", "echo", "hi", "--session", "a b", *on_bus], "invalid session id 'a b'"),
         (["confirm", "unknown-session", "--allow", "x", *on_bus], "no session 'unknown-session'"),
         (["cancel", "unknown-session", *on_bus], "no session 'unknown-session'"),

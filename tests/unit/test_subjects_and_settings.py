@@ -141,3 +141,17 @@ def test_the_command_line_takes_the_replica_count(capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         parser.parse_args(["--js-replicas", "7"])
     assert "a replica count is 1 to 5, not '7'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("subject", "said"),
+    [
+        ("team.agent.ann.inbox", "no agent 'ann' is served with prefix 'team'"),
+        ("team.tool.calculator", "no worker serves the tool 'calculator' with prefix 'team'"),
+        ("team.model.local", "no model worker serves 'local' with prefix 'team'"),
+        ("team.topic.news", "nobody serves team.topic.news"),
+        ("other.tool.calculator", "nobody serves other.tool.calculator"),
+    ],
+)
+def test_nobody_serves_names_what_is_missing(subject: str, said: str) -> None:
+    assert Subjects("team").nobody_serves(subject) == said
