@@ -204,6 +204,12 @@ def add_sim_parser(sub: Any, bus_options: Any) -> None:
     )
     add_model_options(q)
     bus_options(q)
+    _reword(
+        q,
+        "nats",
+        "NATS server URL(s) of a running fleet (default: the run starts its own nats-server, "
+        "with JetStream in DIR/jetstream; $FLEETBUS_NATS_URL is not used)",
+    )
 
     q = sim.add_parser("host", help="serve a simulation's agents (one host process)")
     spec_options(q)
@@ -252,6 +258,15 @@ def add_model_worker_parser(
     )
     add_model_options(p, fallback=False)
     bus_options(p)
+
+
+def _reword(parser: argparse.ArgumentParser, dest: str, text: str) -> None:
+    """Give the option ``dest`` of ``parser`` another help text."""
+    for action in parser._actions:
+        if action.dest == dest:
+            action.help = text
+            return
+    raise AssertionError(f"no option {dest!r}")
 
 
 def _positive(text: str) -> int:
