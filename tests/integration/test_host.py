@@ -228,11 +228,9 @@ async def test_a_confirmation_for_a_session_that_does_not_exist_does_not_start_i
         store = await SessionStore.open(bus, owner="test")
         record = await store.get("ann", "nosuch")
         leases = await store.leases.keys("ann.>")
-    for answer, what in zip(answers, ["confirmation", "external result"], strict=True):
+    for answer, what in zip(answers, ["a confirmation", "an external result"], strict=True):
         assert isinstance(answer, FinalAnswer)
         assert answer.finished_reason == "error"
-        assert answer.content == (
-            f"Not resumed: agent ann has no session nosuch, so no call waits for this {what}."
-        )
+        assert answer.content == f"Nothing is waiting for {what}: agent ann has no session nosuch."
     assert record is None
     assert leases == []

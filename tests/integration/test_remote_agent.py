@@ -299,7 +299,7 @@ async def test_an_external_result_nothing_waits_for_is_said_in_english(
     async with serving(nats_server.url, prefix, echo()):
         idle = await RemoteAgent(bus, "echo", timeout=10).external_result("t9", 1)
     assert idle.finished_reason == "error"
-    assert idle.content == "Nothing is waiting for an external result."
+    assert str(idle.content).startswith("Nothing is waiting for an external result: agent echo")
 
 
 async def test_cancel_interrupts_the_running_reply(

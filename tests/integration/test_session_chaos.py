@@ -511,7 +511,7 @@ async def test_kills_in_the_first_model_call_and_in_tool_calls(
 ) -> None:
     """The replica of session m is killed while its first model call runs
     (1 s): the input is not lost. The replicas of sessions t and w are killed
-    while their tool runs (2 s, 8 s): the call is sent again with the same
+    while their tool runs (2 s, 10 s): the call is sent again with the same
     call_id and the tool runs once; w's tool still runs when the call comes
     again, so the worker joins the run."""
     store = await SessionStore.open(bus, owner="chaos-test")
@@ -520,7 +520,7 @@ async def test_kills_in_the_first_model_call_and_in_tool_calls(
         events, stop_events = await listen(bus, bus.subjects.all_events(AGENT))
         thinking, stop_thinking = await ask(bus, "job m 2 slow-model=1")
         acting, stop_acting = await ask(bus, "job t 2 slow-tool=2")
-        waiting, stop_waiting = await ask(bus, "job w 1 slow-tool=8")
+        waiting, stop_waiting = await ask(bus, "job w 1 slow-tool=10")
         asked = [thinking, acting, waiting]
 
         def in_first_model_call(record: SessionRecord) -> bool:
@@ -571,10 +571,11 @@ async def test_kills_in_the_first_model_call_and_in_tool_calls(
         assert len(sent) >= 2, sent  # sent again after the take-over...
         assert len({c.call_id for c in sent}) == 1  # ...with its call_id
         assert running.tool_runs()[session.job, 1] == 1
-    # w's call came again while its tool ran (8 s): the worker joined the run.
+    # w's call came again while its tool ran (10 s from after the first sending,
+    # so any time under 10 s is while it ran): the worker joined the run.
     times = [t for t, c in wire if c.session_id == waiting.session]
     print(f"w's call sent again {times[1] - times[0]:.1f} s after its first sending")
-    assert times[1] - times[0] < 7.5, times
+    assert times[1] - times[0] < 10.0, times
 
 
 async def test_replicas_killed_as_their_replies_end(

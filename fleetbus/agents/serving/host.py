@@ -926,12 +926,12 @@ def _nothing_waits(name: str, message: AnyMessage, session: str, why: str) -> Fi
     """The answer to a confirmation or external result for a session that
     does not exist: the reply it would resume is nowhere (as for a session
     that is not paused, the reply ends ``error``)."""
-    what = "confirmation" if isinstance(message, ConfirmResult) else "external result"
+    what = "a confirmation" if isinstance(message, ConfirmResult) else "an external result"
     return FinalAnswer(
         sender=name,
         session_id=session,
         call_id=message.call_id,
-        content=f"Not resumed: {why}, so no call waits for this {what}.",
+        content=f"Nothing is waiting for {what}: {why}.",
         finished_reason="error",
     )
 
