@@ -23,6 +23,7 @@ from rich.table import Table
 from fleetbus import logs
 from fleetbus._imports import import_named
 from fleetbus.agents import Agent, Permissions
+from fleetbus.agents.long_term_memory import STORE_TOOLS
 from fleetbus.agents.permissions import checked_confirmation, suggest_rules
 from fleetbus.agents.serving.host import AgentHost, AgentSource
 from fleetbus.agents.serving.remote import RemoteAgent
@@ -232,6 +233,8 @@ class PopulationSpec:
     async def with_remote_tools(self, client: ToolClient) -> list[str]:
         """Find the tools served on the bus; every agent built from now on has them."""
         found = await client.discover(timeout=1.0)
+        for name in STORE_TOOLS:  # the memory worker's own: never the model's
+            found.pop(name, None)
         self._remote = [RemoteToolProxy(spec, client) for spec in found.values()]
         self._remote_toolkit = None
         return sorted(found)
@@ -439,7 +442,9 @@ async def _add_remote_tools(bus: Bus, served: list[Agent] | PopulationSpec) -> N
             continue
         client = ToolClient(bus, sender=f"agent.{agent.name}")
         try:
-            added = await agent.toolkit.add_remote(client, timeout=1.0)
+            # Not the memory worker's own tools: they reach any agent's memory,
+            # and the model never gets them (it gets the long-term memory's).
+            added = await agent.toolkit.add_remote(client, timeout=1.0, exclude=STORE_TOOLS)
         except FleetbusError as exc:
             err_console.print(f"[yellow]no remote tools for {agent.name}: {exc}[/]")
             continue

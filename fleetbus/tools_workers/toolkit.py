@@ -9,7 +9,7 @@ served by workers. An agent uses both the same way.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -218,17 +218,19 @@ class Toolkit:
         *,
         group: str = "remote",
         timeout: float = 0.5,
+        exclude: Collection[str] = (),
     ) -> list[str]:
         """Add the tools served on the bus (all, or those named), discovered
         through ``client``; returns the names added. A name already in the
-        toolkit is kept as it is (local tools win).
+        toolkit is kept as it is (local tools win); a name in ``exclude`` is
+        not added (with ``names=None``).
 
         Raises:
             UnknownToolError: a named tool is not served by any worker.
             BusError: discovery failed.
         """
         found = await client.discover(timeout=timeout)
-        wanted = list(found) if names is None else list(names)
+        wanted = [n for n in found if n not in exclude] if names is None else list(names)
         missing = [n for n in wanted if n not in found]
         if missing:
             raise UnknownToolError(missing[0], list(found))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -209,3 +210,9 @@ async def test_a_fact_crosses_sessions_and_replicas_in_both_modes_and_a_worker_r
         assert "user: My locker code is 4711." in again
         recalled = await ask(bus, "chooser", "recall: Pixel", "after")
         assert "Ann's dog is named Pixel." in recalled
+
+        # What a replica said it serves names no tool of the store's (never offered).
+        procs[1].send_signal(signal.SIGTERM)
+        said = procs[1].communicate(timeout=30)[0].decode()
+        assert "serving" in said
+        assert "long_term_memory_" not in said, said
