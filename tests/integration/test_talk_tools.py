@@ -156,7 +156,7 @@ async def test_sending_to_an_unknown_agent_or_to_oneself_is_a_tool_error(
     errors = [results(request) for request in model.requests[1:]]
     assert [[r.state for r in rs] for rs in errors] == [["error"]] * 3
     unknown, myself, invalid = (str(rs[0].output) for rs in errors)
-    assert "the message to nobody was not delivered: no responders" in unknown
+    assert "the message to nobody was not delivered: no agent 'nobody' is served" in unknown
     assert "that is yourself" in myself
     assert "agent name" in invalid
 
