@@ -13,8 +13,8 @@ answer lists those sources::
 
 It runs offline: the model is a stand-in (a ``ScriptedModel`` that answers
 with the best passage it was shown), so what you see is what retrieval
-found. Give the agent a real model (``model=default_model()`` with
-``FLEETBUS_MODEL`` set) to have the passages read and answered from.
+found. With ``FLEETBUS_MODEL`` set (README: a model string, a local model
+included), that model reads the passages and answers from them.
 
 On the bus, the folder is served by a tool worker and the agent reaches it
 through its tool (any number of agents and replicas share one index)::
@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from fleetbus.agents import Agent, BusKnowledgeBase, KnowledgeBase
-from fleetbus.models import ModelRequest
+from fleetbus.models import ModelRequest, default_model
 from fleetbus.protocol import TextBlock
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers.knowledge import KnowledgeIndex
@@ -78,7 +78,8 @@ def answer_from_passages(request: ModelRequest) -> str:
 
 def agent(knowledge: KnowledgeBase) -> Agent:
     """The help desk, with the stand-in model."""
-    model = ScriptedModel([answer_from_passages], repeat_last=True, name="passage-reader")
+    stand_in = ScriptedModel([answer_from_passages], repeat_last=True, name="passage-reader")
+    model = default_model(otherwise=stand_in)  # FLEETBUS_MODEL's, when set
     return Agent("helpdesk", SYSTEM_PROMPT, model, knowledge=[knowledge])
 
 
@@ -96,15 +97,19 @@ async def main(questions: list[str], show_prompt: bool) -> int:
     console.print(f"indexed {stats.chunks} passages of {stats.files} files in {FOLDER}")
     desk = agent(index)
     model = desk.model
-    assert isinstance(model, ScriptedModel)
+    recorded = model if isinstance(model, ScriptedModel) else None
+    if show_prompt and recorded is None:
+        console.print(
+            "[dim]--show-prompt shows what the stand-in model was sent; unset FLEETBUS_MODEL[/]"
+        )
     for question in questions:
-        seen = len(model.requests)
+        seen = len(recorded.requests) if recorded is not None else 0
         final = await desk.reply(question)
         console.print(f"\n[bold]Q:[/] {escape(question)}")
         console.print(f"[bold]A:[/] {escape(str(final.content))}")
         console.print(f"[dim]sources: {escape(', '.join(final.sources) or 'none')}[/]")
-        if show_prompt:
-            for message in model.requests[seen].messages:
+        if show_prompt and recorded is not None:
+            for message in recorded.requests[seen].messages:
                 text = "".join(b.text for b in message.content if isinstance(b, TextBlock))
                 console.print(f"[dim]--- {message.role}:[/]\n{escape(text)}")
     return 0

@@ -14,7 +14,9 @@ and what it finds is shown to the model as a hint (printed below: what the
 model was sent); the exchange is recorded after the reply. In the agent mode
 the model gets ``record_to_memory`` and ``retrieve_from_memory`` and decides.
 Everything runs in this process with a rule-following stand-in for a model
-(a :class:`~fleetbus.testing.ScriptedModel` turn): no network, no API key.
+(a :class:`~fleetbus.testing.ScriptedModel` turn): no network, no API key;
+with ``FLEETBUS_MODEL`` set, that model answers instead (what it was sent is
+then not printed).
 
 On the bus, the memory is a worker that every replica of the agent shares,
 and it keeps what it learned across restarts::
@@ -41,7 +43,7 @@ from typing import get_args
 
 from fleetbus import Agent
 from fleetbus.agents import BusMemory, LongTermMemory, LongTermMemoryConfig, LongTermMemoryMode
-from fleetbus.models import ModelRequest, ModelResponse
+from fleetbus.models import ModelRequest, ModelResponse, default_model
 from fleetbus.protocol import ChatMessage, TextBlock, ToolResultBlock, UserRequest
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers.memory import SQLiteMemory
@@ -97,7 +99,7 @@ def think(request: ModelRequest) -> ModelResponse | str:
 
 def agent(memory: LongTermMemory, mode: LongTermMemoryMode = "static") -> Agent:
     """The agent, with ``memory`` used in ``mode``."""
-    model = ScriptedModel([think], repeat_last=True)
+    model = default_model(otherwise=ScriptedModel([think], repeat_last=True))
     return Agent(
         "rememberer",
         "You help, and remember what users tell you.",
@@ -111,7 +113,7 @@ def served() -> Agent:
     """The agent served by ``fleetbus agent examples.long_term_memory:served``:
     the memory worker on the bus, one memory for every asker (``fleetbus ask``
     names no user)."""
-    model = ScriptedModel([think], repeat_last=True)
+    model = default_model(otherwise=ScriptedModel([think], repeat_last=True))
     return Agent(
         "rememberer",
         "You help, and remember what users tell you.",
@@ -127,24 +129,24 @@ async def main(mode: LongTermMemoryMode) -> None:
         store = SQLiteMemory(Path(folder) / "memory.db")
         definition = agent(store, mode)
         model = definition.model
-        assert isinstance(model, ScriptedModel)
-        print(f"long-term memory: {store.path} ({mode} mode)")
+        recorded = model if isinstance(model, ScriptedModel) else None
+        print(f"long-term memory: {store.path} ({mode} mode, model {model.name})")
         for user, session, text in [
             ("ann", "monday", "My sister's name is Clara and she lives in Porto."),
             ("ann", "tuesday", "What is my sister's name?"),
             ("bob", "wednesday", "What is my sister's name?"),
         ]:
-            sent = len(model.requests)
+            sent = len(recorded.requests) if recorded is not None else 0
             request = UserRequest(content=text, session_id=session, metadata={"user_id": user})
             # A fresh session each time: nothing of the earlier ones in its conversation.
             answer = await definition.clone().reply(request)
             print(f"\n[{session}] {user}: {text}")
-            calls = model.requests[sent:]
-            for message in calls[0].messages:
+            calls = recorded.requests[sent:] if recorded is not None else []
+            for message in calls[0].messages if calls else []:
                 if HINT in _text(message):
                     shown = _text(message).replace("\n", "\n    ")
                     print(f"  the model was sent (with each of its {len(calls)} call(s)): {shown}")
-            for block in (b for m in calls[-1].messages for b in m.content):
+            for block in (b for m in calls[-1:] for c in m.messages for b in c.content):
                 if isinstance(block, ToolResultBlock):
                     output = str(block.output).replace("\n", "\n    ")
                     print(f"  {block.name} -> {output}")

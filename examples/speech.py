@@ -2,7 +2,8 @@
 streams, then the same answer once more, whole, at the end of the reply.
 
 The model is a scripted one (no network, no API key) streaming its answer in
-small pieces, as a real model does; the speech is espeak-ng's
+small pieces, as a real model does, or ``FLEETBUS_MODEL``'s when it is set;
+the speech is espeak-ng's
 (``bash scripts/ensure-espeak.sh`` installs it). The files go to a folder,
 and each is measured with the ``wave`` module::
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from fleetbus import Agent
 from fleetbus.agents import SpeakReply, Utterance
 from fleetbus.errors import ConfigError
-from fleetbus.models import EspeakSpeech
+from fleetbus.models import EspeakSpeech, default_model
 from fleetbus.testing import ScriptedModel
 
 ANSWER = (
@@ -44,7 +45,7 @@ async def speak(folder: Path, player: str | None) -> None:
         middleware = SpeakReply(
             speech, folder=folder / mode, player=player, mode=mode, on_spoken=spoken.append
         )
-        model = ScriptedModel([ANSWER], chunk_size=7)
+        model = default_model(otherwise=ScriptedModel([ANSWER], chunk_size=7))
         agent = Agent("guide", "You explain the sea.", model, middlewares=[middleware])
         final = await agent.reply("Tell me about tides.", session_id="tides")
         print(f"{mode}: the reply {final.finished_reason}; {len(spoken)} WAV file(s):")

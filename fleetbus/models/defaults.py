@@ -26,8 +26,14 @@ def _configured() -> str:
     return os.environ.get("FLEETBUS_MODEL", "").strip()
 
 
-def default_model(settings: ModelSettings | None = None, *, bus: Bus | None = None) -> ChatModel:
-    """The model ``FLEETBUS_MODEL`` names (a model string), else :class:`OfflineModel`.
+def default_model(
+    settings: ModelSettings | None = None,
+    *,
+    bus: Bus | None = None,
+    otherwise: ChatModel | None = None,
+) -> ChatModel:
+    """The model ``FLEETBUS_MODEL`` names (a model string), else ``otherwise``
+    (default: :class:`OfflineModel`).
 
     A bare name in ``FLEETBUS_MODEL`` (``gpt-4o-mini``) is an OpenAI-compatible
     model when ``OPENAI_BASE_URL`` or ``OPENAI_API_KEY`` is set.
@@ -35,6 +41,8 @@ def default_model(settings: ModelSettings | None = None, *, bus: Bus | None = No
     Args:
         settings: the model's settings (default: ``FLEETBUS_MODEL_*``).
         bus: the bus of a ``bus:NAME`` model (else bound later).
+        otherwise: the model when ``FLEETBUS_MODEL`` is not set (an example's
+            scripted stand-in, say).
 
     Raises:
         ConfigError: ``FLEETBUS_MODEL`` names a model that cannot be configured
@@ -43,7 +51,7 @@ def default_model(settings: ModelSettings | None = None, *, bus: Bus | None = No
     """
     text = _configured()
     if not text:
-        return OfflineModel()
+        return otherwise if otherwise is not None else OfflineModel()
     try:
         return model_from_string(text, settings, bus=bus)
     except ConfigError as exc:

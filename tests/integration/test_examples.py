@@ -4,6 +4,7 @@ project root), finish, and leave nothing running."""
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -150,3 +151,43 @@ def test_the_planner() -> None:
     assert "A human would be asked here" in out
     assert re.search(r"^notes/plan\.md now holds: .*meeting at 3", out, re.M), out
     assert not is_running(server_pid(out))
+
+
+def test_the_knowledge_base_answers_from_the_passages_with_their_sources() -> None:
+    out = " ".join(run_example("examples/knowledge_base.py", "Do you ship to Canada?").split())
+
+    assert "A: We ship to the European Union, the United Kingdom, Canada" in out
+    assert "sources: shipping.md:8-11 (Shipping > International)" in out
+
+
+def test_the_long_term_memory_carries_a_fact_to_the_next_session_of_its_user() -> None:
+    out = run_example("examples/long_term_memory.py")
+
+    assert (
+        "[tuesday] rememberer: You told me before: My sister's name is Clara and she lives "
+        "in Porto." in out
+    )
+    assert "[wednesday] rememberer: I do not know that yet." in out
+
+
+@pytest.mark.parametrize(
+    ("example", "said"),
+    [
+        (["examples/knowledge_base.py", "Do you ship to Canada?"], "A: The model says so."),
+        (["examples/long_term_memory.py"], "[tuesday] rememberer: The model says so."),
+    ],
+    ids=["knowledge_base", "long_term_memory"],
+)
+def test_an_example_uses_the_model_fleetbus_model_names(example: list[str], said: str) -> None:
+    from tests.openai_server import FakeOpenAIServer, completion
+
+    with FakeOpenAIServer(fallback=completion("The model says so.")) as server:
+        env = {"FLEETBUS_MODEL": "openai:local-model", "OPENAI_BASE_URL": server.url}
+        out = " ".join(run_example(*example, env=env).split())
+        bodies = server.bodies
+
+    assert said in out
+    assert bodies
+    assert {body["model"] for body in bodies} == {"local-model"}
+    if example[0].endswith("knowledge_base.py"):  # the passages went to the model
+        assert "shipping.md" in json.dumps(bodies[0]["messages"])
