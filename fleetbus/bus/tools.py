@@ -16,11 +16,13 @@ import asyncio
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
 
+from fleetbus._retry import Retry
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.micro import EndpointInfo, discover
 from fleetbus.bus.store import ObjectStore, object_store
@@ -28,12 +30,14 @@ from fleetbus.errors import (
     BusError,
     ConfigError,
     KeyNotFoundError,
+    NoRespondersError,
     ProtocolError,
     RemoteError,
     StoreError,
     UnexpectedMessageError,
 )
 from fleetbus.protocol import (
+    AnyMessage,
     Cancel,
     DataBlock,
     ErrorDetail,
@@ -256,6 +260,10 @@ class ToolClient:
             (the worker needs a moment to answer a timeout itself).
         cancel_timeout: seconds sending a ``cancel`` may take.
         store_timeout: seconds reading a result stored by reference may take.
+        worker_wait: seconds a call of a discovered tool (an agent's remote
+            tool, :class:`~fleetbus.tools_workers.RemoteToolProxy`) waits for a
+            worker when none serves it: its worker may be restarting. A
+            direct :meth:`call` waits only if asked to.
     """
 
     def __init__(
@@ -268,6 +276,7 @@ class ToolClient:
         reply_grace: float = 1.0,
         cancel_timeout: float = 1.0,
         store_timeout: float = 30.0,
+        worker_wait: float = 10.0,
     ) -> None:
         self._bus = bus
         self.sender = sender or bus.client_name
@@ -275,6 +284,7 @@ class ToolClient:
         self.attempts = attempts
         self.reply_grace = reply_grace
         self.cancel_timeout = cancel_timeout
+        self.worker_wait = worker_wait
         self.results = ResultStore(bus, timeout=store_timeout)
 
     async def call(
@@ -287,6 +297,7 @@ class ToolClient:
         timeout: float | None = None,
         attempts: int | None = None,
         agent: bool = False,
+        worker_wait: float = 0.0,
     ) -> ToolResult:
         """Call a tool and return its ``tool_result``.
 
@@ -296,6 +307,12 @@ class ToolClient:
         ``timeout`` is how long the tool may run (sent with the call); when
         ``None`` the worker applies the tool's own timeout, or its default,
         and the reply is awaited for the client's ``timeout``.
+
+        ``worker_wait``: seconds to wait for a worker when none serves the
+        tool (its one worker restarting, say): the call is sent again, with
+        growing waits, until one answers or the time is up. 0 (the default):
+        ``NoRespondersError`` after the ``attempts``, as for a tool nobody
+        has ever served.
 
         A tool that fails, times out or rejects its parameters is a result
         with that ``status``, not an exception. So is a result stored by
@@ -328,13 +345,27 @@ class ToolClient:
             timeout=timeout,
         )
         subjects = self._bus.subjects
-        try:
-            reply = await self._bus.request(
-                subjects.agent_inbox(tool_name) if agent else subjects.tool(tool_name),
+        subject = subjects.agent_inbox(tool_name) if agent else subjects.tool(tool_name)
+
+        async def send() -> AnyMessage:
+            return await self._bus.request(
+                subject,
                 call,
                 timeout=(self.timeout if timeout is None else timeout) + self.reply_grace,
                 attempts=self.attempts if attempts is None else attempts,
             )
+
+        try:
+            if worker_wait > 0:
+                reply = await Retry(
+                    on=_nobody_serves(tool_name, worker_wait, call),
+                    attempts=None,
+                    backoff=0.1,
+                    max_backoff=1.0,
+                    timeout=worker_wait,
+                ).call(send)
+            else:
+                reply = await send()
         except asyncio.CancelledError as exc:
             if not agent:
                 await self._cancel(call, str(exc) or _CANCELLED_REASON)
@@ -413,6 +444,27 @@ class ToolClient:
                         worker_ids=(*known.worker_ids, worker_id),
                     )
         return dict(sorted(tools.items()))
+
+
+def _nobody_serves(tool_name: str, wait: float, call: ToolCall) -> Callable[[Exception], bool]:
+    """What a call waiting for a worker retries: no responders (said once, in the log)."""
+    told = False
+
+    def retry(exc: Exception) -> bool:
+        nonlocal told
+        if not isinstance(exc, NoRespondersError):
+            return False
+        if not told:
+            told = True
+            logger.info(
+                "no worker serves %s; waiting up to %g s for one",
+                tool_name,
+                wait,
+                extra={"call_id": call.call_id, "session_id": call.session_id},
+            )
+        return True
+
+    return retry
 
 
 def _remote_tool(endpoint: EndpointInfo, worker_id: str) -> RemoteTool:

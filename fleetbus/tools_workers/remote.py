@@ -19,6 +19,9 @@ class RemoteToolProxy:
     what happens to the call. A call no worker answers (after the client's
     retries) is an ``error`` outcome saying so; the ``call_id`` is passed
     through, so a retry of the same call is answered from the worker's record.
+    The tool was served when it was discovered: a call that finds no worker
+    waits for one (a worker restarting) for the client's ``worker_wait``
+    seconds before it fails.
 
     Args:
         remote: the tool as discovered.
@@ -64,6 +67,7 @@ class RemoteToolProxy:
                 call_id=call_id,
                 session_id=session_id,
                 timeout=timeout if timeout is not None else self.timeout,
+                worker_wait=self.client.worker_wait,
             )
         except BusError as exc:
             message = f"{self.name} could not be called: {exc}"

@@ -74,18 +74,47 @@ async def test_a_remote_tool_whose_workers_are_gone_is_an_error_result(
     with workers(nats_server.url, bus.prefix, 1, spec=SPEC):
         await wait_for_workers(bus, "echo", 1)
         toolkit = Toolkit()
-        await toolkit.add_remote(ToolClient(bus, attempts=2, reply_grace=0.1), ["echo"])
-    # The worker stopped: the proxy stays, the call finds no responders.
+        client = ToolClient(bus, attempts=2, reply_grace=0.1, worker_wait=0.5)
+        await toolkit.add_remote(client, ["echo"])
+    # The worker stopped: the proxy stays, the call waits 0.5 s for a worker, then
+    # finds no responders.
     model = ScriptedModel(
         [ScriptedModel.call("echo", {"text": "anyone?"}), ScriptedModel.text("no")]
     )
     agent = Agent("a", "", model, toolkit=toolkit)
+    started = asyncio.get_running_loop().time()
     final = await agent.reply("go")
+    waited = asyncio.get_running_loop().time() - started
     assert final.content == "no"
     seen = model.requests[1].messages[-1].content[0]
     assert isinstance(seen, ToolResultBlock)
     assert seen.state == "error"
-    assert "no responders" in seen.output
+    assert "no worker serves the tool 'echo'" in seen.output
+    assert waited >= 0.4  # it waited for a worker before failing
+
+
+async def test_a_remote_tool_call_waits_for_its_restarting_worker(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    with workers(nats_server.url, bus.prefix, 1, spec=SPEC):
+        await wait_for_workers(bus, "echo", 1)
+        toolkit = Toolkit()
+        await toolkit.add_remote(ToolClient(bus), ["echo"])
+    # Its one worker is gone; a call now waits (ToolClient.worker_wait, 10 s)
+    # and is answered by the worker that starts meanwhile.
+    model = ScriptedModel(
+        [ScriptedModel.call("echo", {"text": "anyone?"}), ScriptedModel.text("answered")]
+    )
+    agent = Agent("a", "", model, toolkit=toolkit)
+    replying = asyncio.create_task(agent.reply("go"))
+    await asyncio.sleep(0.5)
+    assert not replying.done()
+    with workers(nats_server.url, bus.prefix, 1, spec=SPEC):
+        final = await asyncio.wait_for(replying, 30)
+    assert final.content == "answered"
+    seen = model.requests[1].messages[-1].content[0]
+    assert isinstance(seen, ToolResultBlock)
+    assert seen.state == "success", seen.output
 
 
 async def test_adding_a_tool_nobody_serves_is_refused(bus: Bus) -> None:

@@ -192,7 +192,7 @@ async def good_tool_call(bus: Bus) -> None:
 
 async def good_user_request(bus: Bus) -> None:
     request = UserRequest(content="hello")
-    reply = await bus.nc.request(bus.subjects.agent_inbox("fuzz"), encode(request), timeout=5)
+    reply = await bus.nc.request(bus.subjects.agent_inbox("fuzz"), encode(request), timeout=30)
     answer = decode(reply.data)
     assert isinstance(answer, FinalAnswer), answer
     assert answer.finished_reason == "completed", answer
@@ -473,7 +473,7 @@ async def test_stats_still_answer_after_a_read_file_with_a_huge_path(
 ) -> None:
     call = ToolCall(call_id="c-big", tool_name="read_file", parameters={"path": "a" * 1_047_000})
     reply = decode(
-        (await bus.nc.request(bus.subjects.tool("read_file"), encode(call), timeout=5)).data
+        (await bus.nc.request(bus.subjects.tool("read_file"), encode(call), timeout=30)).data
     )
     assert isinstance(reply, ToolResult)
     assert reply.error_detail is not None
@@ -490,7 +490,9 @@ async def test_a_reply_too_large_for_the_ids_it_echoes_is_still_answered(
     call = ToolCall(call_id="c" * (MAX_PAYLOAD - 300), tool_name="calculator", parameters={})
     payload = encode(call)
     assert len(payload) <= MAX_PAYLOAD
-    reply = decode((await bus.nc.request(bus.subjects.tool("calculator"), payload, timeout=5)).data)
+    reply = decode(
+        (await bus.nc.request(bus.subjects.tool("calculator"), payload, timeout=30)).data
+    )
     assert isinstance(reply, ErrorMessage), reply
     assert reply.code == "internal"
     assert reply.call_id is None
@@ -507,7 +509,7 @@ async def test_the_replay_record_is_bounded_in_bytes(bus: Bus) -> None:
     calls = [ToolCall(call_id=f"{i}-" + "c" * 200_000, tool_name="ok") for i in range(12)]
 
     async def call(message: ToolCall) -> None:
-        reply = await bus.nc.request(bus.subjects.tool("ok"), encode(message), timeout=5)
+        reply = await bus.nc.request(bus.subjects.tool("ok"), encode(message), timeout=30)
         assert isinstance(decode(reply.data), ToolResult)
 
     async with asyncio.TaskGroup() as tg:
@@ -556,7 +558,7 @@ async def test_an_agent_answers_a_message_nested_deeper_than_it_stores_malformed
         request = UserRequest(content="hi", metadata={"a": metadata})
         reply = decode(
             (
-                await bus.nc.request(bus.subjects.agent_inbox("deep"), encode(request), timeout=5)
+                await bus.nc.request(bus.subjects.agent_inbox("deep"), encode(request), timeout=30)
             ).data
         )
         assert isinstance(reply, ErrorMessage), reply
@@ -564,7 +566,7 @@ async def test_an_agent_answers_a_message_nested_deeper_than_it_stores_malformed
         assert "128 levels" in reply.message
         good = UserRequest(content="hi")
         answer = decode(
-            (await bus.nc.request(bus.subjects.agent_inbox("deep"), encode(good), timeout=5)).data
+            (await bus.nc.request(bus.subjects.agent_inbox("deep"), encode(good), timeout=30)).data
         )
         assert isinstance(answer, FinalAnswer)
         assert answer.content == "never used"
