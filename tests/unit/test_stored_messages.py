@@ -1,0 +1,49 @@
+"""Messages restored from their stored form are the messages stored: equal,
+as pydantic models that copy, dump and convert like any other, and a
+malformed stored message is a clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetbus.agents import Msg
+from fleetbus.agents.messages import stored_messages
+from fleetbus.protocol import DataBlock, TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock
+
+MEMORY = [
+    Msg(role="user", content=[TextBlock(text="hi")], name="ann", metadata={"user_id": "ann"}),
+    Msg(
+        role="assistant",
+        content=[
+            ThinkingBlock(thinking="a tool"),
+            ToolUseBlock(id="c1", name="calc", input={"expr": "1+1"}),
+        ],
+    ),
+    Msg(role="tool", name="calc", content=[ToolResultBlock(id="c1", name="calc", output=2)]),
+    Msg(
+        role="user",
+        content=[DataBlock(url="https://x.y/a.png", media_type="image/png")],
+        marks=frozenset({"observed"}),
+    ),
+]
+
+
+def test_restored_messages_equal_and_behave_like_the_stored_ones() -> None:
+    stored = [m.model_dump(mode="json") for m in MEMORY]
+
+    restored = stored_messages(stored)
+
+    assert restored == MEMORY
+    assert [m.model_dump(mode="json") for m in restored] == stored
+    assert all(m.model_fields_set == set(Msg.model_fields) for m in restored)
+    assert [m.to_chat() for m in restored] == [m.to_chat() for m in MEMORY]
+    renamed = restored[0].model_copy(update={"name": "bob"})
+    assert (renamed.name, restored[0].name) == ("bob", "ann")
+    assert restored[3].marked("hint").marks == {"observed", "hint"}
+    with pytest.raises(Exception, match="frozen"):
+        restored[0].name = "eve"  # type: ignore[misc]
+
+
+def test_a_malformed_stored_message_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"invalid stored messages: .*role"):
+        stored_messages([{"role": "nobody", "content": []}])
