@@ -68,19 +68,31 @@ async def test_local_and_remote_tools_are_used_the_same_way(
     assert (tmp_path / f"from-agent.{record['pid']}.done").exists()
 
 
-async def test_a_remote_tool_whose_workers_are_gone_is_an_error_result(
-    nats_server: EmbeddedServer, bus: Bus
-) -> None:
+async def with_echo_unserved(nats_server: EmbeddedServer, bus: Bus, client: ToolClient) -> Toolkit:
+    """A toolkit with the remote tool ``echo``, found while a worker served
+    it; that worker has stopped since."""
     with workers(nats_server.url, bus.prefix, 1, spec=SPEC):
         await wait_for_workers(bus, "echo", 1)
         toolkit = Toolkit()
-        client = ToolClient(bus, attempts=2, reply_grace=0.1, worker_wait=0.5)
         await toolkit.add_remote(client, ["echo"])
+    return toolkit
+
+
+def calling_echo_then(answer: str) -> ScriptedModel:
+    """A model that calls ``echo``, then answers ``answer``."""
+    return ScriptedModel(
+        [ScriptedModel.call("echo", {"text": "anyone?"}), ScriptedModel.text(answer)]
+    )
+
+
+async def test_a_remote_tool_whose_workers_are_gone_is_an_error_result(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    client = ToolClient(bus, attempts=2, reply_grace=0.1, worker_wait=0.5)
+    toolkit = await with_echo_unserved(nats_server, bus, client)
     # The worker stopped: the proxy stays, the call waits 0.5 s for a worker, then
     # finds no responders.
-    model = ScriptedModel(
-        [ScriptedModel.call("echo", {"text": "anyone?"}), ScriptedModel.text("no")]
-    )
+    model = calling_echo_then("no")
     agent = Agent("a", "", model, toolkit=toolkit)
     started = asyncio.get_running_loop().time()
     final = await agent.reply("go")
@@ -96,15 +108,10 @@ async def test_a_remote_tool_whose_workers_are_gone_is_an_error_result(
 async def test_a_remote_tool_call_waits_for_its_restarting_worker(
     nats_server: EmbeddedServer, bus: Bus
 ) -> None:
-    with workers(nats_server.url, bus.prefix, 1, spec=SPEC):
-        await wait_for_workers(bus, "echo", 1)
-        toolkit = Toolkit()
-        await toolkit.add_remote(ToolClient(bus), ["echo"])
+    toolkit = await with_echo_unserved(nats_server, bus, ToolClient(bus))
     # Its one worker is gone; a call now waits (ToolClient.worker_wait, 10 s)
     # and is answered by the worker that starts meanwhile.
-    model = ScriptedModel(
-        [ScriptedModel.call("echo", {"text": "anyone?"}), ScriptedModel.text("answered")]
-    )
+    model = calling_echo_then("answered")
     agent = Agent("a", "", model, toolkit=toolkit)
     replying = asyncio.create_task(agent.reply("go"))
     await asyncio.sleep(0.5)

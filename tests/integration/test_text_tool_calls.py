@@ -73,6 +73,13 @@ def ask(text: str = "What is 17 * 23 + 4?", **kwargs: Any) -> ModelRequest:
     )
 
 
+def calculating(model: OpenAIChatModel) -> fleetbus.Agent:
+    """An agent with the calculator, on ``model``, which it does not retry."""
+    return fleetbus.Agent(
+        "calc", "You compute.", model, toolkit=Toolkit([calculator]), model_config=NO_RETRY
+    )
+
+
 def shown(deltas: list[ModelStreamItem]) -> str:
     return "".join(d.text for d in deltas if isinstance(d, TextDelta))
 
@@ -239,9 +246,7 @@ async def test_an_agent_runs_a_call_written_as_text_and_answers_with_its_result(
     server: FakeOpenAIServer, model: OpenAIChatModel
 ) -> None:
     server.add(completion(FENCED), completion("17 * 23 + 4 = 395."))
-    agent = fleetbus.Agent(
-        "calc", "You compute.", model, toolkit=Toolkit([calculator]), model_config=NO_RETRY
-    )
+    agent = calculating(model)
 
     final = await asyncio.wait_for(agent.reply("What is 17 * 23 + 4?"), timeout=10)
 
@@ -276,9 +281,7 @@ async def test_a_text_call_to_a_tool_not_on_offer_gets_unknown_tool_not_the_answ
         completion('```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```'),
         completion("I have no weather tool; 17 * 23 + 4 is what I can compute."),
     )
-    agent = fleetbus.Agent(
-        "calc", "You compute.", model, toolkit=Toolkit([calculator]), model_config=NO_RETRY
-    )
+    agent = calculating(model)
 
     final = await asyncio.wait_for(agent.reply("Weather in Oslo?"), timeout=10)
 
@@ -298,9 +301,7 @@ async def test_a_model_that_keeps_writing_calls_as_text_is_switched_to_the_text_
         completion('<tool_call>{"name": "calculator", "arguments": {"expr": "395 * 2"}}'),
         completion('{"answer": "395, and twice that is 790."}'),
     )
-    agent = fleetbus.Agent(
-        "calc", "You compute.", model, toolkit=Toolkit([calculator]), model_config=NO_RETRY
-    )
+    agent = calculating(model)
 
     final = await asyncio.wait_for(agent.reply("17 * 23 + 4, and twice that?"), timeout=10)
 
@@ -331,9 +332,7 @@ async def test_a_native_call_in_the_conversation_keeps_native_tools(
         completion('{"name": "calculator", "arguments": {"expr": "6 + 395"}}'),
         completion("401"),
     )
-    agent = fleetbus.Agent(
-        "calc", "You compute.", model, toolkit=Toolkit([calculator]), model_config=NO_RETRY
-    )
+    agent = calculating(model)
 
     final = await asyncio.wait_for(agent.reply("Add it all up."), timeout=10)
 
@@ -346,9 +345,7 @@ async def test_an_invented_observation_is_shown_back_and_the_model_corrects_itse
     server: FakeOpenAIServer, model: OpenAIChatModel
 ) -> None:
     server.add(completion(INVENTED), completion(FENCED), completion("It is 395."))
-    agent = fleetbus.Agent(
-        "calc", "You compute.", model, toolkit=Toolkit([calculator]), model_config=NO_RETRY
-    )
+    agent = calculating(model)
 
     final = await asyncio.wait_for(agent.reply("What is 17 * 23 + 4?"), timeout=10)
 
@@ -374,9 +371,7 @@ async def test_in_the_text_protocol_an_invented_observation_gets_a_format_remind
     text = config.model_copy(update={"native_tools": "off"})
 
     async with OpenAIChatModel("fake-model", base_url=server.url, config=text) as m:
-        agent = fleetbus.Agent(
-            "calc", "You compute.", m, toolkit=Toolkit([calculator]), model_config=NO_RETRY
-        )
+        agent = calculating(m)
         final = await asyncio.wait_for(agent.reply("What is 17 * 23 + 4?"), timeout=10)
 
     assert final.content == "395"
@@ -394,9 +389,7 @@ async def test_a_model_that_only_invents_observations_ends_the_reply_with_an_err
     strict = config.model_copy(update={"format_retries": 1})
 
     async with OpenAIChatModel("fake-model", base_url=server.url, config=strict) as m:
-        agent = fleetbus.Agent(
-            "calc", "You compute.", m, toolkit=Toolkit([calculator]), model_config=NO_RETRY
-        )
+        agent = calculating(m)
         final = await asyncio.wait_for(agent.reply("What is 17 * 23 + 4?"), timeout=10)
 
     assert final.finished_reason == "error"
@@ -448,9 +441,7 @@ async def test_a_step_the_model_wrote_wrong_is_shown_to_a_person_as_a_warning_no
     from fleetbus.cli.render import ReplyPrinter
 
     server.add(completion(INVENTED), completion("17 * 23 + 4 = 395."))
-    agent = fleetbus.Agent(
-        "calc", "You compute.", model, toolkit=Toolkit([calculator]), model_config=NO_RETRY
-    )
+    agent = calculating(model)
     console = Console(record=True, width=200, file=io.StringIO())
     printer = ReplyPrinter(console)
 
