@@ -57,6 +57,7 @@ __all__ = [
     "loads_value",
     "new_call_id",
     "read_calls",
+    "without_spans",
 ]
 
 TEXT_CALL_PREFIX = "call_text_"
@@ -144,7 +145,7 @@ def read_calls(text: str, offered: Collection[str]) -> ReadText:
                 "its parameters describe"
             )
     if calls:
-        return ReadText(calls=calls, prose=_without(body, spans))
+        return ReadText(calls=calls, prose=without_spans(body, spans))
     if error is not None:
         return ReadText(prose=text, error=error)
     if observed is not None:
@@ -374,11 +375,18 @@ def _with_arguments(name: str, arguments: Any) -> TextCall:
     return TextCall(name, raw_arguments=json.dumps(arguments, ensure_ascii=False))
 
 
-def _without(text: str, spans: list[tuple[int, int]]) -> str:
-    """``text`` with ``spans`` cut out, and the fences left empty by it."""
+def without_spans(text: str, spans: list[tuple[int, int]]) -> str:
+    """``text`` with ``spans`` cut out, with the braces right around each (a
+    chat template that doubles them leaks ``{{…}}}``: the call is read from
+    the inner object, and its extra braces are no prose), and the fences
+    left empty by it."""
     parts: list[str] = []
     last = 0
     for start, end in sorted(spans):
+        while start > last and text[start - 1] == "{":
+            start -= 1
+        while end < len(text) and text[end] == "}":
+            end += 1
         parts.append(text[last:start])
         last = end
     parts.append(text[last:])

@@ -149,7 +149,7 @@ def parse_action(text: str, *, must_call: bool = False) -> Action:
         if action.error is not None:
             error = action.error
             continue
-        prose = _NOISE.sub("", text[:start] + text[end:]).strip()
+        prose = _NOISE.sub("", tc.without_spans(text, [(start, end)])).strip()
         return Action(action.tool, action.arguments, action.answer, prose)
     if error is not None:
         return Action(error=error)

@@ -355,3 +355,30 @@ def test_format_errors_are_shown_to_a_native_request_as_text_and_a_reminder() ->
     )
     assert len(shown) == 3
     assert format_errors_as_text(messages[:1], OFFERED) == messages[:1]
+
+
+@pytest.mark.parametrize(
+    ("text", "prose"),
+    [
+        pytest.param(
+            '{"name": "calculator", "arguments": {"expr": "1"}}}', "", id="one-more-brace"
+        ),
+        pytest.param(
+            'Now: {{"name": "calculator", "arguments": {"expr": "1"}}} ok', "Now:  ok", id="doubled"
+        ),
+    ],
+)
+def test_the_braces_a_template_leaks_around_a_call_are_not_prose(text: str, prose: str) -> None:
+    read = read_calls(text, OFFERED)
+
+    assert read.calls == [TextCall("calculator", {"expr": "1"})]
+    assert read.prose == prose
+
+
+@pytest.mark.parametrize(
+    "text", ['{"answer": "It is 4."}}', '{{"answer": "It is 4."}}}'], ids=["one-more", "doubled"]
+)
+def test_in_the_text_protocol_leaked_braces_are_no_thought(text: str) -> None:
+    action = parse_action(text)
+
+    assert (action.answer, action.prose) == ("It is 4.", "")
