@@ -75,8 +75,8 @@ class TokenCounter(Protocol):
 def _json_text(value: Any) -> str:
     if isinstance(value, str):
         return value
-    if not value:
-        return "null" if value is None else json.dumps(value)
+    if value is None:
+        return "null"
     try:
         return msgspec.json.encode(value).decode()
     except (TypeError, msgspec.EncodeError):
