@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from collections.abc import Container, Iterator
@@ -310,7 +309,9 @@ class ModelCalls:
         last = self._specs_tokens
         if last is not None and last[0] == specs:
             return last[1]
-        text = json.dumps([msgspec.to_builtins(s) for s in specs])
+        # msgspec's encoder: json.dumps of the specs as builtins was 4 % of a
+        # reply of one tool call, every reply (this cache lives for one reply).
+        text = msgspec.json.encode(specs).decode()
         tokens: int = counter.count_text(text)
         self._specs_tokens = (specs, tokens)
         return tokens
