@@ -45,7 +45,8 @@ class ReplyScope:
         state: the agent's live state (updated in place).
         reply: the reply in progress (already in ``state.reply``).
         structured_model: the pydantic model of a structured answer, if any.
-        emit: receives every event as it happens.
+        emit: receives every event as it happens (``None``: nobody reads
+            them; they are made only for the middleware that watches them).
         demand: awaited before each model call and each tool call; returns
             once whoever reads the events has read them all and waits for
             more (a reader that left stops the reply from starting anything).
@@ -59,7 +60,7 @@ class ReplyScope:
         reply: ReplyState,
         *,
         structured_model: type[pydantic.BaseModel] | None,
-        emit: Callable[[Event], None],
+        emit: Callable[[Event], None] | None,
         demand: Callable[[], Awaitable[Any]] | None,
         checkpoint: Callable[[], Awaitable[None]],
     ) -> None:
@@ -107,8 +108,11 @@ class ReplyScope:
 
     def event(self, name: str, **data: Any) -> None:
         """Emit one event of this reply, then show it to the middleware watching."""
+        if self._emit is None and not self._watchers:
+            return  # nobody would see it
         event = self.events(name, **data)
-        self._emit(event)
+        if self._emit is not None:
+            self._emit(event)
         for middleware in self._watchers:
             try:
                 middleware.on_event(self.ctx, event)

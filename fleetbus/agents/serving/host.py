@@ -676,7 +676,9 @@ class AgentHost(Lifecycle):
         self, agent: Agent, inputs: Any, session: str, events: str, run: _Run
     ) -> FinalAnswer | None:
         final: FinalAnswer | None = None
-        stream = agent.reply_stream(inputs, session_id=session)
+        # Events that are not published are not made (but for the middleware
+        # watching them): only "all" publishes them.
+        stream = agent.reply_stream(inputs, session_id=session, events=self.events == "all")
         try:
             async for item in stream:
                 if run.cancelled:

@@ -1,0 +1,68 @@
+"""reply_stream(events=False) yields the final answer alone and makes no
+events, but for the middleware that watches them; the reply is the same."""
+
+from __future__ import annotations
+
+from fleetbus.agents import Agent, Middleware
+from fleetbus.agents.middleware import ReplyContext
+from fleetbus.protocol import Event, FinalAnswer
+from fleetbus.testing import ScriptedModel
+from fleetbus.tools_workers import Toolkit, tool
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def adder(*middlewares: Middleware) -> Agent:
+    model = ScriptedModel(
+        [ScriptedModel.call("add", {"a": 2, "b": 3}), ScriptedModel.text("It is 5.")],
+        repeat_last=False,
+    )
+    return Agent("adder", "", model, toolkit=Toolkit([add]), middlewares=middlewares)
+
+
+class Watching(Middleware):
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_event(self, ctx: ReplyContext, event: Event) -> None:
+        self.seen.append(event.event)
+
+
+async def test_without_events_only_the_final_answer_comes_and_the_reply_is_the_same() -> None:
+    with_events, without = adder(), adder()
+
+    streamed = [item async for item in with_events.reply_stream("2+3?", session_id="s")]
+    quiet = [item async for item in without.reply_stream("2+3?", session_id="s", events=False)]
+
+    assert [type(i).__name__ for i in quiet] == ["FinalAnswer"]
+    assert isinstance(streamed[-1], FinalAnswer)
+    assert [e.event for e in streamed if isinstance(e, Event)] == [
+        "reply_start",
+        "model_call_start",
+        "model_call_end",
+        "tool_call",
+        "tool_result",
+        "model_call_start",
+        "text_delta",
+        "model_call_end",
+        "reply_end",
+    ]
+    final = quiet[0]
+    assert isinstance(final, FinalAnswer)
+    assert (final.content, final.finished_reason) == (streamed[-1].content, "completed")
+    assert [m.text for m in without.memory] == [m.text for m in with_events.memory]
+
+
+async def test_the_middleware_watching_events_still_sees_every_one() -> None:
+    watching = Watching()
+
+    [final] = [i async for i in adder(watching).reply_stream("2+3?", events=False)]
+
+    assert isinstance(final, FinalAnswer)
+    assert watching.seen[0] == "reply_start"
+    assert watching.seen[-1] == "reply_end"
+    assert "tool_result" in watching.seen
