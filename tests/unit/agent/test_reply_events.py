@@ -40,17 +40,10 @@ async def test_without_events_only_the_final_answer_comes_and_the_reply_is_the_s
 
     assert [type(i).__name__ for i in quiet] == ["FinalAnswer"]
     assert isinstance(streamed[-1], FinalAnswer)
-    assert [e.event for e in streamed if isinstance(e, Event)] == [
-        "reply_start",
-        "model_call_start",
-        "model_call_end",
-        "tool_call",
-        "tool_result",
-        "model_call_start",
-        "text_delta",
-        "model_call_end",
-        "reply_end",
-    ]
+    # (the events themselves, in order: tests/unit/agent_features/test_events.py)
+    assert {"tool_call", "tool_result", "reply_end"} <= {
+        e.event for e in streamed if isinstance(e, Event)
+    }
     final = quiet[0]
     assert isinstance(final, FinalAnswer)
     assert (final.content, final.finished_reason) == (streamed[-1].content, "completed")
