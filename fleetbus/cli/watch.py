@@ -1,29 +1,7 @@
 """``fleetbus watch``: every message of a fleet, one line each, as it travels.
 
-Wiring (the CLI owner's side)::
-
-    p = sub.add_parser("watch", help="print the messages of the fleet as they travel")
-    who = p.add_mutually_exclusive_group()
-    who.add_argument("--session", help="only this session_id")
-    who.add_argument("--agent", help="only what this agent sends or receives")
-    p.add_argument("--json", action="store_true", help="one JSON message per line")
-    bus_options(p)
-
-    def cmd_watch(args: argparse.Namespace) -> int:
-        from fleetbus.cli.watch import watch
-
-        async def main() -> int:
-            bus = await connect(args.nats, args.prefix)
-            stop = asyncio.Event()
-            on_stop_signals(stop.set)
-            try:
-                await watch(bus, session=args.session, agent=args.agent,
-                            json_output=args.json, console=console, stop=stop)
-            finally:
-                await bus.close()
-            return 0
-
-        return run(main())
+Its options are in :mod:`fleetbus.cli._parsers`, its command in
+:mod:`fleetbus.cli.fleet` (``cmd_watch``).
 
 :func:`watch` listens on ``<prefix>.>`` (calls, agent inboxes, topics, event
 streams) and on the fleet's inboxes, ``_INBOX_<prefix>.>``
