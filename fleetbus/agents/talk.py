@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from typing import Final
 
 from fleetbus.bus import Bus
+from fleetbus.bus._replies import RESEND_AFTER
 from fleetbus.bus.subjects import check_name
 from fleetbus.errors import BusError, FleetbusError, ToolError
-from fleetbus.protocol import AgentMessage, ErrorMessage, Event, FinalAnswer, TextBlock
+from fleetbus.protocol import AgentMessage, ErrorMessage, Event, FinalAnswer, TextBlock, new_id
 from fleetbus.tools_workers.tool import Tool, tool
 
 __all__ = ["MAX_TALK_CHARS", "REPLY_TIMEOUT", "publish", "send_message", "talk_tools"]
@@ -102,6 +103,8 @@ def _note(me: _Speaker, message: str, *, reply: bool) -> AgentMessage:
         name=me.name,
         content=[TextBlock(text=message)],
         reply=reply,
+        call_id=new_id(),
+        receipt=reply,
     )
 
 
@@ -123,16 +126,18 @@ async def _send_message(to: str, message: str, wait_for_reply: bool = False) -> 
         raise ToolError("that is yourself; name another agent")
     note = _note(me, message, reply=wait_for_reply)
     timeout = REPLY_TIMEOUT if wait_for_reply else _DELIVERY_TIMEOUT
+    # A question asks for a receipt: sent again until a replica has taken it.
+    resend = RESEND_AFTER if wait_for_reply else None
     subject = me.bus.subjects.agent_inbox(to)
     try:
         if wait_for_reply and me.slot is not None:
             me.slot.release()  # a full host must still serve the agent asked
             try:
-                answer = await me.bus.request(subject, note, timeout=timeout)
+                answer = await me.bus.request(subject, note, timeout=timeout, resend=resend)
             finally:
                 await me.slot.acquire()
         else:
-            answer = await me.bus.request(subject, note, timeout=timeout)
+            answer = await me.bus.request(subject, note, timeout=timeout, resend=resend)
     except BusError as exc:
         raise ToolError(f"the message to {to} was not delivered: {exc}") from exc
     if isinstance(answer, ErrorMessage):

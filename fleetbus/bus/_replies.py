@@ -22,7 +22,15 @@ from nats.js.api import Header
 
 from fleetbus.errors import PermissionDeniedError
 
-__all__ = ["Denials", "Interruption", "Reconnects", "Replies", "permission_denied"]
+__all__ = [
+    "RESEND_AFTER",
+    "RESEND_MAX",
+    "Denials",
+    "Interruption",
+    "Reconnects",
+    "Replies",
+    "permission_denied",
+]
 
 _VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"')
 
@@ -38,6 +46,20 @@ def permission_denied(error: BaseException) -> PermissionDeniedError | None:
     return PermissionDeniedError(
         f"permission denied: {operation} to {subject}", operation=operation, subject=subject
     )
+
+
+RESEND_AFTER = 3.0
+"""Seconds a request that asked for a receipt waits for it before it is sent
+again, by default (:class:`~fleetbus.agents.serving.RemoteAgent`, agents
+asking each other)."""
+
+RESEND_MAX = 30.0
+"""Seconds at most between two sendings of a request awaiting its receipt."""
+
+
+def _no_responders(msg: Msg) -> bool:
+    headers = msg.headers
+    return headers is not None and headers.get(Header.STATUS) == NO_RESPONDERS_STATUS
 
 
 class Denials:
@@ -120,6 +142,8 @@ class Replies:
         """A heap of (deadline, token), some of requests already over."""
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
+        self._receipts: dict[str, bool] = {}
+        """Requests that asked for a receipt, by token: whether it came."""
 
     async def request(
         self,
@@ -127,13 +151,24 @@ class Replies:
         payload: bytes,
         timeout: float,
         headers: dict[str, str] | None = None,
+        resend: float | None = None,
     ) -> Msg:
         """Publish ``payload`` (with ``headers``) on ``subject`` and wait
         ``timeout`` seconds for the reply.
 
+        With ``resend``, the request asked for a receipt (an empty message on
+        its reply subject once the responder has durably taken it): until one
+        comes, it is published again, the same payload to the same reply
+        subject, ``resend`` seconds after the first sending, then after
+        twice as long each time (up to :data:`RESEND_MAX`). A receipt is not
+        the reply: the wait goes on for the reply. "No responders" to a
+        request sent again is not the reply either (its only responder may
+        be restarting): it is sent again later, until ``timeout``.
+
         Raises:
             nats.errors.TimeoutError: no reply in time.
-            nats.errors.NoRespondersError: nobody serves ``subject``.
+            nats.errors.NoRespondersError: nobody serves ``subject`` (when it
+                is first sent).
             nats.errors.Error: what publishing raises.
             PermissionDeniedError: the server refused the publish, or the
                 subscription of the inbox.
@@ -146,16 +181,51 @@ class Replies:
         reply: asyncio.Future[Msg | None] = loop.create_future()
         self._waiting[token] = (reply, subject)
         self._expect(loop.time() + timeout, token)
+        reply_to = self._inbox + token
         try:
-            await self._nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
-            msg = await reply
+            await self._nc.publish(subject, payload, reply=reply_to, headers=headers)
+            if resend is None:
+                msg = await reply
+            else:
+                self._receipts[token] = False
+                msg = await self._until_answered(token, reply, subject, payload, headers, resend)
         finally:
             del self._waiting[token]
+            self._receipts.pop(token, None)
         if msg is None:
             raise nats.errors.TimeoutError
-        if msg.headers and msg.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
+        if _no_responders(msg):
             raise nats.errors.NoRespondersError
         return msg
+
+    async def _until_answered(
+        self,
+        token: str,
+        reply: asyncio.Future[Msg | None],
+        subject: str,
+        payload: bytes,
+        headers: dict[str, str] | None,
+        resend: float,
+    ) -> Msg | None:
+        """The reply to the request ``token``, sending it again while no
+        receipt came (see :meth:`request`)."""
+        interval = max(resend, 0.001)
+        sent = 1
+        while True:
+            await asyncio.wait((reply,), timeout=interval)
+            if reply.done():
+                msg = reply.result()
+                if msg is None or sent == 1 or not _no_responders(msg):
+                    return msg
+                # Nobody serves it now; a replica may be starting: later.
+                reply = self._loop.create_future()
+                self._waiting[token] = (reply, subject)
+                continue
+            if self._receipts.get(token):
+                return await reply
+            await self._nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
+            sent += 1
+            interval = min(interval * 2, RESEND_MAX)
 
     async def _open(self) -> None:
         async with self._opening:
@@ -169,7 +239,11 @@ class Replies:
             self._inbox = inbox
 
     async def _deliver(self, msg: Msg) -> None:
-        entry = self._waiting.get(msg.subject[len(self._inbox) :])
+        token = msg.subject[len(self._inbox) :]
+        if not msg.data and token in self._receipts and not msg.headers:
+            self._receipts[token] = True  # a receipt, not the reply
+            return
+        entry = self._waiting.get(token)
         if entry is not None and not entry[0].done():
             entry[0].set_result(msg)
 

@@ -36,6 +36,7 @@ from fleetbus.bus.subjects import Subjects
 from fleetbus.errors import (
     BusError,
     CallTimeoutError,
+    ConfigError,
     ConnectError,
     ConnectionClosedError,
     NoRespondersError,
@@ -334,6 +335,7 @@ class Bus:
         timeout: float,
         attempts: int = 1,
         retry_backoff: float = 0.05,
+        resend: float | None = None,
     ) -> AnyMessage:
         """Send a request and wait for its reply, retrying what went unanswered.
 
@@ -351,6 +353,14 @@ class Bus:
             attempts: how many times to send it, at least 1.
             retry_backoff: seconds before the first retry (plus jitter),
                 doubling after each, up to 5 s.
+            resend: for a message that asks for a receipt
+                (:class:`~fleetbus.protocol.Asking`, ``receipt=True``), with
+                one attempt: seconds until it is sent again, the same message
+                to the same reply subject, when no receipt came; twice as
+                long before each next sending, up to 30 s, within
+                ``timeout``. An agent's host sends the receipt once the
+                request is in its session's lease: a replica that dies with
+                a request it had not taken yet loses nothing.
 
         Returns:
             The decoded reply, which may be an ``error`` message.
@@ -363,8 +373,11 @@ class Bus:
             PayloadTooLargeError: the message exceeds the server's limit.
             ProtocolError: the reply could not be decoded.
             ConnectionClosedError: the bus is closed.
+            ConfigError: both ``resend`` and more than one attempt.
         """
         self._check_open()
+        if resend is not None and attempts > 1:
+            raise ConfigError("a request is sent again either on its receipt or on attempts")
         payload = self._encode(message)
         attempts = max(1, attempts)
         sent = 0
@@ -379,7 +392,9 @@ class Bus:
             try:
                 if sent < attempts:  # an attempt is left to resend with
                     return await self._await_reply(subject, data, timeout, headers)
-                return await self._replies.request(subject, data, timeout, headers=headers)
+                return await self._replies.request(
+                    subject, data, timeout, headers=headers, resend=resend
+                )
             except _UNANSWERED as exc:
                 _log_unanswered(exc, subject, timeout, message, sent, attempts)
                 raise

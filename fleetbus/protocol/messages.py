@@ -22,6 +22,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "TOOL_STATUSES",
     "AgentMessage",
+    "Asking",
     "Cancel",
     "ChatMessage",
     "ConfirmResult",
@@ -168,7 +169,19 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Correlation: a request and its answer carry the same one."""
 
 
-class UserRequest(Message, frozen=True, kw_only=True, tag="user_request"):
+class Asking(Message, frozen=True, kw_only=True):
+    """Fields of the messages that ask an agent for a reply: ``user_request``,
+    ``agent_message``, ``confirm_result``, ``external_result``."""
+
+    receipt: bool = False
+    """Ask for a receipt: the agent's host sends an empty message (no body,
+    no headers) to the reply subject once the request is durably taken (held
+    by its session's lease, which a take-over finishes), before the answer.
+    A requester that has no receipt after a while sends the request again,
+    the same message to the same reply subject: a host answers it once."""
+
+
+class UserRequest(Asking, frozen=True, kw_only=True, tag="user_request"):
     """A person's (or program's) request to an agent."""
 
     content: str | list[ContentBlock]
@@ -277,7 +290,7 @@ def error_reply(about: Message | None, code: ErrorCode, text: str, *, source: st
     )
 
 
-class AgentMessage(Message, frozen=True, kw_only=True, tag="agent_message"):
+class AgentMessage(Asking, frozen=True, kw_only=True, tag="agent_message"):
     """Agent-to-agent chat."""
 
     content: list[ContentBlock]
@@ -329,7 +342,7 @@ class Confirmation(msgspec.Struct, frozen=True, kw_only=True):
     match run without asking, in this session and the agent's later ones."""
 
 
-class ConfirmResult(Message, frozen=True, kw_only=True, tag="confirm_result"):
+class ConfirmResult(Asking, frozen=True, kw_only=True, tag="confirm_result"):
     """Resumes a reply paused for confirmation."""
 
     confirmations: list[Confirmation]
@@ -344,7 +357,7 @@ class ExternalOutput(msgspec.Struct, frozen=True, kw_only=True):
     error_detail: ErrorDetail | None = None
 
 
-class ExternalResult(Message, frozen=True, kw_only=True, tag="external_result"):
+class ExternalResult(Asking, frozen=True, kw_only=True, tag="external_result"):
     """Resumes a reply paused for external execution."""
 
     results: list[ExternalOutput]

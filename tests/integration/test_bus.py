@@ -7,12 +7,14 @@ import asyncio
 import contextlib
 import socket
 import time
+from typing import Any
 
 import pytest
 
 from fleetbus.bus import Bus, EmbeddedServer, Request
 from fleetbus.errors import (
     CallTimeoutError,
+    ConfigError,
     ConnectError,
     ConnectionClosedError,
     NoRespondersError,
@@ -27,6 +29,7 @@ from fleetbus.protocol import (
     ToolResult,
     UserRequest,
     decode,
+    encode,
 )
 
 
@@ -113,6 +116,90 @@ async def test_unanswered_attempts_time_out_with_the_same_call_id(bus: Bus) -> N
     assert caught.value.attempts == 3
     assert isinstance(caught.value, TimeoutError)
     assert seen == [("c-4", 1), ("c-4", 2), ("c-4", 3)]
+
+
+async def test_a_request_without_a_receipt_is_sent_again_to_the_same_reply_subject(
+    bus: Bus,
+) -> None:
+    """The first sending is dropped (its responder died with it), the second
+    gets a receipt, and no third is sent while the reply takes its time."""
+    seen: list[tuple[str, str]] = []
+    answer = asyncio.Event()
+
+    async def on_request(msg: Any) -> None:
+        request = decode(msg.data)
+        seen.append((str(request.id), msg.reply))
+        if len(seen) == 2:
+            await bus.nc.publish(msg.reply, b"")  # taken
+            await answer.wait()
+            reply = Event(call_id=request.call_id, event="done")
+            await bus.nc.publish(msg.reply, encode(reply))
+
+    sub = await bus.nc.subscribe("x.receipts", cb=on_request)
+    await bus.flush()
+    message = UserRequest(content="hi", call_id="r-1", receipt=True)
+    asking = asyncio.create_task(bus.request("x.receipts", message, timeout=10, resend=0.2))
+    await asyncio.sleep(1.5)  # resent after 0.2 s; after the receipt, never again
+    assert not asking.done()
+    answer.set()
+    reply = await asking
+    await sub.unsubscribe()
+    assert isinstance(reply, Event)
+    assert reply.call_id == "r-1"
+    assert [id_ for id_, _ in seen] == [message.id, message.id]
+    assert seen[0][1] == seen[1][1]  # the same reply subject
+
+
+async def test_a_request_sent_again_finds_a_responder_that_was_away(bus: Bus) -> None:
+    """Nobody serves the subject when the request is sent again (its only
+    responder is restarting): not an error, it is sent again later."""
+    got = asyncio.Event()
+    seen = 0
+
+    async def first(msg: Any) -> None:
+        nonlocal seen
+        seen += 1
+        got.set()  # taken with it to the grave: no receipt, no reply
+
+    sub = await bus.nc.subscribe("x.away", cb=first)
+    await bus.flush()
+    message = UserRequest(content="hi", call_id="r-2", receipt=True)
+    asking = asyncio.create_task(bus.request("x.away", message, timeout=10, resend=0.1))
+    await got.wait()
+    await sub.unsubscribe()
+    await asyncio.sleep(0.5)  # sent again (0.1, 0.3 s) to nobody
+
+    async def second(msg: Any) -> None:
+        reply = Event(call_id=decode(msg.data).call_id, event="done")
+        await bus.nc.publish(msg.reply, encode(reply))
+
+    sub = await bus.nc.subscribe("x.away", cb=second)
+    await bus.flush()
+    reply = await asking
+    await sub.unsubscribe()
+    assert seen == 1
+    assert isinstance(reply, Event)
+    assert reply.call_id == "r-2"
+
+
+async def test_a_request_never_taken_times_out_and_resend_excludes_attempts(bus: Bus) -> None:
+    with pytest.raises(NoRespondersError):  # nobody at all when it is first sent
+        await bus.request(
+            "x.nobody", UserRequest(content="hi", receipt=True), timeout=1, resend=0.1
+        )
+    with pytest.raises(ConfigError, match="either"):
+        await bus.request("x.nobody", UserRequest(content="hi"), timeout=1, resend=1, attempts=2)
+
+    async def mute(msg: Any) -> None:
+        return None
+
+    sub = await bus.nc.subscribe("x.mute", cb=mute)
+    await bus.flush()
+    with pytest.raises(CallTimeoutError):
+        await bus.request(
+            "x.mute", UserRequest(content="hi", receipt=True), timeout=0.5, resend=0.1
+        )
+    await sub.unsubscribe()
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ The host as separate OS processes: ``test_host_processes.py``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -16,7 +17,15 @@ from fleetbus.agents import Agent, AgentHost
 from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus, EmbeddedServer
 from fleetbus.errors import CallTimeoutError, ConfigError
-from fleetbus.protocol import AgentMessage, ErrorMessage, FinalAnswer, TextBlock, UserRequest
+from fleetbus.protocol import (
+    AgentMessage,
+    ErrorMessage,
+    FinalAnswer,
+    TextBlock,
+    UserRequest,
+    decode,
+    encode,
+)
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit
 
@@ -234,3 +243,92 @@ async def test_a_confirmation_for_a_session_that_does_not_exist_does_not_start_i
         assert answer.content == f"Nothing is waiting for {what}: agent ann has no session nosuch."
     assert record is None
     assert leases == []
+
+
+# -- a request sent or asked again -----------------------------------------------
+
+
+async def test_a_request_asked_again_after_its_answer_gets_the_stored_answer(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """A request that asked for a receipt sent again once answered (its
+    receipt was lost): the answer stored is sent again, and the model is not
+    asked again."""
+    model = ScriptedModel(["first", "second"])
+    agent = Agent("bea", "", model, toolkit=Toolkit())
+    async with hosting(nats_server.url, bus.prefix, [agent]):
+        inbox = bus.subjects.agent_inbox("bea")
+        request = UserRequest(content="hello", session_id="s", call_id="q-1", receipt=True)
+        first = await bus.request(inbox, request, timeout=10, resend=5)
+        again = await bus.request(inbox, request, timeout=10, resend=5)
+        other = await bus.request(
+            inbox, UserRequest(content="hello", session_id="s", call_id="q-2"), timeout=10
+        )
+        store = await SessionStore.open(bus, owner="test")
+        record = await store.get("bea", "s")
+    assert isinstance(first, FinalAnswer)
+    assert isinstance(again, FinalAnswer)
+    assert (again.id, again.content, again.call_id) == (first.id, "first", "q-1")
+    assert isinstance(other, FinalAnswer)
+    assert other.content == "second"
+    assert len(model.requests) == 2
+    assert record is not None
+    assert [m.text for m in record.state.memory] == ["hello", "first", "hello", "second"]
+    assert record.status == "done"
+
+
+async def test_a_request_sent_again_while_it_waits_for_its_session_is_taken_once(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """A request that asked for a receipt waits behind its session's running
+    reply, and its client sends it again (the same message, the same reply
+    subject) before its receipt: the replica holding it takes it once; the
+    receipt comes when it is taken, and the answer once."""
+    release = asyncio.Event()
+
+    class Slow(ScriptedModel):
+        async def stream(self, request: Any) -> AsyncIterator[Any]:
+            if not self.requests:
+                await release.wait()
+            async for item in super().stream(request):
+                yield item
+
+    model = Slow(["busy done", "held done"])
+    agent = Agent("cid", "", model, toolkit=Toolkit())
+    async with hosting(nats_server.url, bus.prefix, [agent]):
+        inbox = bus.subjects.agent_inbox("cid")
+        busy = asyncio.create_task(
+            bus.request(inbox, UserRequest(content="busy", session_id="s"), timeout=20)
+        )
+        await asyncio.sleep(0.3)
+        replies: list[bytes] = []
+        answered = asyncio.Event()
+
+        async def on_reply(msg: Any) -> None:
+            replies.append(msg.data)
+            if len(replies) >= 2:
+                answered.set()
+
+        reply_to = bus.nc.new_inbox()
+        sub = await bus.nc.subscribe(reply_to, cb=on_reply)
+        held = UserRequest(content="held", session_id="s", call_id="q-9", receipt=True)
+        for _ in range(3):  # sent again twice while it waits
+            await bus.nc.publish(inbox, encode(held), reply=reply_to)
+            await asyncio.sleep(0.2)
+        assert replies == []  # not taken yet: no receipt
+        release.set()
+        await busy
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(answered.wait(), 10)
+        await asyncio.sleep(0.5)  # a second answer would come now
+        await sub.unsubscribe()
+        store = await SessionStore.open(bus, owner="test")
+        record = await store.get("cid", "s")
+    assert replies[0] == b""  # the receipt, then the answer, once
+    assert len(replies) == 2, replies
+    answer = decode(replies[1])
+    assert isinstance(answer, FinalAnswer)
+    assert (answer.content, answer.call_id) == ("held done", "q-9")
+    assert len(model.requests) == 2
+    assert record is not None
+    assert [m.text for m in record.state.memory] == ["busy", "busy done", "held", "held done"]

@@ -32,8 +32,10 @@ from typing import Any
 
 import pytest
 
+from fleetbus.agents.serving import RemoteAgent
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, EmbeddedServer
+from fleetbus.bus._replies import RESEND_AFTER
 from fleetbus.protocol import (
     AnyMessage,
     FinalAnswer,
@@ -91,6 +93,8 @@ class Fleet:
     directory: Path
     env: dict[str, str] = field(default_factory=dict)
     """More environment for the agent replicas."""
+    args: list[str] = field(default_factory=list)
+    """More arguments for the agent replicas."""
     replicas: list[Proc] = field(default_factory=list)
     others: list[Proc] = field(default_factory=list)
     killed: list[str] = field(default_factory=list)
@@ -138,6 +142,7 @@ class Fleet:
                 str(LEASE_TTL),
                 "--replica-id",
                 name,
+                *self.args,
             ],
             self.env,
         )
@@ -213,9 +218,10 @@ async def fleet(
     directory: Path,
     replicas: int,
     env: dict[str, str] | None = None,
+    args: list[str] | None = None,
 ) -> AsyncIterator[Fleet]:
     """The worker, then ``replicas`` agent replicas, all ready; stopped on exit."""
-    running = Fleet(nats_server.url, bus.prefix, directory, env or {})
+    running = Fleet(nats_server.url, bus.prefix, directory, env or {}, args or [])
     try:
         running.start_worker()
         # Replicas add the bus's tools to the agent once, as they start.
@@ -265,6 +271,8 @@ class Asked:
     steps: int
     text: str
     replies: list[AnyMessage]
+    call_id: str | None = None
+    """The request's own ``call_id`` (``None``: its answer carries the reply's id)."""
 
     @property
     def session(self) -> str:
@@ -408,7 +416,7 @@ def problems_of(
     # A call travels as <reply id>.<tool_use id>: one reply per session here.
     sent_ids = {str(c.call_id) for c in wire if c.session_id == asked.session}
     replies = {i.partition(".")[0] for i in sent_ids}
-    stored_reply = record.final.get("call_id") if record.final else None
+    stored_reply = record.final.get("call_id") if record.final and not asked.call_id else None
     if len(replies) > 1 or (stored_reply is not None and replies - {stored_reply}):
         problems.append(f"calls sent for replies {sorted(replies)}, the stored one {stored_reply}")
     sent_uses = {i.partition(".")[2] for i in sent_ids}
@@ -522,6 +530,9 @@ async def test_kills_in_the_first_model_call_and_in_tool_calls(
         acting, stop_acting = await ask(bus, "job t 2 slow-tool=2")
         waiting, stop_waiting = await ask(bus, "job w 1 slow-tool=10")
         asked = [thinking, acting, waiting]
+        # Killed only once every request is taken: a replica killed with a
+        # request it has not taken yet: test_requests_held_by_a_killed_replica.
+        await taken(store, [a.session for a in asked], 10)
 
         def in_first_model_call(record: SessionRecord) -> bool:
             roles = [m.role for m in record.state.memory]
@@ -576,6 +587,47 @@ async def test_kills_in_the_first_model_call_and_in_tool_calls(
     times = [t for t, c in wire if c.session_id == waiting.session]
     print(f"w's call sent again {times[1] - times[0]:.1f} s after its first sending")
     assert times[1] - times[0] < 10.0, times
+
+
+async def test_requests_held_by_a_killed_replica(
+    nats_server: EmbeddedServer, bus: Bus, tmp_path: Path
+) -> None:
+    """A replica that runs one reply at a time holds four more requests it
+    has not taken (no lease, no receipt) when it is SIGKILLed. Each was sent
+    again by its client, to the same replica (which holds it, and takes it
+    once), then to the replica started in its place: every request is
+    answered once, and each session holds it once."""
+    store = await SessionStore.open(bus, owner="chaos-test")
+    async with fleet(nats_server, bus, tmp_path, 1, args=["--concurrency", "1"]) as running:
+        wire, stop_wire = await tap_calls(bus)
+        events, stop_events = await listen(bus, bus.subjects.all_events(AGENT))
+        texts = ["job busy 1 slow-model=8", *(f"job held{n} 1" for n in range(4))]
+        asked = [Asked(parse_job(text)[0], parse_job(text)[1], text, []) for text in texts]
+
+        async def ask_remote(one: Asked) -> None:
+            remote = RemoteAgent(bus, AGENT, session_id=one.session, timeout=60)
+            answer = await remote.reply(one.text)
+            one.call_id = answer.call_id
+            one.replies.append(answer)
+
+        async with asyncio.TaskGroup() as tg:
+            for one in asked:
+                tg.create_task(ask_remote(one))
+                await asyncio.sleep(0.05)  # the busy one first
+            await taken(store, [asked[0].session], 10)
+            # Past the first sending again (RESEND_AFTER), still held untaken.
+            await asyncio.sleep(RESEND_AFTER + 1.5)
+            held = [await store.get(AGENT, one.session) for one in asked[1:]]
+            assert held == [None] * 4, [describe(r) for r in held]
+            running.kill(running.replicas[0])
+        records = await settled(store, [a.session for a in asked], 15)
+        await asyncio.sleep(0.5)  # a second answer would come now
+        await bus.flush()
+        for close in (stop_wire, stop_events):
+            await close()
+        calls = [call for _, call in wire]
+        failures = list(report(running, asked, records, events, calls))
+    assert not failures, "\n\n".join(failures)
 
 
 async def test_replicas_killed_as_their_replies_end(

@@ -58,7 +58,7 @@ import socket
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import orjson
@@ -67,7 +67,13 @@ from fleetbus._retry import Retry
 from fleetbus.agents import talk
 from fleetbus.agents.agent import Agent
 from fleetbus.agents.serving.rules import serve_rules
-from fleetbus.agents.serving.sessions import Lease, SessionStatus, SessionStore, session_key
+from fleetbus.agents.serving.sessions import (
+    Lease,
+    SessionRecord,
+    SessionStatus,
+    SessionStore,
+    session_key,
+)
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus, Lifecycle, Request
 from fleetbus.bus.subjects import Subjects, check_name
@@ -85,6 +91,7 @@ from fleetbus.errors import (
 from fleetbus.protocol import (
     AgentMessage,
     AnyMessage,
+    Asking,
     Cancel,
     ConfirmResult,
     ErrorCode,
@@ -437,22 +444,46 @@ class AgentHost(Lifecycle):
             return self._error(message, "malformed", str(exc))
         assert self.store is not None
         key = session_key(name, session)
+        reply_to = (request.reply or None) if request is not None else None
+        receipt = (
+            (message.call_id, reply_to)
+            if isinstance(message, Asking) and message.receipt and message.call_id and reply_to
+            else None
+        )
         run = self._runs.setdefault(key, _Run())
+        if receipt is not None:
+            if receipt in run.receipts:
+                # Sent again (no receipt came yet) while this replica holds
+                # it: its answer goes to the same reply subject, once.
+                return None
+            run.receipts.add(receipt)
         run.users += 1
         try:
             async with self._session_lock(key):
-                reply_to = (request.reply or None) if request is not None else None
                 lease = await self._acquire(name, message, session, reply_to)
                 if isinstance(lease, ErrorMessage | FinalAnswer):
                     return lease
+                if receipt is not None and reply_to is not None:
+                    await self._receipt(reply_to)
                 final = await self._run_reply(lease, message, run, answer_to=reply_to)
                 # Answered by _run_reply once its end was stored (or by the
                 # session's new owner): nothing more to send from here.
                 return None if reply_to else final
         finally:
             run.users -= 1
+            if receipt is not None:
+                run.receipts.discard(receipt)
             if not run.users:
                 self._runs.pop(key, None)
+
+    async def _receipt(self, reply_to: str) -> None:
+        """Tell the requester its request is taken (in the session's lease):
+        an empty message. Best effort: without it the requester sends the
+        request again, and that is answered once too."""
+        try:
+            await self.bus.nc.publish(reply_to, b"")
+        except Exception as exc:  # nats-py raises its own errors, or OSError
+            logger.warning("%s: the receipt to %s was not sent: %s", self.replica_id, reply_to, exc)
 
     async def _acquire(
         self, name: str, message: AnyMessage, session: str, reply_to: str | None
@@ -549,14 +580,26 @@ class AgentHost(Lifecycle):
             self.bus, self.definition(name).clone(state=record.state, checkpoint=checkpoint)
         )
         # (input, who waits for its answer, whether it is the pending input)
-        phases: list[tuple[Any, str | None, bool]] = []
+        phases: list[_Phase] = []
         orphan_message = _decode_input(orphan)
         if agent.state.reply is not None and not agent.state.paused:
-            phases.append((None, orphan_to if orphan_message is None else None, False))
+            phases.append(_Phase(None, [orphan_to] if orphan_message is None else [], False))
         if orphan_message is not None:
-            phases.append((orphan_message, orphan_to, inputs is None))
+            phases.append(_Phase(orphan_message, [orphan_to], inputs is None))
         if inputs is not None:
-            phases.append((inputs, answer_to, True))
+            again = _asked_again(agent.state, phases, record, lease.previous, inputs)
+            if again is None:
+                phases.append(_Phase(inputs, [answer_to], True))
+            elif isinstance(again, _Phase):
+                # The request itself is what is left to finish: it answers both.
+                again.to.append(answer_to)
+                again.pending = True  # (the lease's request: recorded by this phase)
+            else:  # answered already: the stored answer, again
+                if not phases:
+                    assert record.final is not None
+                    return await self._deliver(lease, record.final, answer_to, lease.previous)
+                if answer_to:
+                    await self._publish(answer_to, again)
         self._running[key] = agent
         if run.cancelled:  # a cancel came before the agent was here to take it
             agent.interrupt(pending=True)
@@ -589,7 +632,7 @@ class AgentHost(Lifecycle):
     async def _serve_phases(
         self,
         agent: Agent,
-        phases: list[tuple[Any, str | None, bool]],
+        phases: list[_Phase],
         run: _Run,
         lease: Lease,
     ) -> FinalAnswer | None:
@@ -597,17 +640,19 @@ class AgentHost(Lifecycle):
         session = lease.record.session_id
         events = self.bus.subjects.events(lease.record.agent, session)
         final: FinalAnswer | None = None
-        last_to: str | None = None
-        for index, (phase_input, phase_to, pending) in enumerate(phases):
-            run.recording = pending
-            if isinstance(phase_input, AgentMessage) and not phase_input.reply:
-                await agent.observe(phase_input)
+        last_to: list[str | None] = []
+        for index, phase in enumerate(phases):
+            run.recording = phase.pending
+            if isinstance(phase.input, AgentMessage) and not phase.input.reply:
+                await agent.observe(phase.input)
                 continue
-            final = await self._stream(agent, phase_input, session, events, run)
+            final = await self._stream(agent, phase.input, session, events, run)
             if index == len(phases) - 1:
-                last_to = phase_to  # answered once its end is written
-            elif phase_to and final is not None:
-                await self._publish(phase_to, final)
+                last_to = phase.to  # answered once its end is written
+            elif final is not None:
+                for to in dict.fromkeys(phase.to):
+                    if to:
+                        await self._publish(to, final)
         if final is None or agent.state.paused:  # (a refused confirmation keeps it paused)
             status: SessionStatus = "paused" if agent.state.paused else "idle"
         else:
@@ -620,8 +665,10 @@ class AgentHost(Lifecycle):
             final=to_builtins(final) if final is not None else None,
             input_recorded=True,
         )
-        if last_to and final is not None:
-            await self._publish(last_to, final)
+        if final is not None:
+            for to in dict.fromkeys(last_to):
+                if to:
+                    await self._publish(to, final)
         assert self.store is not None
         await self.store.release(lease)
         return final
@@ -922,6 +969,53 @@ class _Run:
     cancelled: bool = False
     recording: bool = False
     """The phase running serves the request recorded with the lease."""
+    receipts: set[tuple[str, str]] = field(default_factory=set)
+    """``(call_id, reply subject)`` of the requests held here that asked for
+    a receipt: the same sent again is not taken twice."""
+
+
+@dataclass
+class _Phase:
+    """One input a lease serves, in order: ``None`` continues the reply in
+    progress; its answer goes to each of ``to``."""
+
+    input: Any
+    to: list[str | None]
+    pending: bool
+    """It is the request recorded with the lease."""
+
+
+def _asked_again(
+    state: AgentState,
+    phases: list[_Phase],
+    record: SessionRecord,
+    previous: SessionStatus,
+    inputs: AnyMessage,
+) -> _Phase | FinalAnswer | None:
+    """Whether ``inputs``, a request that asked for a receipt, is one this
+    session has already taken (sent again by a requester whose receipt had
+    not come): the phase already serving it (the reply in progress for it,
+    or the request a dead owner took and did not record), or the answer
+    stored for it when the session's last reply answered it and ended done.
+    ``None``: a request to serve. A request without a receipt asked again
+    with its ``call_id`` is a new attempt (the agent drops the earlier one):
+    a simulation round asked again after its runner resumed runs again
+    against the environment restored."""
+    if not isinstance(inputs, Asking) or not inputs.receipt or inputs.call_id is None:
+        return None
+    if isinstance(inputs, AgentMessage) and not inputs.reply:
+        return None
+    call_id = inputs.call_id
+    for phase in phases:
+        if phase.input is None:
+            if state.reply is not None and state.reply.request_id == call_id:
+                return phase
+        elif isinstance(phase.input, Asking) and phase.input.call_id == call_id:
+            return phase
+    stored = _decode_final(record.final) if previous == "done" else None
+    if stored is not None and stored.call_id == call_id:
+        return stored
+    return None
 
 
 def _nothing_waits(name: str, message: AnyMessage, session: str, why: str) -> FinalAnswer:

@@ -50,6 +50,7 @@ import pydantic
 from fleetbus import tracing
 from fleetbus.agents.permissions import checked_confirmation
 from fleetbus.bus import Observation, Subjects
+from fleetbus.bus._replies import RESEND_AFTER
 from fleetbus.errors import (
     BusError,
     CallTimeoutError,
@@ -125,7 +126,13 @@ class MessageBus(Protocol):
         ...
 
     async def request(
-        self, subject: str, message: Message, *, timeout: float, attempts: int
+        self,
+        subject: str,
+        message: Message,
+        *,
+        timeout: float,
+        attempts: int = 1,
+        resend: float | None = None,
     ) -> AnyMessage:
         """Send a request and return its decoded reply."""
         ...
@@ -158,6 +165,13 @@ class RemoteAgent:
             included), unless a call gives its own.
         sender: the ``sender`` of the messages; the bus's client name by
             default.
+        resend_after: seconds a request that asks for a reply waits for its
+            receipt (the agent's host sends one once the request is in its
+            session's lease) before it is sent again, the same message to the
+            same reply subject; twice as long before each next sending. A
+            replica that dies with the request before taking it loses
+            nothing: another replica takes it, and the agent answers it once.
+            ``None``: sent once (a request lost so is a timeout).
 
     Raises:
         InvalidSubjectError: ``name`` cannot be a subject token.
@@ -171,6 +185,7 @@ class RemoteAgent:
         session_id: str | None = None,
         timeout: float = 300.0,
         sender: str | None = None,
+        resend_after: float | None = RESEND_AFTER,
     ) -> None:
         self._bus = bus
         self._name = name
@@ -178,6 +193,7 @@ class RemoteAgent:
         self._session_id = session_id or new_id()
         self.timeout = timeout
         self.sender = sender or bus.client_name
+        self.resend_after = resend_after
 
     def __repr__(self) -> str:
         return f"RemoteAgent({self._name!r}, session_id={self._session_id!r})"
@@ -333,7 +349,7 @@ class RemoteAgent:
                         self._inbox,
                         message,
                         timeout=max(deadline - loop.time(), 0.001),
-                        attempts=1,
+                        resend=self.resend_after,
                     )
                 )
             asking.add_done_callback(lambda _: queue.put_nowait(None))
@@ -534,7 +550,9 @@ class RemoteAgent:
         self, inputs: RemoteInput | None, session: str, schema: dict[str, Any] | None
     ) -> _Request:
         """The request to send: in ``session``, with a new ``call_id`` (and
-        ``schema`` as its ``output_schema``, when given)."""
+        ``schema`` as its ``output_schema``, when given), asking for a
+        receipt unless requests are not sent again."""
+        receipt = self.resend_after is not None
         if isinstance(inputs, AgentMessage):
             return msgspec.structs.replace(
                 inputs,
@@ -543,6 +561,7 @@ class RemoteAgent:
                 session_id=session,
                 call_id=new_id(),
                 output_schema=inputs.output_schema if schema is None else schema,
+                receipt=receipt,
             )
         if isinstance(inputs, UserRequest):
             return msgspec.structs.replace(
@@ -551,6 +570,7 @@ class RemoteAgent:
                 session_id=session,
                 call_id=new_id(),
                 output_schema=inputs.output_schema if schema is None else schema,
+                receipt=receipt,
             )
         if isinstance(inputs, ConfirmResult | ExternalResult):
             if schema is not None:
@@ -559,7 +579,11 @@ class RemoteAgent:
                     "the paused reply keeps the schema it started with"
                 )
             return msgspec.structs.replace(
-                inputs, sender=inputs.sender or self.sender, session_id=session, call_id=new_id()
+                inputs,
+                sender=inputs.sender or self.sender,
+                session_id=session,
+                call_id=new_id(),
+                receipt=receipt,
             )
         return UserRequest(
             sender=self.sender,
@@ -567,6 +591,7 @@ class RemoteAgent:
             call_id=new_id(),
             content=[] if inputs is None else inputs,
             output_schema=schema,
+            receipt=receipt,
         )
 
     def _answer(
