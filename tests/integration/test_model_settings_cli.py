@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -147,14 +146,14 @@ async def test_model_overrides_the_spec_and_model_timeout_and_retries_apply_to_r
         )
         with process(*command, *on_bus, env={"OPENAI_BASE_URL": endpoint.url}) as agent:
             await agent.wait_for("serving helper", count=2)
-            started = time.monotonic()
             code, out = await run_cli("ask", "helper", "Hello?", *on_bus)
-            took = time.monotonic() - started
             await asyncio.sleep(0.5)  # a retry, if one were made, would reach the server now
             requests = len(endpoint.requests)
             printed = agent.text
     assert code == 1, out
-    assert took < 4.0, out  # the 1 s timeout, not the server's 4 s
+    # The 1 s timeout, not the server's 4 s (said, not timed: the machine is shared).
+    assert "did not answer within 1 s" in out, out
+    assert "too late" not in out
     assert requests == 1  # no retry: neither the SDK's nor the agent's
     assert printed.count(f"helper: model openai:fake-model at {url}") == 2
 

@@ -174,9 +174,10 @@ async def test_each_request_times_out_after_its_own_timeout(bus: Bus) -> None:
         medium = await timed(0.2)
         took = await long
         stop.set()
-    assert 0.1 <= short < 0.4
-    assert 0.2 <= medium < 0.5
-    assert 1.0 <= took < 1.5
+    # Each request has its own deadline (loose upper bounds: a shared machine).
+    assert 0.1 <= short < 0.9
+    assert 0.2 <= medium < 0.95
+    assert 1.0 <= took < 3
 
 
 async def test_answered_requests_do_not_pile_up_deadlines(bus: Bus) -> None:
