@@ -255,7 +255,19 @@ class RemoteError(BusError):
 
 
 class StoreError(BusError):
-    """A JetStream key-value or object store operation failed."""
+    """A JetStream key-value or object store operation failed.
+
+    Attributes:
+        transient: the server did not answer, or answered that JetStream is
+            unavailable for now (a stream electing a new leader after a
+            cluster node died): the same operation may work in a moment.
+            ``False`` for an answer that will not change (a refused write,
+            data that cannot be read).
+    """
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class KeyNotFoundError(StoreError, KeyError):

@@ -74,11 +74,23 @@ class ObjectSummary:
 def _store_error(exc: BaseException, what: str) -> StoreError | ConnectionClosedError:
     if isinstance(exc, nats.errors.ConnectionClosedError):
         return ConnectionClosedError(f"{what}: the bus connection is closed")
+    # Each may pass: a stream electing a leader answers nothing for seconds.
     if isinstance(exc, nats.errors.NoRespondersError):
-        return StoreError(f"{what}: no JetStream stream answered (is JetStream enabled?)")
+        return StoreError(
+            f"{what}: no JetStream stream answered (is JetStream enabled?)", transient=True
+        )
     if isinstance(exc, nats.js.errors.ServiceUnavailableError):
-        return StoreError(f"{what}: JetStream is not available (is it enabled on the server?)")
-    return StoreError(f"{what} failed: {exc or type(exc).__name__}")
+        return StoreError(
+            f"{what}: JetStream is not available (is it enabled on the server?)", transient=True
+        )
+    return StoreError(f"{what} failed: {exc or type(exc).__name__}", transient=True)
+
+
+def _answered_error(what: str, error: dict[str, Any]) -> StoreError:
+    """The error JetStream answered; transient when it says it is unavailable (503)."""
+    return StoreError(
+        f"{what} failed: {error.get('description') or error}", transient=error.get("code") == 503
+    )
 
 
 ADMIN_TIMEOUT = 15.0
@@ -261,7 +273,7 @@ class KeyValueStore:
         if error:
             if error.get("err_code") == _NO_MESSAGE or error.get("code") == 404:
                 return None
-            raise StoreError(f"{what} failed: {error.get('description') or error}")
+            raise _answered_error(what, error)
         try:
             stored = answer["message"]
             revision = int(stored["seq"])
@@ -301,7 +313,7 @@ class KeyValueStore:
                     key=key,
                     expected=revision,
                 )
-            raise StoreError(f"{what} failed: {error.get('description') or error}")
+            raise _answered_error(what, error)
         try:
             return int(ack["seq"])
         except (KeyError, TypeError, ValueError):

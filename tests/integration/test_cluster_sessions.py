@@ -103,3 +103,43 @@ async def test_replies_finish_when_the_sessions_leader_is_killed(
         assert record.status == "done"
         assert_consistent(record.state.memory)
     assert sorted(runs) == sorted(w for t in texts.values() for w in t.split())
+
+
+@pytest.mark.timeout(150)
+async def test_requests_that_come_while_the_leases_leader_is_killed_wait_for_the_next_one(
+    cluster: NatsCluster, cluster_bus: Bus
+) -> None:
+    """Requests that reach a replica while the lease bucket has no leader
+    (its node was just killed, the other two are electing one) wait for it:
+    each is answered, none gets a store error."""
+    bus = cluster_bus
+    runs: list[str] = []
+    gate = asyncio.Event()
+    gate.set()
+    texts = {f"e{i}": f"x{i}" for i in range(4)}
+    async with (
+        step_worker(cluster.urls, bus.prefix, runs, gate),
+        serving(cluster.urls, bus.prefix, await make_agent(bus, StepModel())),
+    ):
+        inbox = bus.subjects.agent_inbox(AGENT)
+        warm = await bus.request(inbox, UserRequest(session_id="warm", content=""), timeout=30)
+        assert isinstance(warm, FinalAnswer)
+        stream = f"KV_{bus.subjects.kv_bucket('session_leases')}"
+        cluster.kill(await cluster.stream_leader(bus, stream))
+        got = await asyncio.gather(
+            *(
+                # (attempts: a replica connected to the killed node is back
+                # on another within a second; nobody serves it meanwhile)
+                bus.request(
+                    inbox,
+                    UserRequest(session_id=session, content=text),
+                    timeout=60,
+                    attempts=3,
+                    retry_backoff=0.5,
+                )
+                for session, text in texts.items()
+            )
+        )
+    for (_, text), answer in zip(texts.items(), got, strict=True):
+        assert isinstance(answer, FinalAnswer), answer
+        assert answer.content == expected(text)

@@ -191,6 +191,9 @@ class AgentHost(Lifecycle):
             dies holding one delays its session this long.
         concurrency: sessions run at once by this replica.
         busy_wait: seconds a message waits for its session to be free.
+        store_wait: seconds a message waits for the session store when it
+            fails (a JetStream stream electing a new leader after a cluster
+            node died takes a few seconds) before it is answered an error.
         recover_interval: seconds between checks of the running sessions' lease
             timers (no store scan: see :class:`Recovery`).
         drain_timeout: seconds running replies get to finish on stop.
@@ -224,6 +227,7 @@ class AgentHost(Lifecycle):
         lease_ttl: float = 10.0,
         concurrency: int = 64,
         busy_wait: float = 60.0,
+        store_wait: float = 30.0,
         recover_interval: float = 2.0,
         drain_timeout: float = 30.0,
         cache_size: int = 64,
@@ -263,6 +267,7 @@ class AgentHost(Lifecycle):
         self.lease_ttl = lease_ttl
         self.concurrency = concurrency
         self.busy_wait = busy_wait
+        self.store_wait = store_wait
         self.recover_interval = recover_interval
         self.drain_timeout = drain_timeout
         self.store: SessionStore | None = None
@@ -502,18 +507,44 @@ class AgentHost(Lifecycle):
                 f"the message nests arrays and objects more than {_MAX_INPUT_DEPTH} levels "
                 "deep, more than an agent stores",
             )
+        store = self.store
+        failures = 0
+
+        async def acquire() -> Lease:
+            nonlocal failures
+            try:
+                return await store.acquire(
+                    name,
+                    session,
+                    fresh=lambda: self.definition(name).initial_state(),
+                    reply_to=reply_to,
+                    pending_input=pending,
+                    wait=self.busy_wait,
+                    # A confirmation or an external result continues a session:
+                    # one to a session that does not exist must not start it.
+                    create=not isinstance(message, ConfirmResult | ExternalResult),
+                )
+            except StoreError as exc:
+                failures += 1
+                if failures == 1 and exc.transient:
+                    logger.warning(
+                        "%s: the session store failed taking session %s, retrying for up "
+                        "to %g s: %s",
+                        name,
+                        session,
+                        self.store_wait,
+                        exc,
+                        extra={"session_id": session, "call_id": message.call_id},
+                    )
+                raise
+
+        # A JetStream fail-over (a cluster node died) leaves a stream without
+        # a leader for a few seconds: the request waits for the new one.
+        retry = Retry(
+            on=_transient, attempts=None, backoff=0.1, max_backoff=1.0, timeout=self.store_wait
+        )
         try:
-            return await self.store.acquire(
-                name,
-                session,
-                fresh=lambda: self.definition(name).initial_state(),
-                reply_to=reply_to,
-                pending_input=pending,
-                wait=self.busy_wait,
-                # A confirmation or an external result continues a session:
-                # one to a session that does not exist must not start it.
-                create=not isinstance(message, ConfirmResult | ExternalResult),
-            )
+            return await retry.call(acquire)
         except SessionNotFoundError as exc:
             return _nothing_waits(name, message, session, str(exc))
         except SessionBusyError as exc:
@@ -1044,6 +1075,10 @@ def _nests_deeper(value: Any, limit: int) -> bool:
             if isinstance(child, dict | list):
                 stack.append((child, depth + 1))
     return False
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(exc, StoreError) and exc.transient
 
 
 def _decode_input(data: dict[str, Any] | None) -> AnyMessage | None:
