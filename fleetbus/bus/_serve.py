@@ -70,9 +70,29 @@ async def settle(nc: NATS, timeout: float = 5.0) -> None:
     nats-py writes a flush's PING straight to the socket, ahead of commands
     still in its buffer (a SUB just made), so one round trip can end before
     the server has the subscription; the second PING follows them.
+
+    A reconnection (the server went away: a cluster node died) drops the
+    PONGs nats-py waits for, so a round trip then never ends: each is given
+    :data:`_ROUND_TRIP_SLICE` seconds, and the two are tried again while
+    ``timeout`` lasts (the subscriptions are made again on the new server).
+
+    Raises:
+        nats.errors.TimeoutError: no answer within ``timeout``.
     """
-    await _round_trip(nc, timeout)
-    await _round_trip(nc, timeout)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            for _ in range(2):
+                await _round_trip(nc, min(_ROUND_TRIP_SLICE, max(deadline - loop.time(), 0.001)))
+            return
+        except nats.errors.TimeoutError:
+            if loop.time() >= deadline or nc.is_closed:
+                raise
+
+
+_ROUND_TRIP_SLICE = 2.0
+"""Seconds one PING of :func:`settle` is waited for before another is sent."""
 
 
 _PONG_WAIT = 300.0

@@ -430,12 +430,20 @@ class Bus:
             raise BusError(f"request to {subject} failed: {exc}") from exc
         return decode(reply.data)
 
-    async def observe(self, subject: str, *, queue: str | None = None) -> Observation:
+    async def observe(
+        self, subject: str, *, queue: str | None = None, timeout: float = 5.0
+    ) -> Observation:
         """Subscribe to a subject (by default without a queue group: every
         observer gets every message).
 
         Use as ``async with await bus.observe(s) as obs: async for m in obs``.
         A payload that does not decode is logged and skipped.
+
+        Args:
+            subject: what to subscribe to.
+            queue: a queue group.
+            timeout: seconds the server gets to confirm the subscription
+                (a confirmation lost to a reconnection is asked for again).
 
         Raises:
             ConnectionClosedError: the bus is closed.
@@ -446,11 +454,16 @@ class Bus:
         mark = self.denials.count
         try:
             sub = await self._nc.subscribe(subject, queue=queue or "")
+        except nats.errors.Error as exc:
+            raise _translate(exc, f"subscribe to {subject}") from exc
+        try:
             # A refusal comes back before the answer to the PING that follows.
-            await settle(self._nc)
+            await settle(self._nc, timeout)
         except nats.errors.TimeoutError as exc:
+            await Observation(sub).close()
             raise CallTimeoutError(f"subscribe to {subject}: timed out", subject=subject) from exc
         except nats.errors.Error as exc:
+            await Observation(sub).close()
             raise _translate(exc, f"subscribe to {subject}") from exc
         denial = self.denials.since(mark, "subscription", subject)
         if denial is not None:

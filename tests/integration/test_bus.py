@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import socket
 import time
 from typing import Any
@@ -380,6 +382,39 @@ async def test_the_bus_survives_a_server_restart() -> None:
         assert reply.call_id == "after"
         await client.close()
         await responder.close()
+    finally:
+        server.stop()
+
+
+async def test_a_subscription_made_while_the_server_is_away_is_confirmed_once_it_is_back() -> None:
+    """The server stops answering (paused), then dies, as a cluster node
+    does: the flush and the observe waiting for its PONGs are not answered,
+    and nats-py drops those PONGs' futures when it reconnects. They still
+    end once a server is back, instead of waiting out their timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = EmbeddedServer(port=port).start()
+    try:
+        bus = await Bus.connect(server.url)
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        flushing = asyncio.create_task(bus.flush(timeout=30))
+        observing = asyncio.create_task(bus.observe("away.events", timeout=30))
+        await asyncio.sleep(0.5)  # their PINGs are on the socket, unanswered
+        server.kill()
+        server = EmbeddedServer(port=port).start()
+        started = time.monotonic()
+        await flushing
+        observation = await observing
+        waited = time.monotonic() - started
+        async with observation:
+            await bus.publish("away.events", Event(event="back"))
+            async with asyncio.timeout(10):
+                got = await anext(aiter(observation))
+        assert isinstance(got, Event)
+        assert waited < 20, waited  # not the 30 s timeout (loose: a shared machine)
+        await bus.close()
     finally:
         server.stop()
 

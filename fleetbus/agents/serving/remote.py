@@ -141,7 +141,7 @@ class MessageBus(Protocol):
         """Publish a message."""
         ...
 
-    async def observe(self, subject: str) -> Observation:
+    async def observe(self, subject: str, *, timeout: float = 5.0) -> Observation:
         """Subscribe to a subject."""
         ...
 
@@ -321,7 +321,13 @@ class RemoteAgent:
             self._name,
             extra={"call_id": message.call_id, "session_id": session},
         )
-        observation = await self._bus.observe(self._bus.subjects.events(self._name, session))
+        try:
+            observation = await self._bus.observe(
+                self._bus.subjects.events(self._name, session),
+                timeout=max(deadline - loop.time(), 0.001),
+            )
+        except CallTimeoutError as exc:
+            raise self._timed_out(message, limit) from exc
         # Owned here: both are cancelled and awaited in `finally`, however the stream ends.
         reader: asyncio.Task[None] | None = None
         asking: asyncio.Task[AnyMessage] | None = None
