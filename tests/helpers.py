@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,13 @@ from fleetbus.errors import SessionLost
 from fleetbus.protocol import UserRequest, to_builtins
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (now)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def spawn(args: Sequence[str], *, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:

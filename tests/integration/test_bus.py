@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import time
 from typing import Any
 
@@ -33,6 +32,7 @@ from fleetbus.protocol import (
     decode,
     encode,
 )
+from tests.helpers import free_port
 
 
 async def echo_handler(request: Request) -> Message:
@@ -339,9 +339,7 @@ async def test_oversized_messages_are_refused_before_sending(bus: Bus) -> None:
 
 
 async def test_connecting_to_nothing_fails_fast_and_clearly() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with pytest.raises(ConnectError, match=f"cannot connect to NATS at nats://127.0.0.1:{port}"):
         await Bus.connect(f"nats://127.0.0.1:{port}", timeout=1.0)
 
@@ -356,9 +354,7 @@ async def test_a_closed_bus_says_so(nats_server: EmbeddedServer) -> None:
 
 async def test_the_bus_survives_a_server_restart() -> None:
     """Requests work again once a restarted server is back on the same port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = EmbeddedServer(port=port).start()
     try:
         client = await Bus.connect(server.url)
@@ -391,9 +387,7 @@ async def test_a_subscription_made_while_the_server_is_away_is_confirmed_once_it
     does: the flush and the observe waiting for its PONGs are not answered,
     and nats-py drops those PONGs' futures when it reconnects. They still
     end once a server is back, instead of waiting out their timeout."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = EmbeddedServer(port=port).start()
     try:
         bus = await Bus.connect(server.url)

@@ -33,7 +33,7 @@ from fleetbus.dashboard import TOKEN_HEADER, FleetView, Limits, create_app
 from fleetbus.errors import ConfigError
 from fleetbus.protocol import Event, FinalAnswer
 from fleetbus.tools_workers import Toolkit, ToolWorker
-from tests.helpers import ROOT, serving, stop
+from tests.helpers import ROOT, free_port, serving, stop
 from tests.integration import worker_tools
 from tests.integration.agent_specs import CommandModel
 
@@ -361,16 +361,9 @@ async def test_allow_resumes_a_paused_session(nats_server: EmbeddedServer, bus: 
 # -- the bus going away ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.mark.slow
 async def test_the_view_says_disconnected_and_recovers(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     server = EmbeddedServer(port=port, state_dir=tmp_path / "js").start()
     try:
         bus = await Bus.connect(server.url, prefix=f"t{uuid.uuid4().hex[:8]}", name="dash")

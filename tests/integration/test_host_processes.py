@@ -12,7 +12,6 @@ import contextlib
 import json
 import re
 import signal
-import socket
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterable
@@ -25,7 +24,7 @@ from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, EmbeddedServer
 from fleetbus.errors import CallTimeoutError, NoRespondersError
 from fleetbus.protocol import AgentMessage, FinalAnswer, TextBlock, UserRequest
-from tests.helpers import running
+from tests.helpers import free_port, running
 from tests.integration.agent_specs import crowd_member
 
 pytestmark = pytest.mark.slow
@@ -150,13 +149,6 @@ async def heard_by_all(
         if not waiting or time.monotonic() >= deadline:
             return heard
         await asyncio.sleep(0.2)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def subscriptions(monitor: int, connection: str) -> list[tuple[str, str]]:

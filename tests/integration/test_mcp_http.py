@@ -15,14 +15,7 @@ import pytest
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
 from fleetbus.errors import ToolError
 from fleetbus.tools_workers import MCPTools, Toolkit
-from tests.helpers import ROOT, running, wait_for_workers
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+from tests.helpers import ROOT, free_port, running, wait_for_workers
 
 
 def start_http_server(port: int) -> subprocess.Popen[bytes]:

@@ -14,6 +14,7 @@ from ruamel.yaml import YAML
 
 from fleetbus.bus import Bus, EmbeddedServer, find_server_binary, key_value
 from fleetbus.errors import ConfigError, PortInUseError, ServerBinaryNotFoundError, ServerError
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,12 +67,6 @@ async def test_state_survives_a_restart_in_the_same_state_dir(tmp_path: Path) ->
         bus = await Bus.connect(second.url)
         assert (await (await key_value(bus, "keep", create=False)).get("k")).value == b"v"
         await bus.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def jetstream_config(monitor_port: int) -> dict[str, Any]:
