@@ -24,8 +24,7 @@ import contextvars
 from dataclasses import dataclass
 from typing import Final
 
-from fleetbus.bus import Bus
-from fleetbus.bus._replies import RESEND_AFTER
+from fleetbus.bus import RESEND_AFTER, Bus
 from fleetbus.bus.subjects import check_name
 from fleetbus.errors import BusError, FleetbusError, ToolError
 from fleetbus.protocol import AgentMessage, ErrorMessage, Event, FinalAnswer, TextBlock, new_id

@@ -5,6 +5,7 @@ and JetStream KV / object stores.
 The only package that imports ``nats``.
 """
 
+from fleetbus.bus._replies import RESEND_AFTER
 from fleetbus.bus.connection import Bus, Handler, Observation, Request
 from fleetbus.bus.lifecycle import GC_THRESHOLD, Lifecycle, tune_gc
 from fleetbus.bus.micro import EndpointInfo, EndpointStats, MicroService, ServiceInfo, discover
@@ -40,6 +41,7 @@ __all__ = [
     "DEFAULT_URL",
     "GC_THRESHOLD",
     "INBOX_ROOT",
+    "RESEND_AFTER",
     "RESULTS_STORE",
     "RESULT_HEADROOM",
     "SERVICE_NAME",

@@ -181,13 +181,13 @@ class Replies:
         reply: asyncio.Future[Msg | None] = loop.create_future()
         self._waiting[token] = (reply, subject)
         self._expect(loop.time() + timeout, token)
-        reply_to = self._inbox + token
+        if resend is not None:
+            self._receipts[token] = False  # (before it is sent: the receipt may come at once)
         try:
-            await self._nc.publish(subject, payload, reply=reply_to, headers=headers)
+            await self._nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
             if resend is None:
                 msg = await reply
             else:
-                self._receipts[token] = False
                 msg = await self._until_answered(token, reply, subject, payload, headers, resend)
         finally:
             del self._waiting[token]

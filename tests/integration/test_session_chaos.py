@@ -34,8 +34,7 @@ import pytest
 
 from fleetbus.agents.serving import RemoteAgent
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
-from fleetbus.bus import Bus, EmbeddedServer
-from fleetbus.bus._replies import RESEND_AFTER
+from fleetbus.bus import RESEND_AFTER, Bus, EmbeddedServer
 from fleetbus.protocol import (
     AnyMessage,
     FinalAnswer,

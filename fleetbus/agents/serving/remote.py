@@ -49,8 +49,7 @@ import pydantic
 
 from fleetbus import tracing
 from fleetbus.agents.permissions import checked_confirmation
-from fleetbus.bus import Observation, Subjects
-from fleetbus.bus._replies import RESEND_AFTER
+from fleetbus.bus import RESEND_AFTER, Observation, Subjects
 from fleetbus.errors import (
     BusError,
     CallTimeoutError,
