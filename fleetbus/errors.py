@@ -30,6 +30,7 @@ it (``CallTimeoutError`` is a ``TimeoutError``)::
     │       └── ServerStartError
     ├── SessionError                         an agent session on the bus
     │   ├── SessionBusyError                 another replica runs it (lease held)
+    │   │   └── RequestHeldError             ...serving this very request (a copy)
     │   └── SessionNotFoundError             no such session, and none to start
     └── ToolError                            defining or looking up tools
         ├── ToolDefinitionError (TypeError)  a function that cannot become a tool
@@ -63,6 +64,7 @@ __all__ = [
     "PortInUseError",
     "ProtocolError",
     "RemoteError",
+    "RequestHeldError",
     "RevisionMismatchError",
     "ServerBinaryNotFoundError",
     "ServerError",
@@ -324,6 +326,11 @@ class SessionError(FleetbusError):
 
 class SessionBusyError(SessionError):
     """Another replica holds the session's lease and is running it."""
+
+
+class RequestHeldError(SessionBusyError):
+    """Another replica holds the session's lease serving this very request
+    (a copy sent again by a client that had no receipt): it answers."""
 
 
 class SessionNotFoundError(SessionError):

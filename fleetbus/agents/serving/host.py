@@ -83,6 +83,7 @@ from fleetbus.errors import (
     ConfigError,
     InvalidSubjectError,
     ProtocolError,
+    RequestHeldError,
     SessionBusyError,
     SessionLost,
     SessionNotFoundError,
@@ -465,8 +466,8 @@ class AgentHost(Lifecycle):
         run.users += 1
         try:
             async with self._session_lock(key):
-                lease = await self._acquire(name, message, session, reply_to)
-                if isinstance(lease, ErrorMessage | FinalAnswer):
+                lease = await self._acquire(name, message, session, reply_to, receipt)
+                if lease is None or isinstance(lease, ErrorMessage | FinalAnswer):
                     return lease
                 if receipt is not None and reply_to is not None:
                     await self._receipt(reply_to)
@@ -491,10 +492,17 @@ class AgentHost(Lifecycle):
             logger.warning("%s: the receipt to %s was not sent: %s", self.replica_id, reply_to, exc)
 
     async def _acquire(
-        self, name: str, message: AnyMessage, session: str, reply_to: str | None
-    ) -> Lease | ErrorMessage | FinalAnswer:
+        self,
+        name: str,
+        message: AnyMessage,
+        session: str,
+        reply_to: str | None,
+        receipt: tuple[str, str] | None = None,
+    ) -> Lease | ErrorMessage | FinalAnswer | None:
         """The session's lease with ``message`` recorded, or what to answer
-        instead (an error; a resume of a session that does not exist)."""
+        instead (an error; a resume of a session that does not exist;
+        ``None``, nothing, for a copy of the request another replica serves:
+        ``receipt``, its call_id and reply subject)."""
         assert self.store is not None
         try:
             pending = to_builtins(message)
@@ -523,6 +531,7 @@ class AgentHost(Lifecycle):
                     # A confirmation or an external result continues a session:
                     # one to a session that does not exist must not start it.
                     create=not isinstance(message, ConfirmResult | ExternalResult),
+                    joins=receipt,
                 )
             except StoreError as exc:
                 failures += 1
@@ -547,6 +556,8 @@ class AgentHost(Lifecycle):
             return await retry.call(acquire)
         except SessionNotFoundError as exc:
             return _nothing_waits(name, message, session, str(exc))
+        except RequestHeldError:
+            return None  # a copy: the replica serving the request answers it
         except SessionBusyError as exc:
             return self._error(message, "overloaded", str(exc))
         except StoreError as exc:
@@ -805,6 +816,7 @@ class AgentHost(Lifecycle):
                 lease = await self._acquire(name, message, session, None)
                 if isinstance(lease, ErrorMessage | FinalAnswer):
                     return lease
+                assert lease is not None  # (None only for a copy of a request with a receipt)
                 state = lease.record.state
                 stored = _decode_final(lease.orphan_final)
                 if stored is not None and lease.orphan_reply_to:

@@ -59,6 +59,7 @@ from fleetbus.bus import (
 from fleetbus.errors import (
     FleetbusError,
     KeyNotFoundError,
+    RequestHeldError,
     RevisionMismatchError,
     SessionBusyError,
     SessionLost,
@@ -427,6 +428,7 @@ class SessionStore:
         take_over: bool = False,
         lease_revision: int | None = None,
         create: bool = True,
+        joins: tuple[str, str] | None = None,
     ) -> Lease:
         """Take the session's lease, then fence its head (creating the session
         if it is new): from then on only this replica's writes land.
@@ -448,8 +450,14 @@ class SessionStore:
                 silent: the take-over happens only if it is still current.
             create: make the session if it does not exist (``False``: a
                 message that only continues a session, a confirmation).
+            joins: ``(call_id, reply subject)`` of a request sent again by a
+                client that had no receipt: when another replica holds the
+                lease serving that very request (its lease carries it), it
+                answers the copy too, and no wait is made.
 
         Raises:
+            RequestHeldError: (``joins``) another replica holds the lease
+                serving that request.
             SessionBusyError: another replica holds the lease after ``wait``,
                 or (``take_over``) the session needs no take-over.
             SessionNotFoundError: ``create`` is false and there is no such session.
@@ -465,6 +473,7 @@ class SessionStore:
             take_over,
             lease_revision,
             create,
+            joins,
         )
         if not take_over:
             return await self._acquire(*args)
@@ -485,6 +494,7 @@ class SessionStore:
         take_over: bool,
         lease_revision: int | None,
         create: bool,
+        joins: tuple[str, str] | None,
     ) -> Lease:
         key = session_key(agent, session_id)
         deadline = time.monotonic() + wait
@@ -544,6 +554,13 @@ class SessionStore:
                     if seen is None or seen[0] != entry.revision:
                         seen = (entry.revision, now)
                     if now - seen[1] <= self.lease_ttl:  # alive; else its owner died
+                        if joins is not None and _serves(entry, joins):
+                            raise RequestHeldError(
+                                f"session {session_id} of {agent} is serving this request "
+                                f"at {holder}",
+                                agent=agent,
+                                session_id=session_id,
+                            )
                         if now >= deadline:
                             raise SessionBusyError(
                                 f"session {session_id} of {agent} is being run by {holder}",
@@ -1202,6 +1219,15 @@ def _dead_request(entry: Entry | None) -> tuple[int, dict[str, Any]] | None:
     if not isinstance(request, dict) or not isinstance(request.get("input"), dict):
         return None
     return epoch, request
+
+
+def _serves(entry: Entry, request: tuple[str, str]) -> bool:
+    """Whether the lease ``entry`` carries the request ``(call_id, reply subject)``."""
+    carried = _dead_request(entry)
+    if carried is None:
+        return False
+    call_id, reply_to = request
+    return carried[1].get("reply_to") == reply_to and carried[1]["input"].get("call_id") == call_id
 
 
 def lease_owner(value: bytes | None) -> str | None:
