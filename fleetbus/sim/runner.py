@@ -15,10 +15,10 @@ A runner that starts on a directory holding an unfinished run resumes it:
 the records of the unfinished round are dropped, the environment is restored
 from the snapshot of the last finished round, and the run goes on from the
 next round in the same sessions. An agent's request of a round carries the
-same ``call_id`` each time it is asked, so an agent that had answered the
-unfinished round before the crash answers with the same answer again (its
-host replays it) and keeps one copy of the round in its memory, and one
-still replying when the runner resumes is waited for, not asked twice.
+same ``call_id`` each time it is asked, so an agent asked the unfinished
+round again drops its earlier attempt at it and answers anew against the
+restored environment, keeping one copy of the round in its memory (the
+requests ask for no receipt: see docs/protocol.md, ``user_request``).
 
 Requests go through :meth:`Bus.request <fleetbus.bus.Bus.request>` with one
 attempt, which is nats-py's request on the connection's shared reply
@@ -302,9 +302,8 @@ class SimulationRunner:
             sender=self.sender,
             session_id=self._state.session_id,
             # The same each time this round is asked of this agent: a runner
-            # that resumes an unfinished round gets the answers already given
-            # again (the host replays them) instead of a second reply in the
-            # agent's memory.
+            # that resumes an unfinished round has the agent replace its
+            # earlier attempt, instead of a second reply in its memory.
             call_id=f"{self._state.session_id}-r{ctx.round}-{index}",
             content=prompt,
             metadata={"simulation": sim.name, "round": ctx.round},
