@@ -1055,10 +1055,10 @@ def _asked_again(
                 return phase
         elif isinstance(phase.input, Asking) and phase.input.call_id == call_id:
             return phase
-    stored = _decode_final(record.final) if previous == "done" else None
-    if stored is not None and stored.call_id == call_id:
-        return stored
-    return None
+    final = record.final
+    if previous != "done" or final is None or final.get("call_id") != call_id:
+        return None
+    return _decode_final(final)
 
 
 def _nothing_waits(name: str, message: AnyMessage, session: str, why: str) -> FinalAnswer:
