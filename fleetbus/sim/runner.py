@@ -17,12 +17,17 @@ from the snapshot of the last finished round, and the run goes on from the
 next round in the same sessions. An agent's request of a round carries the
 same ``call_id`` each time it is asked, so an agent asked the unfinished
 round again drops its earlier attempt at it and answers anew against the
-restored environment, keeping one copy of the round in its memory (the
+restored environment, keeping one copy of the round in its memory (those
 requests ask for no receipt: see docs/protocol.md, ``user_request``).
 
-Requests go through :meth:`Bus.request <fleetbus.bus.Bus.request>` with one
-attempt, which is nats-py's request on the connection's shared reply
-subscription: one future per request, no subscription, no task of its own.
+Every other request asks for a receipt, and is sent again while none came
+(after a quarter of the deadline, at least 3 s, then twice as long each
+time): a host replica that dies with requests it had queued, not taken yet,
+loses none of them; another replica answers each once.
+
+Requests go through :meth:`Bus.request <fleetbus.bus.Bus.request>` on the
+connection's shared reply subscription: one future per request, no
+subscription, no task of its own.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from fleetbus.bus import Bus
+from fleetbus.bus import RESEND_AFTER, Bus
 from fleetbus.errors import (
     BusError,
     CallTimeoutError,
@@ -145,6 +150,8 @@ class SimulationRunner:
         self.sender = f"sim.{simulation.name}"
         self.environment: Environment | None = None
         self._state: RunState | None = None
+        self._asked_again: int | None = None
+        """The round a resumed run asks again (its requests ask no receipt)."""
 
     # -- the run -------------------------------------------------------------------
 
@@ -178,6 +185,7 @@ class SimulationRunner:
             self.files.truncate_results(state.results_bytes)
             await environment.restore(self.files.read_snapshot(state.completed))
             logger.info("resuming %s after round %d of %d", sim.name, state.completed, self.rounds)
+            self._asked_again = state.completed + 1
         self._state = state
         resumed_from = state.completed
         self.files.write_summary(self._summary(state))
@@ -298,6 +306,11 @@ class SimulationRunner:
             )
         prompt = await _resolve(sim.prompt(ctx, AgentView(name, index, params)))
         assert self._state is not None
+        # A request asks for a receipt, and is sent again while none comes
+        # (a host replica that died with it queued took it along), except in
+        # the round a resumed run asks again: there the agent must replace
+        # its earlier attempt, not answer it again.
+        receipt = ctx.round != self._asked_again
         message = UserRequest(
             sender=self.sender,
             session_id=self._state.session_id,
@@ -307,6 +320,7 @@ class SimulationRunner:
             call_id=f"{self._state.session_id}-r{ctx.round}-{index}",
             content=prompt,
             metadata={"simulation": sim.name, "round": ctx.round},
+            receipt=receipt,
         )
         sent = loop.time()
         try:
@@ -314,7 +328,7 @@ class SimulationRunner:
                 self.bus.subjects.agent_inbox(name),
                 message,
                 timeout=max(deadline - sent, 0.001),
-                attempts=1,
+                resend=max(RESEND_AFTER, self.deadline / 4) if receipt else None,
             )
         except CallTimeoutError:
             return AgentReply(

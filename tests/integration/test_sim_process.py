@@ -29,6 +29,26 @@ def killable() -> Simulation:
     return simulation(NAMES, delays=dict.fromkeys(NAMES, delay), rounds=3)
 
 
+def crowded() -> Simulation:
+    """Twelve agents, one round; each answer takes two seconds."""
+    names = tuple(f"p{n}" for n in range(12))
+    return simulation(names, delays=dict.fromkeys(names, 2.0), rounds=1)
+
+
+def pid_of(*needles: str) -> int | None:
+    """The process whose command line holds every one of ``needles``."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if all(needle in cmdline for needle in needles):
+            return int(entry.name)
+    return None
+
+
 def completed(out: Path) -> int:
     try:
         return int(orjson.loads((out / "state.json").read_bytes())["completed"])
@@ -92,6 +112,45 @@ def test_a_runner_killed_in_round_two_resumes_from_round_one(
     assert (state.completed, state.records) == (3, 12)
     assert state.results_bytes == files.results.stat().st_size
     assert [s.metrics["applied"] for s in state.rounds] == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_host_killed_with_requests_queued_loses_none_of_them(
+    nats_server: EmbeddedServer, prefix: str, tmp_path: Path
+) -> None:
+    """Two hosts running one reply at a time share twelve requests: each
+    holds one reply and queues the others, which it has not taken (no
+    lease). Host 1 is SIGKILLed: the runner had no receipt for its queued
+    requests and sends them again, host 2 answers them, and takes over the
+    reply host 1 was running. No agent is late."""
+    out = tmp_path / "run"
+    command = [
+        "sim", "run", "tests.integration.test_sim_process:crowded",
+        "--nats", nats_server.url, "--prefix", prefix, "--out", str(out),
+        "--hosts", "2", "--host-concurrency", "1", "--deadline", "60",
+    ]  # fmt: skip
+    run = spawn(command)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "summary.json").exists():  # the round starts now
+            assert run.poll() is None, output(run)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.0)  # each host runs its first reply (2 s) and queues the rest
+        host = pid_of(prefix, "visits-host-1")
+        assert host is not None
+        os.kill(host, signal.SIGKILL)
+        code = run.wait(100)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    said = output(run)
+    assert code == 0, said
+    records = list(RunFiles(out).records())
+    assert len(records) == 12, said
+    assert [r for r in records if r["status"] != "ok"] == [], said
 
 
 @pytest.mark.parametrize(
