@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import logging
 import math
 import re
 from collections import deque
@@ -31,6 +32,8 @@ __all__ = [
     "Replies",
     "permission_denied",
 ]
+
+logger = logging.getLogger(__name__)
 
 _VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"')
 
@@ -223,8 +226,14 @@ class Replies:
                 continue
             if self._receipts.get(token):
                 return await reply
-            await self._nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
             sent += 1
+            logger.debug(
+                "no receipt for the request on %s after %g s: sending it again (#%d)",
+                subject,
+                interval,
+                sent,
+            )
+            await self._nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
             interval = min(interval * 2, RESEND_MAX)
 
     async def _open(self) -> None:
