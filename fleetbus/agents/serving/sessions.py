@@ -410,11 +410,16 @@ class SessionStore:
     def _carried(
         self, reply_to: str | None, pending_input: dict[str, Any] | None
     ) -> dict[str, Any] | None:
-        """The request to carry in the lease value, if small enough to."""
+        """The request to carry in the lease value: all of it if small enough
+        to (``input``), else only its ``call_id`` (a copy of it sent again is
+        known by that: :func:`_serves`)."""
         if pending_input is None:
             return None
         carried = {"reply_to": reply_to, "input": pending_input}
-        return carried if len(orjson.dumps(carried)) <= _CARRIED_BYTES else None
+        if len(orjson.dumps(carried)) <= _CARRIED_BYTES:
+            return carried
+        call_id = pending_input.get("call_id")
+        return {"reply_to": reply_to, "call_id": call_id} if isinstance(call_id, str) else None
 
     async def acquire(
         self,
@@ -702,8 +707,9 @@ class SessionStore:
                 update["status"] = "running"  # (an answer to re-send keeps its status)
             if not take_over:
                 update.update(reply_to=reply_to, pending_input=pending_input)
-            lease.carried = carried
-            if handed_over and record.status != "running" and (carried or not pending_input):
+            lease.carried = carried if not take_over else _serving(record)
+            whole = carried is not None and "input" in carried  # a take-over finds it there
+            if handed_over and record.status != "running" and (whole or not pending_input):
                 lease.record = record.model_copy(update=update)
                 return lease
             try:
@@ -1221,13 +1227,31 @@ def _dead_request(entry: Entry | None) -> tuple[int, dict[str, Any]] | None:
     return epoch, request
 
 
+def _serving(record: SessionRecord) -> dict[str, Any] | None:
+    """What a take-over's lease carries (from its first renewal on) of the
+    request it serves: its reply subject and ``call_id``, so that a copy of
+    it sent again is known (:func:`_serves`)."""
+    pending = record.pending_input or {}
+    reply = record.state.reply
+    call_id = pending.get("call_id") or (reply.request_id if reply is not None else None)
+    if not record.reply_to or not isinstance(call_id, str):
+        return None
+    return {"reply_to": record.reply_to, "call_id": call_id}
+
+
 def _serves(entry: Entry, request: tuple[str, str]) -> bool:
-    """Whether the lease ``entry`` carries the request ``(call_id, reply subject)``."""
-    carried = _dead_request(entry)
-    if carried is None:
+    """Whether the lease ``entry`` carries the request ``(call_id, reply subject)``
+    (all of it, or its ``call_id`` only)."""
+    try:
+        carried = orjson.loads(entry.value).get("request") if entry.value else None
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    if not isinstance(carried, dict):
         return False
     call_id, reply_to = request
-    return carried[1].get("reply_to") == reply_to and carried[1]["input"].get("call_id") == call_id
+    whole = carried.get("input")
+    carried_id = whole.get("call_id") if isinstance(whole, dict) else carried.get("call_id")
+    return carried.get("reply_to") == reply_to and carried_id == call_id
 
 
 def lease_owner(value: bytes | None) -> str | None:
