@@ -19,7 +19,10 @@ Three KV buckets and an object store hold the sessions of a fleet's agents:
     record renewed by compare-and-set without touching the state. Its revision
     at acquisition is the owner's *epoch*, part of every chunk key, so an old
     owner that has not noticed its loss can never overwrite what the new owner
-    references.
+    references. It carries the request being served with its reply subject
+    (or, when the request is larger than :data:`_CARRIED_BYTES`, or the lease
+    a take-over's, only its ``call_id``): a copy of the request sent again
+    by a client that had no receipt is known by it.
 ``<prefix>_session_blobs`` — any head or chunk larger than the server's
     ``max_payload`` allows is stored here and referenced, transparently: no
     session size is limited by ``max_payload``.
