@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import nats.js.errors
 import pytest
 
-from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
+from fleetbus.agents.serving.sessions import SessionRecord, SessionStore, lease_owner, session_key
 from fleetbus.bus import Bus, EmbeddedServer
 from fleetbus.errors import CallTimeoutError, NoRespondersError
 from fleetbus.protocol import AgentMessage, FinalAnswer, TextBlock, UserRequest
@@ -221,9 +221,10 @@ async def test_replicas_share_the_crowd_and_a_killed_replicas_reply_is_finished(
         owner = None
         deadline = time.monotonic() + 10
         while owner is None and time.monotonic() < deadline:
-            record = await store.get("c0042", "crash")
-            if record is not None and record.status == "running":
-                owner = record.owner
+            # Who runs it: the lease says (a new session's head is written
+            # by its first save, at the end of the reply here).
+            held = await store.leases.get_or_none(session_key("c0042", "crash"))
+            owner = lease_owner(held.value) if held is not None else None
             await asyncio.sleep(0.02)
         assert owner in ("crowd@r1", "crowd@r2")
         victim, survivor = procs if owner == "crowd@r1" else procs[::-1]

@@ -978,7 +978,11 @@ class AgentHost(Lifecycle):
         async with self._session_lock(key):
             try:
                 lease = await self.store.acquire(
-                    name, session, take_over=True, lease_revision=lease_revision
+                    name,
+                    session,
+                    fresh=lambda: self.definition(name).initial_state(),
+                    take_over=True,
+                    lease_revision=lease_revision,
                 )
             except SessionBusyError:
                 return  # another replica was faster, or it ended meanwhile

@@ -643,9 +643,10 @@ class SessionStore:
         are its request still to serve when that owner never wrote the head.
         ``known``: the head as it is, known without reading it.
         """
+        whole = carried is not None and "input" in carried  # a take-over finds it there
         for _ in range(8):
             read = None if known is not None else await self._read_head(key)
-            if read is None and known is None:
+            if read is None and known is None and dead is None:
                 if take_over:
                     raise SessionBusyError(
                         f"session {session_id} of {agent} no longer exists",
@@ -669,6 +670,12 @@ class SessionStore:
                     pending_input=pending_input,
                 )
                 lease = Lease(record, 0, epoch, epoch)
+                lease.carried = carried
+                if whole:
+                    # A new session whose request rides in the lease: its first
+                    # save creates the head (a take-over creates it from the
+                    # lease). Nobody wrote it before, so nobody is to fence.
+                    return lease
                 try:
                     await self._write_head(lease, record, record.state, create=True)
                 except RevisionMismatchError:
@@ -676,9 +683,16 @@ class SessionStore:
                 return lease
             if known is not None:
                 lease, known = known, None  # (a failed write below reads it again)
-            else:
-                assert read is not None
+            elif read is not None:
                 lease = await self._load(key, *read)
+            else:
+                # A dead owner's new session, never saved: what it served is in
+                # its lease (``dead``, made running below).
+                state = fresh() if callable(fresh) else fresh
+                record = SessionRecord(
+                    agent=agent, session_id=session_id, state=state or AgentState(agent_name=agent)
+                )
+                lease = Lease(record, 0, 0, 0)
             record = lease.record
             if dead is not None and dead[0] != lease.epoch:
                 # The dead owner never wrote the head: its request is in its lease.
@@ -711,12 +725,16 @@ class SessionStore:
             if not take_over:
                 update.update(reply_to=reply_to, pending_input=pending_input)
             lease.carried = carried if not take_over else _serving(record)
-            whole = carried is not None and "input" in carried  # a take-over finds it there
             if handed_over and record.status != "running" and (whole or not pending_input):
                 lease.record = record.model_copy(update=update)
                 return lease
             try:
-                await self._write_head(lease, record.model_copy(update=update), record.state)
+                await self._write_head(
+                    lease,
+                    record.model_copy(update=update),
+                    record.state,
+                    create=lease.revision == 0,
+                )
             except RevisionMismatchError:
                 continue
             return lease
@@ -950,6 +968,8 @@ class SessionStore:
         revision = lease.revision
         for _ in range(3):
             try:
+                if revision == 0:  # a new session's first write
+                    return await self.heads.create(key, value)
                 return await self.heads.update(key, value, revision=revision)
             except RevisionMismatchError:
                 read = await self._read_head(key)

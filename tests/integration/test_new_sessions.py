@@ -1,0 +1,108 @@
+"""A new session whose request rides in its lease is written once, by its
+first save: nobody wrote its head before, so there is nobody to fence. An
+owner that dies before that save leaves its request in the lease, and
+whoever takes the session next serves it."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetbus.agents.serving.sessions import SessionStore, session_key
+from fleetbus.agents.state import AgentState
+from fleetbus.bus import Bus
+from fleetbus.errors import SessionLost
+from fleetbus.protocol import UserRequest, to_builtins
+
+
+async def _head_writes(bus: Bus, store: SessionStore) -> int:
+    info = await bus.nc.jetstream().stream_info(f"KV_{store.heads.bucket}")
+    return info.state.last_seq
+
+
+def _request(content: str, call_id: str) -> dict[str, object]:
+    return to_builtins(UserRequest(content=content, session_id="s", call_id=call_id))
+
+
+async def test_a_new_session_is_written_once_by_its_first_save(bus: Bus) -> None:
+    store = await SessionStore.open(bus, owner="a")
+    request = _request("hi", "q-1")
+    lease = await store.acquire(
+        "ann", "s", fresh=AgentState(agent_name="ann"), reply_to="_INBOX.x.1", pending_input=request
+    )
+    assert lease.record.status == "running"
+    assert await store.get("ann", "s") is None  # the request is in the lease meanwhile
+    carried = await store.leases.get(session_key("ann", "s"))
+    assert b'"q-1"' in carried.value
+    await store.save(lease, status="idle", final={"content": "done"}, release=True)
+    record = await store.get("ann", "s")
+    assert record is not None
+    assert (record.status, record.final, record.pending_input) == (
+        "idle",
+        {"content": "done"},
+        None,
+    )
+    assert await _head_writes(bus, store) == 1
+
+
+async def test_a_request_too_large_to_ride_in_the_lease_is_in_the_head_first(bus: Bus) -> None:
+    store = await SessionStore.open(bus, owner="a")
+    request = _request("hi" * 20_000, "q-2")
+    lease = await store.acquire(
+        "ann", "s", fresh=AgentState(agent_name="ann"), reply_to="_INBOX.x.2", pending_input=request
+    )
+    record = await store.get("ann", "s")
+    assert record is not None
+    assert record.pending_input == request
+    await store.save(lease, status="idle", release=True)
+
+
+async def test_a_dead_owners_new_session_is_taken_over_from_its_lease(bus: Bus) -> None:
+    dead = await SessionStore.open(bus, owner="a")
+    heir = await SessionStore.open(bus, owner="b")
+    request = _request("hi", "q-3")
+    lost = await dead.acquire(
+        "ann", "s", fresh=AgentState(agent_name="ann"), reply_to="_INBOX.x.3", pending_input=request
+    )  # ...and its replica dies before saving anything
+    silent = await heir.leases.get(session_key("ann", "s"))
+    lease = await heir.acquire(
+        "ann",
+        "s",
+        fresh=lambda: AgentState(agent_name="ann", summary=None),
+        take_over=True,
+        lease_revision=silent.revision,
+    )
+    assert lease.record.status == "running"
+    assert (lease.record.pending_input, lease.record.reply_to) == (request, "_INBOX.x.3")
+    stored = await heir.get("ann", "s")
+    assert stored is not None
+    assert (stored.owner, stored.pending_input) == ("b", request)
+    # The dead owner's late save lands nowhere.
+    with pytest.raises(SessionLost):
+        await dead.save(lost, status="idle", final={"content": "late"})
+    await heir.save(lease, status="idle", final={"content": "done"}, release=True)
+    record = await heir.get("ann", "s")
+    assert record is not None
+    assert record.final == {"content": "done"}
+
+
+async def test_a_request_after_a_new_owner_died_serves_the_dead_ones_first(bus: Bus) -> None:
+    dead = await SessionStore.open(bus, owner="a", lease_ttl=0.3)
+    heir = await SessionStore.open(bus, owner="b", lease_ttl=0.3)
+    first, second = _request("first", "q-4"), _request("second", "q-5")
+    await dead.acquire(
+        "ann", "s", fresh=AgentState(agent_name="ann"), reply_to="_INBOX.x.4", pending_input=first
+    )  # ...and dies
+    lease = await heir.acquire(
+        "ann",
+        "s",
+        fresh=AgentState(agent_name="ann"),
+        reply_to="_INBOX.x.5",
+        pending_input=second,
+        wait=10,
+    )
+    assert (lease.orphan_input, lease.orphan_reply_to) == (first, "_INBOX.x.4")
+    assert (lease.record.pending_input, lease.record.reply_to) == (second, "_INBOX.x.5")
+    stored = await heir.get("ann", "s")
+    assert stored is not None
+    assert stored.owner == "b"
+    await heir.save(lease, status="idle", release=True)
