@@ -633,11 +633,12 @@ class SessionStore:
         """Write the head as this owner's (epoch), so that a previous owner's
         late writes fail their compare-and-set.
 
-        Not written when the lease was ``handed_over`` (taken over the marker
-        its last owner left on release) and the request is ``carried`` in the
-        lease: whoever wrote the head before was fenced by the owner that took
-        it from them, and a take-over finds the request in the lease. The
-        first save then writes the head.
+        Not written when the request is ``carried`` whole in the lease and
+        the lease was ``handed_over`` (taken over the marker its last owner
+        left on release: whoever wrote the head before was fenced by the
+        owner that took it from them), or the session is new (nobody wrote
+        its head). A take-over finds the request in the lease (and makes a
+        new session's head from it); the first save writes the head.
 
         ``dead``: the epoch and carried request of a dead owner's lease, which
         are its request still to serve when that owner never wrote the head.
