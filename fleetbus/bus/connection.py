@@ -43,7 +43,7 @@ from fleetbus.errors import (
     PayloadTooLargeError,
     ProtocolError,
 )
-from fleetbus.protocol import AnyMessage, Message, ToolCall, decode, encode
+from fleetbus.protocol import AnyMessage, Asking, Message, ToolCall, decode, encode
 
 __all__ = ["Bus", "Handler", "Observation", "Request"]
 
@@ -373,11 +373,23 @@ class Bus:
             PayloadTooLargeError: the message exceeds the server's limit.
             ProtocolError: the reply could not be decoded.
             ConnectionClosedError: the bus is closed.
-            ConfigError: both ``resend`` and more than one attempt.
+            ConfigError: both ``resend`` and more than one attempt, or
+                ``resend`` for a message that does not ask for a receipt
+                (``receipt=True``) or has no ``call_id``: no receipt would
+                come, and every copy sent again would be a new attempt.
         """
         self._check_open()
         if resend is not None and attempts > 1:
             raise ConfigError("a request is sent again either on its receipt or on attempts")
+        if resend is not None and not (
+            isinstance(message, Asking) and message.receipt and message.call_id
+        ):
+            raise ConfigError(
+                "resend needs a request that asks for a receipt (receipt=True) and has a "
+                f"call_id, which a receipt and its copies are known by; this "
+                f"{type(message).__struct_config__.tag} "
+                f"has receipt={getattr(message, 'receipt', None)}, call_id={message.call_id!r}"
+            )
         payload = self._encode(message)
         attempts = max(1, attempts)
         sent = 0

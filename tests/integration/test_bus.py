@@ -187,10 +187,21 @@ async def test_a_request_sent_again_finds_a_responder_that_was_away(bus: Bus) ->
 async def test_a_request_never_taken_times_out_and_resend_excludes_attempts(bus: Bus) -> None:
     with pytest.raises(NoRespondersError):  # nobody at all when it is first sent
         await bus.request(
-            "x.nobody", UserRequest(content="hi", receipt=True), timeout=1, resend=0.1
+            "x.nobody",
+            UserRequest(content="hi", receipt=True, call_id="q-1"),
+            timeout=1,
+            resend=0.1,
         )
     with pytest.raises(ConfigError, match="either"):
         await bus.request("x.nobody", UserRequest(content="hi"), timeout=1, resend=1, attempts=2)
+    # No receipt would come without both, and every copy would be a new attempt.
+    for asking in (
+        UserRequest(content="hi", receipt=True),
+        UserRequest(content="hi", call_id="q-1"),
+        ToolCall(tool_name="noop", call_id="q-1"),
+    ):
+        with pytest.raises(ConfigError, match="asks for a receipt"):
+            await bus.request("x.nobody", asking, timeout=1, resend=1)
 
     async def mute(msg: Any) -> None:
         return None
@@ -199,7 +210,10 @@ async def test_a_request_never_taken_times_out_and_resend_excludes_attempts(bus:
     await bus.flush()
     with pytest.raises(CallTimeoutError):
         await bus.request(
-            "x.mute", UserRequest(content="hi", receipt=True), timeout=0.5, resend=0.1
+            "x.mute",
+            UserRequest(content="hi", receipt=True, call_id="q-2"),
+            timeout=0.5,
+            resend=0.1,
         )
     await sub.unsubscribe()
 
