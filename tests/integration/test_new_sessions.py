@@ -72,6 +72,7 @@ async def test_a_dead_owners_new_session_is_taken_over_from_its_lease(bus: Bus) 
         lease_revision=silent.revision,
     )
     assert lease.record.status == "running"
+    assert lease.previous_owner == "a"  # (named in the take-over's log line)
     assert (lease.record.pending_input, lease.record.reply_to) == (request, "_INBOX.x.3")
     stored = await heir.get("ann", "s")
     assert stored is not None

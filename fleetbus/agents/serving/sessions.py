@@ -626,7 +626,7 @@ class SessionStore:
         from_dead: bool = False,
         carried: dict[str, Any] | None = None,
         handed_over: bool = False,
-        dead: tuple[int, dict[str, Any]] | None = None,
+        dead: tuple[int, dict[str, Any], str | None] | None = None,
         known: Lease | None = None,
         create: bool = True,
     ) -> Lease:
@@ -640,8 +640,8 @@ class SessionStore:
         its head). A take-over finds the request in the lease (and makes a
         new session's head from it); the first save writes the head.
 
-        ``dead``: the epoch and carried request of a dead owner's lease, which
-        are its request still to serve when that owner never wrote the head.
+        ``dead``: the epoch, carried request and owner of a dead owner's
+        lease: its request still to serve when that owner never wrote the head.
         ``known``: the head as it is, known without reading it.
         """
         whole = carried is not None and "input" in carried  # a take-over finds it there
@@ -689,9 +689,13 @@ class SessionStore:
             else:
                 # A dead owner's new session, never saved: what it served is in
                 # its lease (``dead``, made running below).
+                assert dead is not None
                 state = fresh() if callable(fresh) else fresh
                 record = SessionRecord(
-                    agent=agent, session_id=session_id, state=state or AgentState(agent_name=agent)
+                    agent=agent,
+                    session_id=session_id,
+                    state=state or AgentState(agent_name=agent),
+                    owner=dead[2],
                 )
                 lease = Lease(record, 0, 0, 0)
             record = lease.record
@@ -1236,8 +1240,9 @@ class Recovery:
             await self.close()
 
 
-def _dead_request(entry: Entry | None) -> tuple[int, dict[str, Any]] | None:
-    """The epoch of a lease and the request it carries (``None``: none)."""
+def _dead_request(entry: Entry | None) -> tuple[int, dict[str, Any], str | None] | None:
+    """The epoch of a lease, the request it carries and its owner (``None``:
+    it carries none)."""
     if entry is None or not entry.value:
         return None
     try:
@@ -1248,7 +1253,8 @@ def _dead_request(entry: Entry | None) -> tuple[int, dict[str, Any]] | None:
         return None
     if not isinstance(request, dict) or not isinstance(request.get("input"), dict):
         return None
-    return epoch, request
+    owner = value.get("owner")
+    return epoch, request, owner if isinstance(owner, str) else None
 
 
 def _serving(record: SessionRecord) -> dict[str, Any] | None:
