@@ -60,6 +60,8 @@ class Entry:
     key: str
     value: bytes
     revision: int
+    deleted: bool = False
+    """A deletion (or purge) marker: the key holds no value (see :meth:`KeyValueStore.last`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +348,19 @@ class KeyValueStore:
         if read is None or read[2]:
             return None
         return Entry(key=key, value=read[0], revision=read[1])
+
+    async def last(self, key: str) -> Entry | None:
+        """The last write of ``key``, a deletion included (``deleted``, an
+        empty value): what a compare-and-set :meth:`update` is against. ``None``:
+        never written, or purged.
+
+        Raises:
+            StoreError: the read failed.
+        """
+        read = await self._read(key)
+        if read is None:
+            return None
+        return Entry(key=key, value=b"" if read[2] else read[0], revision=read[1], deleted=read[2])
 
     async def put(self, key: str, value: bytes) -> int:
         """Write ``value`` whatever the current revision; returns the new revision.

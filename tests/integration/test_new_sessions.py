@@ -107,3 +107,32 @@ async def test_a_request_after_a_new_owner_died_serves_the_dead_ones_first(bus: 
     assert stored is not None
     assert stored.owner == "b"
     await heir.save(lease, status="idle", release=True)
+
+
+async def test_a_new_session_deleted_during_its_first_reply_is_not_written_again(
+    bus: Bus,
+) -> None:
+    store = await SessionStore.open(bus, owner="a")
+    lease = await store.acquire(
+        "ann", "s", fresh=AgentState(agent_name="ann"), pending_input=_request("hi", "q-6")
+    )
+    await store.delete("ann", "s")
+    with pytest.raises(SessionLost):
+        await store.save(lease, status="idle", final={"content": "late"})
+    assert await store.get("ann", "s") is None
+
+
+async def test_a_deleted_session_begins_again(bus: Bus) -> None:
+    store = await SessionStore.open(bus, owner="a")
+    for round_ in ("first", "second"):
+        request = _request(round_, round_)
+        lease = await store.acquire(
+            "ann", "s", fresh=AgentState(agent_name="ann"), pending_input=request
+        )
+        assert lease.record.pending_input == request
+        await store.save(lease, status="idle", final={"content": round_}, release=True)
+        record = await store.get("ann", "s")
+        assert record is not None
+        assert record.final == {"content": round_}
+        await store.delete("ann", "s")
+        assert await store.get("ann", "s") is None

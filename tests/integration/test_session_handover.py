@@ -19,13 +19,13 @@ from fleetbus.protocol import TextBlock
 def counting_head_reads(store: SessionStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The keys of the heads ``store`` reads from now on."""
     reads: list[str] = []
-    original = store.heads.get_or_none
+    original = store.heads.last
 
-    async def get_or_none(key: str) -> Any:
+    async def last(key: str) -> Any:
         reads.append(key)
         return await original(key)
 
-    monkeypatch.setattr(store.heads, "get_or_none", get_or_none)
+    monkeypatch.setattr(store.heads, "last", last)
     return reads
 
 

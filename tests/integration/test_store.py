@@ -108,6 +108,21 @@ async def test_a_delete_returns_its_marker_to_write_over(bus: Bus) -> None:
     assert (await kv.get("k")).value == b"2"
 
 
+async def test_the_last_write_of_a_key_is_read_deletions_included(bus: Bus) -> None:
+    kv = await key_value(bus, "last")
+    assert await kv.last("k") is None  # never written
+    written = await kv.put("k", b"v")
+    entry = await kv.last("k")
+    assert entry is not None
+    assert (entry.value, entry.revision, entry.deleted) == (b"v", written, False)
+    marker = await kv.delete("k")
+    entry = await kv.last("k")
+    assert entry is not None
+    assert (entry.value, entry.revision, entry.deleted) == (b"", marker, True)
+    assert await kv.get_or_none("k") is None
+    assert await kv.update("k", b"again", revision=entry.revision) > marker
+
+
 async def test_a_republishing_bucket_tells_followers_each_stored_write_and_its_revision(
     bus: Bus,
 ) -> None:

@@ -146,7 +146,7 @@ class Lease:
 
     record: SessionRecord
     revision: int
-    """The head's revision."""
+    """The head's revision (while ``fresh``: the session's deletion's, or 0)."""
     lease_revision: int
     epoch: int
     """The lease's revision when it was taken: this owner's epoch."""
@@ -181,6 +181,10 @@ class Lease:
     carried: dict[str, Any] | None = None
     """The request being served as the lease value carries it (``reply_to``
     and ``input``), written again with each renewal."""
+    fresh: bool = False
+    """A new session whose head is not written yet: its first write is a
+    compare-and-set against ``revision``, so that a session deleted
+    meanwhile is not written again."""
 
 
 def session_key(agent: str, session_id: str) -> str:
@@ -286,9 +290,19 @@ class SessionStore:
     # -- reading -------------------------------------------------------------------
 
     async def _read_head(self, key: str) -> tuple[int, dict[str, Any], str | None] | None:
-        entry = await self.heads.get_or_none(key)
-        if entry is None or not entry.value:
+        read = await self._read_head_or_none(key)
+        return None if read is None or read[1] is None else (read[0], read[1], read[2])
+
+    async def _read_head_or_none(
+        self, key: str
+    ) -> tuple[int, dict[str, Any] | None, str | None] | None:
+        """The head (revision, head, blob), or for a session deleted the
+        revision of its deletion with no head; ``None``: never written."""
+        entry = await self.heads.last(key)
+        if entry is None:
             return None
+        if entry.deleted or not entry.value:
+            return entry.revision, None, None
         data, blob = await self._unpack(entry.value)
         head: dict[str, Any] = orjson.loads(data)
         return entry.revision, head, blob
@@ -646,7 +660,11 @@ class SessionStore:
         """
         whole = carried is not None and "input" in carried  # a take-over finds it there
         for _ in range(8):
-            read = None if known is not None else await self._read_head(key)
+            # A deleted session's head is gone; its first save of a new life
+            # compares against the deletion's revision, as against none.
+            seen = None if known is not None else await self._read_head_or_none(key)
+            base = seen[0] if seen is not None else 0
+            read = None if seen is None or seen[1] is None else (seen[0], seen[1], seen[2])
             if read is None and known is None and dead is None:
                 if take_over:
                     raise SessionBusyError(
@@ -670,7 +688,7 @@ class SessionStore:
                     reply_to=reply_to,
                     pending_input=pending_input,
                 )
-                lease = Lease(record, 0, epoch, epoch)
+                lease = Lease(record, base, epoch, epoch, fresh=True)
                 lease.carried = carried
                 if whole:
                     # A new session whose request rides in the lease: its first
@@ -697,7 +715,7 @@ class SessionStore:
                     state=state or AgentState(agent_name=agent),
                     owner=dead[2],
                 )
-                lease = Lease(record, 0, 0, 0)
+                lease = Lease(record, base, 0, 0, fresh=True)
             record = lease.record
             if dead is not None and dead[0] != lease.epoch:
                 # The dead owner never wrote the head: its request is in its lease.
@@ -738,7 +756,7 @@ class SessionStore:
                     lease,
                     record.model_copy(update=update),
                     record.state,
-                    create=lease.revision == 0,
+                    create=lease.fresh,
                 )
             except RevisionMismatchError:
                 continue
@@ -945,8 +963,8 @@ class SessionStore:
         }
         value, blob = await self._pack(key, orjson.dumps(head))
         try:
-            if create:
-                revision = await self.heads.create(key, value)
+            if create:  # (a mismatch: the caller reads the head again)
+                revision = await self.heads.update(key, value, revision=lease.revision)
             else:
                 revision = await self._update_head(lease, key, value, write_id)
         except BaseException:
@@ -956,6 +974,7 @@ class SessionStore:
         for chunk in obsolete:
             await self._drop_chunk(chunk)
         lease.revision, lease.seq, lease.blob = revision, lease.seq + 1, blob
+        lease.fresh = False
         lease.persisted, lease.persisted_ends = n + len(added), _ends(memory)
         lease.tail, lease.tail_bytes = tail, tail_bytes
         lease.chunks, lease.next_chunk = chunks, next_chunk
@@ -973,8 +992,7 @@ class SessionStore:
         revision = lease.revision
         for _ in range(3):
             try:
-                if revision == 0:  # a new session's first write
-                    return await self.heads.create(key, value)
+                # (A new session's first write too: against its deletion, or none.)
                 return await self.heads.update(key, value, revision=revision)
             except RevisionMismatchError:
                 read = await self._read_head(key)
