@@ -44,7 +44,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
+
+from _ports import free_port
 
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.serving.sessions import Lease, SessionStore
@@ -383,13 +384,6 @@ def idle_recovery(server: EmbeddedServer, monitor_port: int, idle: float) -> dic
 
 
 # -- sync_interval ---------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def sync_cost(always_url: str, periodic_url: str, steps: int, rounds: int) -> dict[str, Any]:

@@ -26,7 +26,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
+
+from _ports import free_port
 
 from fleetbus.agents.serving.sessions import SessionStore, lease_owner
 from fleetbus.bus import RESEND_AFTER, Bus, EmbeddedServer
@@ -44,13 +45,6 @@ ROOT = Path(__file__).resolve().parent.parent
 AGENTS = 2_000
 SESSIONS_PER_CLIENT = 50
 SLOW_S = 2.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def start(command: list[str]) -> subprocess.Popen[bytes]:
