@@ -340,3 +340,32 @@ def test_the_sdk_pipeline_is_read_from_the_tracer() -> None:
     tracer, pipeline = tracing._tracer()
     assert isinstance(pipeline, _spans.Pipeline)
     assert pipeline.tracer is tracer
+
+
+def test_the_exporters_encode_fleetbus_spans_as_the_sdks() -> None:
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    exporter = install(resource=Resource.create({"service.name": "spans-test"}))
+    scenario(lambda name, attributes: tracing.span(name, attributes=attributes))
+    tracer = trace.get_tracer_provider().get_tracer("fleetbus", "0.1.0")
+    scenario(lambda name, attributes: tracer.start_as_current_span(name, attributes=attributes))
+    ours, theirs = exporter.get_finished_spans()[:2], exporter.get_finished_spans()[2:]
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert '"name": "' in mine.to_json()  # the console exporter's form
+        encoded, expected = (encode_spans([s]).resource_spans[0] for s in (mine, reference))
+        assert encoded.resource == expected.resource
+        (scope,), (expected_scope,) = encoded.scope_spans, expected.scope_spans
+        assert scope.scope == expected_scope.scope
+        (span,), (expected_span,) = scope.spans, expected_scope.spans
+        for field in ("trace_id", "span_id", "parent_span_id", "start_time_unix_nano"):
+            expected_span.ClearField(field)  # type: ignore[arg-type]
+            span.ClearField(field)  # type: ignore[arg-type]
+        for event in (*span.events, *expected_span.events):
+            event.ClearField("time_unix_nano")
+            for index, attribute in enumerate(event.attributes):
+                if attribute.key == "exception.stacktrace":
+                    del event.attributes[index]
+                    break
+        span.ClearField("end_time_unix_nano")
+        expected_span.ClearField("end_time_unix_nano")
+        assert span == expected_span
