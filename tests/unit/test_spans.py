@@ -358,8 +358,8 @@ def test_the_exporters_encode_fleetbus_spans_as_the_sdks() -> None:
         assert scope.scope == expected_scope.scope
         (span,), (expected_span,) = scope.spans, expected_scope.spans
         for field in ("trace_id", "span_id", "parent_span_id", "start_time_unix_nano"):
-            expected_span.ClearField(field)  # type: ignore[arg-type]
-            span.ClearField(field)  # type: ignore[arg-type]
+            expected_span.ClearField(field)
+            span.ClearField(field)
         for event in (*span.events, *expected_span.events):
             event.ClearField("time_unix_nano")
             for index, attribute in enumerate(event.attributes):
