@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import time_ns
 from typing import Any
 
@@ -35,6 +35,8 @@ __all__ = ["Pipeline", "Span"]
 logger = logging.getLogger("fleetbus.tracing")
 
 _RANDOM = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)
+_SAMPLED_FLAG = TraceFlags.SAMPLED
+_FLAGS = {bits: TraceFlags(bits) for bits in (0, _SAMPLED_FLAG, _RANDOM, _SAMPLED_FLAG | _RANDOM)}
 _UNSET = Status(StatusCode.UNSET)
 _DEFAULT_SAMPLER = (
     "ParentBased{root:AlwaysOnSampler,remoteParentSampled:AlwaysOnSampler,"
@@ -53,9 +55,11 @@ class Pipeline:
 
     __slots__ = (
         "_default",
+        "_is_enabled",
         "ids",
         "limits",
         "max_length",
+        "most",
         "on_ending",
         "processor",
         "random_ids",
@@ -78,16 +82,17 @@ class Pipeline:
         is_random = getattr(self.ids, "is_trace_id_random", None)
         self.random_ids = bool(is_random()) if is_random is not None else False
         self.limits: SpanLimits = getattr(tracer, "_span_limits", None) or SpanLimits()
+        self.most: int | None = self.limits.max_span_attributes
         self.max_length: int | None = getattr(self.limits, "max_span_attribute_length", None)
         self.resource = tracer.resource
         self.scope = getattr(tracer, "_instrumentation_scope", None)
         self.processor = tracer.span_processor
         self.on_ending = getattr(self.processor, "_on_ending", None)
+        self._is_enabled: Callable[[], bool] | None = getattr(tracer, "_is_enabled", None)
 
     def enabled(self) -> bool:
         """Whether the tracer records (an SDK tracer configurator can turn it off)."""
-        is_enabled = getattr(self.tracer, "_is_enabled", None)
-        return is_enabled() if is_enabled is not None else True
+        return self._is_enabled() if self._is_enabled is not None else True
 
     def start(
         self,
@@ -107,7 +112,7 @@ class Pipeline:
             parent_span = parent_ctx
             trace_id = parent_ctx.trace_id
             random = bool(parent_ctx.trace_flags & _RANDOM)
-        most = self.limits.max_span_attributes
+        most = self.most
         clean = _clean(attributes, most, self.max_length)
         if self.sample_all or (
             self._default and (parent_span is None or parent_ctx.trace_flags.sampled)
@@ -124,14 +129,8 @@ class Pipeline:
             trace_state = result.trace_state
             if result.attributes:
                 clean = _clean({**clean, **result.attributes}, most, self.max_length)
-        flags = TraceFlags((1 if sampled else 0) | (_RANDOM if random else 0))
-        context = SpanContext(
-            trace_id,
-            self.ids.generate_span_id(),
-            is_remote=False,
-            trace_flags=flags,
-            trace_state=trace_state,
-        )
+        flags = _FLAGS[(_SAMPLED_FLAG if sampled else 0) | (_RANDOM if random else 0)]
+        context = SpanContext(trace_id, self.ids.generate_span_id(), False, flags, trace_state)
         if not recording:
             return trace.NonRecordingSpan(context)
         span = Span(self, name, context, parent_span, kind, clean)
@@ -201,7 +200,7 @@ class Span(trace.Span):
         cleaned = _clean({key: value}, None, pipeline.max_length)
         if not cleaned:
             return
-        most = pipeline.limits.max_span_attributes
+        most = pipeline.most
         if most is not None and key not in self._attributes and len(self._attributes) >= most:
             return  # the SDK drops what exceeds the limit, too
         self._attributes.update(cleaned)
