@@ -397,12 +397,13 @@ async def measure_memory(args: argparse.Namespace) -> dict[str, Any]:
 
 async def measure_tracing(args: argparse.Namespace) -> dict[str, Any]:
     """A reply with a local tool, tracing off then on (an OpenTelemetry SDK
-    provider with an in-memory exporter: a span for the reply, each step,
-    each model call and each tool call). Installs the provider for good: the
-    last measurement of a run."""
+    provider with an in-memory exporter behind the SDK's batch span
+    processor, as ``fleetbus`` commands install it: a span for the reply, each
+    step, each model call and each tool call). Installs the provider for
+    good: the last measurement of a run."""
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     kit = Toolkit([noop])
@@ -412,7 +413,7 @@ async def measure_tracing(args: argparse.Namespace) -> dict[str, Any]:
     for mode in ("off", "on"):
         if mode == "on":
             provider = TracerProvider()
-            provider.add_span_processor(SimpleSpanProcessor(exporter))
+            provider.add_span_processor(BatchSpanProcessor(exporter))
             trace.set_tracer_provider(provider)
         gc.collect()
         for index in range(warmup + runs):
@@ -420,6 +421,7 @@ async def measure_tracing(args: argparse.Namespace) -> dict[str, Any]:
             if index >= warmup:
                 times[mode].append(elapsed / iterations * 1e6)
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    trace.get_tracer_provider().force_flush()  # type: ignore[attr-defined]
     return {
         "off_us": round(off, 1),
         "on_us": round(on, 1),

@@ -197,13 +197,14 @@ class Span(trace.Span):
             logger.warning("Setting attribute on ended span.")
             return
         pipeline = self._pipeline
-        cleaned = _clean({key: value}, None, pipeline.max_length)
-        if not cleaned:
-            return
+        attributes = self._attributes
         most = pipeline.most
-        if most is not None and key not in self._attributes and len(self._attributes) >= most:
+        if most is not None and key not in attributes and len(attributes) >= most:
             return  # the SDK drops what exceeds the limit, too
-        self._attributes.update(cleaned)
+        if type(value) in _PRIMITIVES and (pipeline.max_length is None or type(value) is not str):
+            attributes[key] = value  # what _clean keeps as it is, without a dict to clean
+            return
+        attributes.update(_clean({key: value}, None, pipeline.max_length))
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
         for key, value in attributes.items():
