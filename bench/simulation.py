@@ -13,7 +13,13 @@ call of the tool on the worker), and this process as the runner. Measured:
 - a broadcast on a topic every agent observes, until it is recorded in the
   session of every agent;
 - the floor: the same number of raw nats-py request/replies between this
-  process and a trivial responder process, with the same requests in flight.
+  process and a trivial responder process, with the same requests in flight;
+- the protocol floor: the same rounds served by as many raw nats-py hosts
+  (``bench/_raw_host.py``) doing a reply's bus work and nothing else: take
+  the lease, read the head (from round 2), call the tool, write the head,
+  release the lease, answer, all on streams configured as fleetbus's, the
+  lease writes republished to every host. What is above it is the work of
+  fleetbus's host in Python (the agent, its session's records).
 
 Prints one JSON line. Targets (2 cores): ready <= 10 s, <= 2 KB per idle
 agent, idle CPU < 5 % of a core, a round of 10,000 agents <= 10 s, nothing
@@ -158,6 +164,60 @@ async def fan_out(
         for _ in range(min(in_flight, len(names))):
             tg.create_task(worker())
     return time.perf_counter() - started, answered, errors, late
+
+
+async def protocol_floor(
+    bus: Bus, url: str, prefix: str, names: list[str], args: argparse.Namespace
+) -> list[tuple[float, float]]:
+    """The rounds served by raw nats-py hosts doing a reply's bus work only:
+    for each round, its seconds and the hosts' CPU milliseconds per agent."""
+    from _raw_host import streams
+    from nats.js.api import RePublish, StorageType, StreamConfig
+
+    floor = f"{prefix}floor"
+    heads, leases = streams(floor)
+    js = bus.nc.jetstream()
+    kv_like = {
+        "max_msgs_per_subject": 1,
+        "allow_rollup_hdrs": True,
+        "deny_delete": True,
+        "allow_direct": True,
+        "storage": StorageType.FILE,
+    }
+    await js.add_stream(StreamConfig(name=heads, subjects=[f"$KV.{floor}_heads.>"], **kv_like))
+    await js.add_stream(
+        StreamConfig(
+            name=leases,
+            subjects=[f"$KV.{floor}_leases.>"],
+            republish=RePublish(src=f"$KV.{floor}_leases.>", dest=f"{floor}.kv.leases.>"),
+            **kv_like,
+        )
+    )
+    concurrency = os.environ.get("BENCH_HOST_CONCURRENCY", "64")
+    command = [sys.executable, str(HERE / "_raw_host.py"), url, floor, f"{prefix}.raw"]
+    hosts = [start([*command, concurrency]) for _ in range(args.hosts)]
+    try:
+        await asyncio.sleep(1.0)  # (started with the interpreter alone: no imports to wait for)
+        out = []
+        for number in range(1, args.rounds + 1):
+
+            async def play(name: str, timeout: float, number: int = number) -> bool:
+                inbox = f"{floor}.agent.{name}.inbox"
+                await bus.nc.request(inbox, str(number).encode(), timeout=timeout)
+                return True
+
+            before = sum(cpu_seconds(h.pid) for h in hosts)
+            round_s, answered, *_ = await fan_out(play, names, args.in_flight, args.deadline)
+            if answered != len(names):
+                raise RuntimeError(f"the protocol floor answered {answered} of {len(names)}")
+            spent = sum(cpu_seconds(h.pid) for h in hosts) - before
+            out.append((round_s, spent * 1000 / len(names)))
+        return out
+    finally:
+        for proc in hosts:
+            stop(proc)
+        for stream in (heads, leases):
+            await js.delete_stream(stream)
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -312,6 +372,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                         record_ok = True
                         break
                     await asyncio.sleep(0.1)
+            protocol = await protocol_floor(bus, url, prefix, names, args)
+            for entry, (floor_round_s, floor_cpu) in zip(rounds, protocol, strict=True):
+                entry["vs_protocol_floor"] = round(entry["s"] / floor_round_s, 2)
+                entry["protocol_floor_s"] = round(floor_round_s, 2)
+                entry["protocol_floor_host_cpu_ms_per_agent"] = round(floor_cpu, 3)
         finally:
             await bus.close()
             for proc in procs:
