@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -177,20 +178,20 @@ async def protocol_floor(
     floor = f"{prefix}floor"
     heads, leases = streams(floor)
     js = bus.nc.jetstream()
-    kv_like = {
-        "max_msgs_per_subject": 1,
-        "allow_rollup_hdrs": True,
-        "deny_delete": True,
-        "allow_direct": True,
-        "storage": StorageType.FILE,
-    }
-    await js.add_stream(StreamConfig(name=heads, subjects=[f"$KV.{floor}_heads.>"], **kv_like))
+    kv_like = StreamConfig(
+        max_msgs_per_subject=1,
+        allow_rollup_hdrs=True,
+        deny_delete=True,
+        allow_direct=True,
+        storage=StorageType.FILE,
+    )
+    await js.add_stream(replace(kv_like, name=heads, subjects=[f"$KV.{floor}_heads.>"]))
     await js.add_stream(
-        StreamConfig(
+        replace(
+            kv_like,
             name=leases,
             subjects=[f"$KV.{floor}_leases.>"],
             republish=RePublish(src=f"$KV.{floor}_leases.>", dest=f"{floor}.kv.leases.>"),
-            **kv_like,
         )
     )
     concurrency = os.environ.get("BENCH_HOST_CONCURRENCY", "64")
