@@ -83,8 +83,12 @@ _WRITES = (
                rf"{_FILE}{_PATH}", re.I | re.S),
     re.compile(rf"\bnote:\s*(?:{_QUOTED}|(?P<raw>.+?))\s+in{_FILE}{_PATH}", re.I | re.S),
 )  # fmt: skip
+_WRITE_WORDS = (("write", "save", "put", "store"), ("note:",))
+"""The words each of ``_WRITES`` needs (lower case)."""
 _READ = re.compile(rf"\b(?:read|open|cat)\b{_FILE}{_PATH}", re.I)
 _LIST = re.compile(r"\b(?:list|ls|(?:what|which)\s+files)\b(?P<rest>[^.?!;,\n]*)", re.I)
+_READ_WORDS = ("read", "open", "cat")
+_LIST_WORDS = ("list", "ls", "what", "which")
 _NOT_A_VERB = re.compile(r"\b(?:a|an|the|my|your|this|that|shopping|to-do|todo)\s*$", re.I)
 _LIST_STOP = frozenset({
     "the", "all", "files", "file", "in", "of", "my", "me", "please", "directory", "folder", "dir",
@@ -92,6 +96,7 @@ _LIST_STOP = frozenset({
     "available", "exist", "do", "you", "have", "here", "a",
 })  # fmt: skip
 _TIME = re.compile(r"\b(?:time|clock|date)\b", re.I)
+_TIME_WORDS = ("time", "clock", "date")
 _CUE = re.compile(r"\b(?:what|when|which|tell|current|show|give|get|check|today)\b", re.I)
 _CLAUSE_END = re.compile(r"[!?;,\n]|\.(?:\s|$)|\band\b|\bthen\b", re.I)
 _ZONE = re.compile(r"\b(?:[A-Z][A-Za-z_]+/[A-Z][A-Za-z_]+(?:/[A-Z][A-Za-z_]+)?|UTC|GMT)\b")
@@ -486,6 +491,12 @@ def _parsed(text: str) -> tuple[_Intent, ...]:
     return tuple(_scan(text))
 
 
+def _absent(lowered: str | None, words: tuple[str, ...]) -> bool:
+    """Whether none of ``words`` is in ``lowered`` (the lowered text, ``None``
+    when it is not ASCII: then nothing is known absent)."""
+    return lowered is not None and not any(word in lowered for word in words)
+
+
 def _scan(text: str) -> list[_Intent]:
     intents: list[_Intent] = []
     masked = text[:_MAX_PARSED]
@@ -495,13 +506,21 @@ def _scan(text: str) -> list[_Intent]:
         intents.append((m.start(), tool, args))
         masked = masked[: m.start()] + " " * (m.end() - m.start()) + masked[m.end() :]
 
-    for pattern in _WRITES:
+    # Each pattern below needs one of a few words; on ASCII text a word's
+    # absence is one substring test, against 10-30 us for a case-insensitive
+    # search of a 250-character prompt (on non-ASCII text re.I folds more
+    # than lower() does: every pattern runs). Masking only blanks what
+    # matched, so a word absent from the text is absent from the masked text.
+    lowered = masked.lower() if masked.isascii() else None
+    for pattern, words in zip(_WRITES, _WRITE_WORDS, strict=True):
+        if _absent(lowered, words):
+            continue
         for m in list(pattern.finditer(masked)):
             body = next((g for g in (m["dq"], m["sq"], m["cq"]) if g is not None), m["raw"])
             take(m, "write_file", {"path": m["path"].rstrip("."), "content": body.strip()})
-    for m in list(_READ.finditer(masked)):
+    for m in [] if _absent(lowered, _READ_WORDS) else list(_READ.finditer(masked)):
         take(m, "read_file", {"path": m["path"].rstrip(".")})
-    for m in list(_LIST.finditer(masked)):
+    for m in [] if _absent(lowered, _LIST_WORDS) else list(_LIST.finditer(masked)):
         if _NOT_A_VERB.search(masked[max(0, m.start() - 12) : m.start()]):
             continue
         rest = re.split(r"\band\b|\bthen\b", m["rest"], maxsplit=1, flags=re.I)[0]
@@ -513,6 +532,8 @@ def _scan(text: str) -> list[_Intent]:
             for old, new in (("^", "**"), ("\u00d7", "*"), ("\u00f7", "/")):
                 expr = expr.replace(old, new)
             intents.append((m.start(), "calculator", {"expr": expr}))
+    if _absent(lowered, _TIME_WORDS):
+        return sorted(intents, key=lambda i: i[0])
     begin = 0
     for stop in [*_CLAUSE_END.finditer(masked), None]:  # one current_time per clause
         clause, at = masked[begin : stop.start() if stop else len(masked)], begin

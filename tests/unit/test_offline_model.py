@@ -368,3 +368,36 @@ async def test_the_conversations_it_keeps_are_bounded_in_messages() -> None:
     _, answer = await run(model, ModelRequest(messages=long))
     assert answer.content
     assert len(model._tallies) == 1
+
+
+_REQUESTS = [
+    "What is 2 + 3 * 4?",
+    "write 'hello' to notes.txt then read notes.txt",
+    "Save \"a b\" into the file out/x.md, and list the files",
+    "note: buy milk in todo.txt",
+    "NOTE: Call Bob IN Todo.TXT",
+    "WRITE 'X' TO A.TXT",
+    "open report.md and tell me the time in Tokyo",
+    "What time is it in Europe/Paris? Then compute (1+2)**3.",
+    "which files are there?",
+    "cat a/b/c.txt; ls docs",
+    "my shopping list is long",
+    "Round 2 of 4. Last round the mean was 31.40. You pick 31.40 * (2/3)**2 + 0.85.",
+    "rewrite nothing, unsaved, output, cathedral, opener, datelines",  # words inside words
+    "\u017fave 'x' to y.txt",  # the long s: re.I matches it to 's', lower() keeps it
+    "K time? \u212a",  # the Kelvin sign folds to k
+    "Écris: save 'é' to é.txt and tell me the date",
+    "",
+    "time",
+]
+
+
+@pytest.mark.parametrize("text", _REQUESTS)
+def test_skipping_patterns_whose_words_are_absent_finds_what_every_pattern_finds(
+    text: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fleetbus.models import offline
+
+    found = offline._scan(text)
+    monkeypatch.setattr(offline, "_absent", lambda lowered, words: False)
+    assert found == offline._scan(text)
