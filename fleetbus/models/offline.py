@@ -512,8 +512,8 @@ def _scan(text: str) -> list[_Intent]:
     # than lower() does: every pattern runs). Masking only blanks what
     # matched, so a word absent from the text is absent from the masked text.
     lowered = masked.lower() if masked.isascii() else None
-    for pattern, words in zip(_WRITES, _WRITE_WORDS, strict=True):
-        if _absent(lowered, words):
+    for pattern, needed in zip(_WRITES, _WRITE_WORDS, strict=True):
+        if _absent(lowered, needed):
             continue
         for m in list(pattern.finditer(masked)):
             body = next((g for g in (m["dq"], m["sq"], m["cq"]) if g is not None), m["raw"])

@@ -373,7 +373,7 @@ async def test_the_conversations_it_keeps_are_bounded_in_messages() -> None:
 _REQUESTS = [
     "What is 2 + 3 * 4?",
     "write 'hello' to notes.txt then read notes.txt",
-    "Save \"a b\" into the file out/x.md, and list the files",
+    'Save "a b" into the file out/x.md, and list the files',
     "note: buy milk in todo.txt",
     "NOTE: Call Bob IN Todo.TXT",
     "WRITE 'X' TO A.TXT",
