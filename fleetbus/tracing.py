@@ -82,6 +82,8 @@ def enabled() -> bool:
     # found for, 0.1 us.
     global _enabled_for
     provider = _provider()
+    if provider is None:  # never set: off, at the cost of one global read
+        return False
     cached = _enabled_for
     if cached[0] is provider:
         return cached[1]
