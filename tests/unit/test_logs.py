@@ -101,3 +101,27 @@ def test_the_level_comes_from_v_then_the_environment(monkeypatch: pytest.MonkeyP
 def test_an_unknown_format_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="text or json"):
         configure(logging.INFO, "yaml")  # type: ignore[arg-type]
+
+
+def test_a_line_logged_in_a_span_carries_its_trace(captured: io.StringIO, spans: object) -> None:
+    from fleetbus import tracing
+
+    configure(logging.INFO, "json", handler=logging.StreamHandler(captured))
+    log = logging.getLogger("fleetbus.test")
+    with tracing.span("fleetbus reply") as span:
+        assert span is not None
+        log.info("in the span")
+        with tracing.span("fleetbus step") as step:
+            assert step is not None
+            log.info("in the step")
+    log.info("after")
+    in_span, in_step, after = lines(captured)
+    context, inner = span.get_span_context(), step.get_span_context()
+    assert (in_span["trace_id"], in_span["span_id"]) == (
+        f"{context.trace_id:032x}",
+        f"{context.span_id:016x}",
+    )
+    assert in_step["trace_id"] == in_span["trace_id"]
+    assert in_step["span_id"] == f"{inner.span_id:016x}"
+    assert "trace_id" not in after
+    assert "span_id" not in after
