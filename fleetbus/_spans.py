@@ -74,8 +74,9 @@ class Pipeline:
         self.tracer = tracer
         self.sampler = tracer.sampler
         description = self.sampler.get_description()
-        # The SDK's default sampler, and AlwaysOn, decide without being asked:
-        # a root or a sampled parent's child is sampled (a quarter of a span).
+        # The SDK's default sampler, and AlwaysOn, are not asked (their
+        # answer is known: a root or a sampled parent's child is sampled),
+        # which was a sixth of an SDK span.
         self.sample_all = description == "AlwaysOnSampler"
         self._default = description == _DEFAULT_SAMPLER
         self.ids = tracer.id_generator
@@ -178,6 +179,8 @@ class Span(trace.Span):
         self._end: int | None = None
         self._start = time_ns()
 
+    # What a span processor's on_start may read of the span, as of an SDK span.
+
     @property
     def name(self) -> str:
         return self._name
@@ -185,6 +188,46 @@ class Span(trace.Span):
     @property
     def attributes(self) -> Mapping[str, Any]:
         return dict(self._attributes)
+
+    @property
+    def context(self) -> SpanContext:
+        return self._context
+
+    @property
+    def parent(self) -> SpanContext | None:
+        return self._parent
+
+    @property
+    def kind(self) -> trace.SpanKind:
+        return self._kind
+
+    @property
+    def start_time(self) -> int:
+        return self._start
+
+    @property
+    def end_time(self) -> int | None:
+        return self._end
+
+    @property
+    def status(self) -> Status:
+        return self._status
+
+    @property
+    def events(self) -> tuple[Event, ...]:
+        return tuple(self._events or ())
+
+    @property
+    def links(self) -> tuple[Link, ...]:
+        return tuple(self._links or ())
+
+    @property
+    def resource(self) -> Any:
+        return self._pipeline.resource
+
+    @property
+    def instrumentation_scope(self) -> Any:
+        return self._pipeline.scope
 
     def get_span_context(self) -> SpanContext:
         return self._context

@@ -14,7 +14,10 @@ which follows the standard ``OTEL_*`` environment variables when the
 ``fleetbus[otel]`` extra is installed (``OTEL_TRACES_EXPORTER``, else
 ``OTEL_EXPORTER_OTLP_ENDPOINT``/``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``).
 Without a provider, every helper here returns at once: tracing costs nothing
-when it is off.
+when it is off. With the SDK's provider, fleetbus makes its spans itself, at
+a third of the SDK's cost, and hands them to the provider's processors as
+the SDK's spans are (:mod:`fleetbus._spans`); any other provider makes its
+own.
 
 Spans (all named ``fleetbus …``), with their attributes:
 
@@ -125,7 +128,7 @@ def extract(headers: Mapping[str, str] | None) -> otel_context.Context | None:
         return None
     if _w3c_only() and _TRACESTATE not in headers and _BAGGAGE not in headers:
         match = _PLAIN_TRACEPARENT.fullmatch(headers[_TRACEPARENT])
-        if match is not None:  # what the propagator reads from it, in a sixth of the time
+        if match is not None:  # what the propagator reads from it, in half the time
             trace_id, span_id = int(match[1], 16), int(match[2], 16)
             if not trace_id or not span_id:
                 return otel_context.Context()
@@ -143,9 +146,9 @@ _w3c_textmap: tuple[object, bool] | None = None
 
 def _w3c_only() -> bool:
     """Whether the global propagator is OpenTelemetry's default (W3C trace
-    context and baggage), whose reading of a plain ``traceparent``
-    :func:`extract` then does itself (writing one through the propagator
-    costs about what writing it here did)."""
+    context and baggage): then :func:`extract` reads a plain ``traceparent``
+    itself. (:func:`inject` always writes through the propagator: doing it
+    by hand saved 0.4 of 7.7 us.)"""
     global _w3c_textmap
     textmap = propagate.get_global_textmap()
     cached = _w3c_textmap
@@ -247,7 +250,7 @@ def _start(
     attributes: Mapping[str, Any] | None,
 ) -> trace.Span:
     """A span started through the global provider: fleetbus's own spans for
-    the SDK's provider (a fifth of the SDK's cost, the same spans exported:
+    the SDK's provider (a third of the SDK's cost, the same spans exported:
     :mod:`fleetbus._spans`), the provider's tracer's for any other."""
     tracer, pipeline = _tracer()
     if pipeline is not None:

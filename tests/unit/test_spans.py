@@ -228,9 +228,18 @@ def test_any_other_sampler_is_asked_and_its_answer_kept() -> None:
 
 
 class Enriching(SpanProcessor):
-    """Adds an attribute when a span starts, as span processors may."""
+    """Adds an attribute when a span starts, as span processors may, from
+    what it reads of the span."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[Any, ...]] = []
 
     def on_start(self, span: Any, parent_context: otel_context.Context | None = None) -> None:
+        self.seen.append(
+            (span.name, span.context.trace_id, span.parent, span.kind, span.start_time > 0)
+        )
+        self.seen.append((span.end_time, span.status.status_code, span.events, span.links))
+        self.seen.append((span.resource is not None, span.instrumentation_scope.name))
         span.set_attribute("enriched", True)
 
 
@@ -238,13 +247,19 @@ def test_the_providers_processors_see_the_span_start() -> None:
     reset_tracer_provider()
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
-    provider.add_span_processor(Enriching())
+    enriching = Enriching()
+    provider.add_span_processor(enriching)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
-    with tracing.span("seen"):
+    with tracing.span("seen", kind=trace.SpanKind.SERVER):
         pass
     (finished,) = exporter.get_finished_spans()
     assert dict(finished.attributes or {}) == {"enriched": True}
+    assert enriching.seen == [
+        ("seen", finished.context.trace_id, None, trace.SpanKind.SERVER, True),
+        (None, StatusCode.UNSET, (), ()),
+        (True, "fleetbus"),
+    ]
 
 
 class Recording(trace.TracerProvider):
