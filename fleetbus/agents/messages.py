@@ -138,16 +138,25 @@ _STORED = list[_StoredMsg]
 
 
 def stored_messages(data: Any) -> list[Msg]:
-    """Messages from their stored JSON form (a list of ``Msg.model_dump(mode="json")``).
+    """Messages from their stored JSON form: a list of
+    ``Msg.model_dump(mode="json")``, or that list as JSON text (``bytes``,
+    ``msgspec.Raw``), read straight into messages with no dicts made on the
+    way (what loading a session costs grows with its memory).
 
     Raises:
         ValueError: ``data`` is not a list of stored messages (what is wrong, and where).
     """
     try:
-        stored = msgspec.convert(data, type=_STORED)
-    except msgspec.ValidationError as exc:
+        if isinstance(data, bytes | bytearray | memoryview | msgspec.Raw):
+            stored = _STORED_JSON.decode(data)
+        else:
+            stored = msgspec.convert(data, type=_STORED)
+    except msgspec.DecodeError as exc:  # a ValidationError too
         raise ValueError(f"invalid stored messages: {exc}") from exc
     return [_restored(m) for m in stored]
+
+
+_STORED_JSON: Final = msgspec.json.Decoder(_STORED)
 
 
 _FIELDS: Final = frozenset(Msg.model_fields)

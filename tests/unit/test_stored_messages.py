@@ -4,6 +4,8 @@ malformed stored message is a clear error."""
 
 from __future__ import annotations
 
+import msgspec
+import orjson
 import pytest
 
 from fleetbus.agents import Msg
@@ -47,3 +49,23 @@ def test_restored_messages_equal_and_behave_like_the_stored_ones() -> None:
 def test_a_malformed_stored_message_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match=r"invalid stored messages: .*role"):
         stored_messages([{"role": "nobody", "content": []}])
+
+
+def test_messages_read_from_stored_json_equal_those_read_from_dicts() -> None:
+    stored = [m.model_dump(mode="json") for m in MEMORY]
+    text = orjson.dumps(stored)
+
+    for form in (text, bytearray(text), memoryview(text), msgspec.Raw(text)):
+        restored = stored_messages(form)
+        assert restored == MEMORY
+        assert [m.model_dump(mode="json") for m in restored] == stored
+    assert stored_messages(b"[]") == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b'[{"role": "nobody", "content": []}]', b"[1, 2", b'{"role": "user"}', b""],
+)
+def test_stored_json_that_is_no_list_of_messages_is_a_clear_error(text: bytes) -> None:
+    with pytest.raises(ValueError, match=r"invalid stored messages: "):
+        stored_messages(text)

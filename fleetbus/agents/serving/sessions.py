@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
+import msgspec
 import orjson
 from pydantic import BaseModel, Field
 
@@ -161,8 +162,10 @@ class Lease:
     """``msg_id`` of the first and the last stored message: memory that still
     starts and continues with them was only appended to (checked in constant
     time: a save costs what the step added, not the conversation)."""
-    tail: list[dict[str, Any]] = field(default_factory=list)
-    tail_bytes: int = 0
+    tail: bytes = b"[]"
+    """The stored messages the head holds, as the head holds them (a JSON
+    array): a write appends the new ones, and nothing is encoded again."""
+    tail_bytes: int = 2
     chunks: list[list[int]] = field(default_factory=list)
     """Sealed chunks as ``[epoch, first, last]`` ranges."""
     next_chunk: int = 0
@@ -304,8 +307,7 @@ class SessionStore:
         if entry.deleted or not entry.value:
             return entry.revision, None, None
         data, blob = await self._unpack(entry.value)
-        head: dict[str, Any] = orjson.loads(data)
-        return entry.revision, head, blob
+        return entry.revision, _decode_head(data), blob
 
     def _cached(
         self, key: str, *, revision: int | None = None, marker: int | None = None
@@ -334,11 +336,10 @@ class SessionStore:
         ranges: list[list[int]] = head.get("chunks", [])
         keys = [_chunk_key(key, e, n) for e, first, last in ranges for n in range(first, last + 1)]
         parts = await asyncio.gather(*(self._read_chunk(k) for k in keys))
-        stored: list[Any] = [m for part in parts for m in part]
-        tail: list[dict[str, Any]] = head.get("tail", [])
-        stored.extend(tail)
+        tail: bytes = head.get("tail", _NO_TAIL)
         try:
-            memory = stored_messages(stored)
+            # Read from the JSON as stored, into messages: no dicts on the way.
+            memory = [m for part in (*parts, tail) for m in stored_messages(part)]
         except ValueError as exc:
             raise StoreError(f"session {key} holds unreadable memory: {exc}") from None
         state = AgentState.model_validate({**head["state"], "memory": memory})
@@ -363,19 +364,19 @@ class SessionStore:
             persisted=len(state.memory),
             persisted_ends=_ends(state.memory),
             tail=tail,
-            tail_bytes=len(orjson.dumps(tail)),
+            tail_bytes=len(tail),
             chunks=ranges,
             seq=int(head.get("seq", 0)),
             blob=blob,
         )
 
-    async def _read_chunk(self, key: str) -> list[Any]:
+    async def _read_chunk(self, key: str) -> bytes:
+        """A sealed chunk of memory: its stored messages, a JSON array."""
         entry = await self.chunks.get_or_none(key)
         if entry is None:
             raise StoreError(f"memory chunk {key} of a session is missing")
         data, _ = await self._unpack(entry.value)
-        part: list[Any] = orjson.loads(data)
-        return part
+        return data
 
     async def get(self, agent: str, session_id: str) -> SessionRecord | None:
         """A session as stored (memory and all), or ``None``.
@@ -919,29 +920,23 @@ class SessionStore:
         memory = state.memory
         n = lease.persisted
         obsolete: list[str] = []
-        tail, tail_bytes, chunks, next_chunk = (
-            lease.tail,
-            lease.tail_bytes,
-            lease.chunks,
-            lease.next_chunk,
-        )
+        tail, chunks, next_chunk = lease.tail, lease.chunks, lease.next_chunk
         if n == 0 or (
             len(memory) >= n and _ends(memory[:1] + memory[n - 1 : n]) == lease.persisted_ends
         ):
             added = memory[n:]
         else:  # memory was rewritten (compression): store it anew
             obsolete = [_chunk_key(key, e, i) for e, a, b in chunks for i in range(a, b + 1)]
-            added, tail, tail_bytes, chunks = list(memory), [], 0, []
+            added, tail, chunks = list(memory), _NO_TAIL, []
             n = 0
         if added:
-            dumps = [m.model_dump(mode="json") for m in added]
-            tail = [*tail, *dumps]
-            tail_bytes += sum(len(orjson.dumps(d)) for d in dumps)
+            tail = _appended(tail, [orjson.dumps(m.model_dump(mode="json")) for m in added])
+        tail_bytes = len(tail)
         if tail_bytes > CHUNK_BYTES:
             await self._write_chunk(_chunk_key(key, lease.epoch, next_chunk), tail)
             chunks = _add_range(chunks, lease.epoch, next_chunk)
             next_chunk += 1
-            tail, tail_bytes = [], 0
+            tail, tail_bytes = _NO_TAIL, len(_NO_TAIL)
         write_id = new_id()
         head = {
             "format": _FORMAT,
@@ -959,7 +954,7 @@ class SessionStore:
             "pending_input": record.pending_input,
             "state": state.model_dump(mode="json", exclude={"memory"}),
             "chunks": chunks,
-            "tail": tail,
+            "tail": orjson.Fragment(tail),  # as it is: the old messages are not encoded again
         }
         value, blob = await self._pack(key, orjson.dumps(head))
         try:
@@ -1007,8 +1002,8 @@ class SessionStore:
             session_id=record.session_id,
         )
 
-    async def _write_chunk(self, key: str, messages: list[dict[str, Any]]) -> None:
-        value, _ = await self._pack(key, orjson.dumps(messages))
+    async def _write_chunk(self, key: str, messages: bytes) -> None:
+        value, _ = await self._pack(key, messages)
         await self.chunks.put(key, value)
 
     async def _drop_chunk(self, key: str) -> None:
@@ -1258,6 +1253,69 @@ class Recovery:
             await self.close()
 
 
+_NO_TAIL = b"[]"
+
+
+class _Head(msgspec.Struct):
+    """A head as :meth:`SessionStore._write_head` writes it, for reading: its
+    tail is kept as the JSON it is (``msgspec.Raw``), read into messages only
+    by a load, and never into dicts."""
+
+    format: Any = msgspec.UNSET
+    agent: Any = msgspec.UNSET
+    session_id: Any = msgspec.UNSET
+    status: Any = msgspec.UNSET
+    owner: Any = msgspec.UNSET
+    epoch: Any = msgspec.UNSET
+    seq: Any = msgspec.UNSET
+    write: Any = msgspec.UNSET
+    created_at: Any = msgspec.UNSET
+    updated_at: Any = msgspec.UNSET
+    final: Any = msgspec.UNSET
+    reply_to: Any = msgspec.UNSET
+    pending_input: Any = msgspec.UNSET
+    state: Any = msgspec.UNSET
+    chunks: Any = msgspec.UNSET
+    tail: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+
+
+_HEAD_FIELDS = _Head.__struct_fields__
+_HEAD_JSON = msgspec.json.Decoder(_Head)
+
+
+def _decode_head(data: bytes) -> dict[str, Any]:
+    """A head's fields as written (``tail``: the JSON array of its stored
+    messages, as ``bytes``). A head of the format before chunks (the whole
+    session record) is read whole.
+
+    Raises:
+        StoreError: the head is not a JSON object.
+    """
+    try:
+        read = _HEAD_JSON.decode(data)
+    except msgspec.DecodeError as exc:
+        raise StoreError(f"a session head is unreadable: {exc}") from None
+    if read.format is msgspec.UNSET:
+        whole: dict[str, Any] = orjson.loads(data)
+        return whole
+    head = {
+        name: value for name in _HEAD_FIELDS if (value := getattr(read, name)) is not msgspec.UNSET
+    }
+    if "tail" in head:
+        head["tail"] = bytes(head["tail"])
+    return head
+
+
+def _appended(tail: bytes, messages: list[bytes]) -> bytes:
+    """The JSON array ``tail`` with the encoded ``messages`` added at its end."""
+    if not messages:
+        return tail
+    added = b",".join(messages)
+    if tail == _NO_TAIL:
+        return b"[" + added + b"]"
+    return tail[:-1] + b"," + added + b"]"
+
+
 def _dead_request(entry: Entry | None) -> tuple[int, dict[str, Any], str | None] | None:
     """The epoch of a lease, the request it carries and its owner (``None``:
     it carries none)."""
@@ -1355,7 +1413,7 @@ def _copy_lease(lease: Lease, state: AgentState | None = None, *, copy_state: bo
         lease.epoch,
         persisted=lease.persisted,
         persisted_ends=lease.persisted_ends,
-        tail=list(lease.tail),
+        tail=lease.tail,
         tail_bytes=lease.tail_bytes,
         chunks=[list(r) for r in lease.chunks],
         seq=lease.seq,
