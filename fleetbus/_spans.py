@@ -25,8 +25,15 @@ from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits
+from opentelemetry.sdk.trace import (
+    Event,
+    ReadableSpan,
+    SpanLimits,
+    SpanProcessor,
+    SynchronousMultiSpanProcessor,
+)
 from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode, TraceFlags
 
@@ -46,6 +53,20 @@ _DEFAULT_SAMPLER = (
 _PRIMITIVES = (str, bool, int, float)
 _SAMPLED = (Decision.RECORD_AND_SAMPLE,)
 _RECORDED = (Decision.RECORD_ONLY, Decision.RECORD_AND_SAMPLE)
+_DO_NOTHING = frozenset(
+    {
+        SpanProcessor.on_start,
+        SpanProcessor._on_ending,
+        BatchSpanProcessor.on_start,
+        BatchSpanProcessor._on_ending,
+        SimpleSpanProcessor.on_start,
+        SimpleSpanProcessor._on_ending,
+    }
+)
+"""The hooks of the SDK's own processors that do nothing (``pass``): not called."""
+
+_Hook = Callable[..., None]
+_NOT_READ = object()
 
 
 class Pipeline:
@@ -55,6 +76,7 @@ class Pipeline:
 
     __slots__ = (
         "_default",
+        "_hooks",
         "_is_enabled",
         "ids",
         "limits",
@@ -90,10 +112,40 @@ class Pipeline:
         self.processor = tracer.span_processor
         self.on_ending = getattr(self.processor, "_on_ending", None)
         self._is_enabled: Callable[[], bool] | None = getattr(tracer, "_is_enabled", None)
+        self._hooks: tuple[object, tuple[_Hook, ...], tuple[_Hook, ...], tuple[_Hook, ...]] = (
+            _NOT_READ,
+            (),
+            (),
+            (),
+        )
 
     def enabled(self) -> bool:
         """Whether the tracer records (an SDK tracer configurator can turn it off)."""
         return self._is_enabled() if self._is_enabled is not None else True
+
+    def hooks(self) -> tuple[tuple[_Hook, ...], tuple[_Hook, ...], tuple[_Hook, ...]]:
+        """What a span's start, ending and end call: ``on_start``,
+        ``_on_ending`` and ``on_end`` of each of the provider's processors,
+        as its (synchronous) multi-processor calls them, less those of the
+        SDK's own processors that do nothing; read again when a processor is
+        added. Any other kind of multi-processor is called itself."""
+        multi = self.processor
+        processors = getattr(multi, "_span_processors", None)  # no API lists them
+        hooks = self._hooks
+        if hooks[0] is processors and processors is not None:
+            return hooks[1], hooks[2], hooks[3]
+        if type(multi) is SynchronousMultiSpanProcessor and isinstance(processors, tuple):
+            starts = tuple(p.on_start for p in processors if type(p).on_start not in _DO_NOTHING)
+            endings = tuple(
+                p._on_ending for p in processors if type(p)._on_ending not in _DO_NOTHING
+            )
+            ends = tuple(p.on_end for p in processors)
+        else:
+            starts, ends = (multi.on_start,), (multi.on_end,)
+            endings = (self.on_ending,) if self.on_ending is not None else ()
+            processors = None  # asked again each time: nothing says when it changes
+        self._hooks = (processors, starts, endings, ends)
+        return starts, endings, ends
 
     def start(
         self,
@@ -136,25 +188,32 @@ class Pipeline:
             return trace.NonRecordingSpan(context)
         span = Span(self, name, context, parent_span, kind, clean)
         # The processors are given it as the SDK gives them its own spans.
-        self.processor.on_start(span, parent_context=parent)  # type: ignore[arg-type]
+        for on_start in self.hooks()[0]:
+            on_start(span, parent_context=parent)
         return span
 
 
-class Span(trace.Span):
-    """A recording span of a :class:`Pipeline`: the OpenTelemetry API's span,
-    ended into an SDK ``ReadableSpan`` for the pipeline's span processor."""
+class Span(trace.Span, ReadableSpan):
+    """A recording span of a :class:`Pipeline`: the OpenTelemetry API's span
+    and the SDK's ``ReadableSpan`` at once, as the SDK's own spans are. It
+    is handed to the pipeline's span processors itself when it ends (the SDK
+    hands them a copy, which took a tenth of a span's cost): once ended,
+    nothing changes it."""
 
     __slots__ = (
         "_attributes",
         "_context",
-        "_end",
+        "_end_time",
         "_events",
+        "_instrumentation_info",
+        "_instrumentation_scope",
         "_kind",
         "_links",
         "_name",
         "_parent",
         "_pipeline",
-        "_start",
+        "_resource",
+        "_start_time",
         "_status",
     )
 
@@ -167,76 +226,30 @@ class Span(trace.Span):
         kind: trace.SpanKind,
         attributes: dict[str, Any],
     ) -> None:
+        # What ReadableSpan.__init__ sets, without its keyword arguments.
         self._pipeline = pipeline
         self._name = name
         self._context = context
         self._parent = parent
         self._kind = kind
-        self._attributes = attributes
-        self._events: list[Event] | None = None
-        self._links: list[Link] | None = None
+        self._attributes: dict[str, Any] = attributes
+        self._events: Sequence[Event] = ()
+        self._links: Sequence[Link] = ()
         self._status = _UNSET
-        self._end: int | None = None
-        self._start = time_ns()
-
-    # What a span processor's on_start may read of the span, as of an SDK span.
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def attributes(self) -> Mapping[str, Any]:
-        return dict(self._attributes)
-
-    @property
-    def context(self) -> SpanContext:
-        return self._context
-
-    @property
-    def parent(self) -> SpanContext | None:
-        return self._parent
-
-    @property
-    def kind(self) -> trace.SpanKind:
-        return self._kind
-
-    @property
-    def start_time(self) -> int:
-        return self._start
-
-    @property
-    def end_time(self) -> int | None:
-        return self._end
-
-    @property
-    def status(self) -> Status:
-        return self._status
-
-    @property
-    def events(self) -> tuple[Event, ...]:
-        return tuple(self._events or ())
-
-    @property
-    def links(self) -> tuple[Link, ...]:
-        return tuple(self._links or ())
-
-    @property
-    def resource(self) -> Any:
-        return self._pipeline.resource
-
-    @property
-    def instrumentation_scope(self) -> Any:
-        return self._pipeline.scope
+        self._resource = pipeline.resource
+        self._instrumentation_scope = pipeline.scope
+        self._instrumentation_info = None
+        self._end_time: int | None = None
+        self._start_time: int | None = time_ns()
 
     def get_span_context(self) -> SpanContext:
-        return self._context
+        return self._context  # type: ignore[return-value]  # (always set: ReadableSpan allows None)
 
     def is_recording(self) -> bool:
-        return self._end is None
+        return self._end_time is None
 
     def set_attribute(self, key: str, value: Any) -> None:
-        if self._end is not None:
+        if self._end_time is not None:
             logger.warning("Setting attribute on ended span.")
             return
         pipeline = self._pipeline
@@ -256,12 +269,12 @@ class Span(trace.Span):
     def add_event(
         self, name: str, attributes: Mapping[str, Any] | None = None, timestamp: int | None = None
     ) -> None:
-        if self._end is not None:
+        if self._end_time is not None:
             logger.warning("Calling add_event on an ended span.")
             return
         limits = self._pipeline.limits
         events = self._events
-        if events is None:
+        if type(events) is not list:
             events = self._events = []
         if limits.max_events is not None and len(events) >= limits.max_events:
             return
@@ -269,11 +282,11 @@ class Span(trace.Span):
         events.append(Event(name, clean, timestamp if timestamp is not None else time_ns()))
 
     def add_link(self, context: SpanContext, attributes: Mapping[str, Any] | None = None) -> None:
-        if self._end is not None or context is None or not context.is_valid:
+        if self._end_time is not None or context is None or not context.is_valid:
             return
         limits = self._pipeline.limits
         links = self._links
-        if links is None:
+        if type(links) is not list:
             links = self._links = []
         if limits.max_links is not None and len(links) >= limits.max_links:
             return
@@ -281,12 +294,13 @@ class Span(trace.Span):
         links.append(Link(context, clean))
 
     def update_name(self, name: str) -> None:
-        if self._end is None:
+        if self._end_time is None:
             self._name = name
 
     def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
-        # As the SDK: OK is final, UNSET is ignored.
-        if self._status.status_code is StatusCode.OK:
+        # As the SDK: OK is final, UNSET is ignored; and an ended span, which
+        # its processors hold, stays as it ended.
+        if self._status.status_code is StatusCode.OK or self._end_time is not None:
             return
         if isinstance(status, Status):
             if status.status_code is not StatusCode.UNSET:
@@ -316,29 +330,19 @@ class Span(trace.Span):
         self.add_event("exception", recorded, timestamp)
 
     def end(self, end_time: int | None = None) -> None:
-        if self._end is not None:
+        if self._end_time is not None:
             logger.warning("Calling end() on an ended span.")
             return
-        pipeline = self._pipeline
-        if pipeline.on_ending is not None:
-            pipeline.on_ending(self)
-        self._end = end_time if end_time is not None else time_ns()
-        pipeline.processor.on_end(
-            ReadableSpan(
-                name=self._name,
-                context=self._context,
-                parent=self._parent,
-                resource=pipeline.resource,
-                attributes=self._attributes,
-                events=tuple(self._events) if self._events else (),
-                links=tuple(self._links) if self._links else (),
-                kind=self._kind,
-                status=self._status,
-                start_time=self._start,
-                end_time=self._end,
-                instrumentation_scope=pipeline.scope,
-            )
-        )
+        _, endings, ends = self._pipeline.hooks()
+        for on_ending in endings:
+            on_ending(self)
+        self._end_time = end_time if end_time is not None else time_ns()
+        if self._events:
+            self._events = tuple(self._events)
+        if self._links:
+            self._links = tuple(self._links)
+        for on_end in ends:
+            on_end(self)
 
     def __repr__(self) -> str:
         return f'{type(self).__name__}(name="{self._name}", context={self._context})'

@@ -14,7 +14,13 @@ from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import (
+    ConcurrentMultiSpanProcessor,
+    ReadableSpan,
+    SpanLimits,
+    SpanProcessor,
+    TracerProvider,
+)
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import (
@@ -260,6 +266,83 @@ def test_the_providers_processors_see_the_span_start() -> None:
         (None, StatusCode.UNSET, (), ()),
         (True, "fleetbus"),
     ]
+
+
+class Hooked(SpanProcessor):
+    """Records which of its hooks a span calls, in order."""
+
+    def __init__(self, calls: list[str], name: str) -> None:
+        self.calls = calls
+        self.name = name
+
+    def on_start(self, span: Any, parent_context: otel_context.Context | None = None) -> None:
+        self.calls.append(f"{self.name} start {span.name}")
+
+    def _on_ending(self, span: Any) -> None:
+        self.calls.append(f"{self.name} ending {span.name} {span.end_time}")
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.calls.append(f"{self.name} end {span.name} {span.end_time is not None}")
+
+
+def test_every_processor_hook_is_called_in_order_and_one_added_later_too() -> None:
+    reset_tracer_provider()
+    calls: list[str] = []
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(Hooked(calls, "a"))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    with tracing.span("first"):
+        pass
+    provider.add_span_processor(Hooked(calls, "b"))  # after fleetbus read the processors
+    with tracing.span("second"):
+        pass
+    assert calls == [
+        "a start first",
+        "a ending first None",
+        "a end first True",
+        "a start second",
+        "b start second",
+        "a ending second None",
+        "b ending second None",
+        "a end second True",
+        "b end second True",
+    ]
+    assert [s.name for s in exporter.get_finished_spans()] == ["first", "second"]
+
+
+def test_a_concurrent_multi_processor_is_called_itself() -> None:
+    reset_tracer_provider()
+    calls: list[str] = []
+    multi = ConcurrentMultiSpanProcessor(num_threads=2)
+    multi.add_span_processor(Hooked(calls, "c"))
+    trace.set_tracer_provider(TracerProvider(active_span_processor=multi, shutdown_on_exit=False))
+    with tracing.span("parallel"):
+        pass
+    assert calls == ["c start parallel", "c ending parallel None", "c end parallel True"]
+    multi.shutdown()
+
+
+def test_the_span_processors_are_given_does_not_change_after_its_end(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    exporter = install()
+    with tracing.span("kept", attributes={"k": "v"}) as span:
+        span.add_event("e")
+    (finished,) = exporter.get_finished_spans()
+    with caplog.at_level(logging.WARNING, logger="fleetbus.tracing"):
+        span.set_status(StatusCode.ERROR, "too late")
+        span.set_attribute("late", 1)
+        span.add_event("late")
+        span.add_link(SpanContext(1, 2, is_remote=True))
+        span.update_name("renamed")
+    assert finished.status.status_code is StatusCode.UNSET
+    assert dict(finished.attributes or {}) == {"k": "v"}
+    assert [e.name for e in finished.events] == ["e"]
+    assert finished.links == ()
+    assert finished.name == "kept"
+    assert isinstance(finished, ReadableSpan)
 
 
 class Recording(trace.TracerProvider):
