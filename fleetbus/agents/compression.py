@@ -135,13 +135,22 @@ class ApproxTokenCounter:
             key = (message.msg_id, id(message.content))
             tokens = counts.get(key)
             if tokens is None:
-                chars = sum(_block_chars(block) for block in message.content)
-                tokens = math.ceil(chars / self.chars_per_token) + self.message_overhead
+                tokens = self.count_message(message)
                 if len(counts) >= self._CACHE_SIZE:
                     counts.clear()
                 counts[key] = tokens
             total += tokens
         return total
+
+    def count_message(self, message: Msg) -> int:
+        """The tokens one message takes, overhead included, counted afresh
+        (for a caller that counts each message once and keeps the count, as
+        an agent's memory index does: a loaded session's every message is new
+        to the count cache, which only cost it)."""
+        chars = 0
+        for block in message.content:
+            chars += _block_chars(block)
+        return math.ceil(chars / self.chars_per_token) + self.message_overhead
 
 
 class ContextConfig(BaseModel):

@@ -116,9 +116,16 @@ class Msg(BaseModel):
         if made is not None and made[0] is self.content and made[1] == (self.role, self.name):
             chat: ChatMessage = made[2]
             return chat
-        chat = ChatMessage(role=self.role, content=list(self.content), name=self.name or None)
-        self.__dict__["_chat"] = (self.content, (self.role, self.name), chat)
-        return chat
+        made = self.__dict__["_chat"] = _chat_form(self.role, self.content, self.name)
+        return made[2]
+
+
+def _chat_form(
+    role: Role, content: list[ContentBlock], name: str
+) -> tuple[list[ContentBlock], tuple[Role, str], ChatMessage]:
+    """What :meth:`Msg.to_chat` keeps: the content and the role and name its
+    ``ChatMessage`` was made from, and that ``ChatMessage``."""
+    return content, (role, name), ChatMessage(role=role, content=list(content), name=name or None)
 
 
 class _StoredMsg(msgspec.Struct):
@@ -167,7 +174,7 @@ def _restored(m: _StoredMsg) -> Msg:
     one when every field is given, without its generic per-field loop: 3 us
     instead of 8, for every message of a session each time a host loads it."""
     message = Msg.__new__(Msg)
-    fields = {
+    fields: dict[str, Any] = {
         "msg_id": m.msg_id,
         "role": m.role,
         "content": m.content,
@@ -175,6 +182,11 @@ def _restored(m: _StoredMsg) -> Msg:
         "marks": m.marks,
         "metadata": m.metadata,
     }
+    if "hint" not in m.marks:
+        # Its chat form, made now, while the message is fresh in the caches:
+        # an agent's next step sends it, and made later from a loaded
+        # session's cold messages it cost four times as much.
+        fields["_chat"] = _chat_form(m.role, m.content, m.name)
     object.__setattr__(message, "__dict__", fields)
     object.__setattr__(message, "__pydantic_fields_set__", set(_FIELDS))
     object.__setattr__(message, "__pydantic_extra__", None)

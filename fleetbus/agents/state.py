@@ -26,7 +26,7 @@ from fleetbus.agents.compression import Summary, TokenCounter
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.permissions import Permissions
 from fleetbus.agents.plan import PlanNotebook
-from fleetbus.protocol import ChatMessage
+from fleetbus.protocol import ChatMessage, ToolUseBlock
 
 __all__ = [
     "STATE_VERSION",
@@ -199,8 +199,11 @@ class MemoryIndex:
         if counter is not self._counter:
             self._counter, self._tokens, self._total = counter, [], 0
         counts = self._tokens
+        # A counter that counts one message (ApproxTokenCounter) is asked for
+        # each by itself: no list made, no cache of its own filled.
+        count_message = getattr(counter, "count_message", None)
         for message in self._messages[len(counts) :]:
-            count = counter.count([message])
+            count = count_message(message) if count_message else counter.count([message])
             counts.append(count)
             self._total += count
         return self._total
@@ -240,8 +243,9 @@ class MemoryIndex:
         for message in self._messages[start:]:
             if "hint" not in message.marks:
                 chats.append(message.to_chat())
-            for use in message.tool_uses:
-                ids[use.id] = ids.get(use.id, 0) + 1
+            for block in message.content:  # its tool_uses, without the list
+                if isinstance(block, ToolUseBlock):
+                    ids[block.id] = ids.get(block.id, 0) + 1
 
     def _drop(self, keep: int) -> None:
         """Forget the messages after the first ``keep``."""

@@ -8,7 +8,8 @@ import msgspec
 import orjson
 import pytest
 
-from fleetbus.agents import Msg
+from fleetbus.agents import AgentState, Msg
+from fleetbus.agents.compression import ApproxTokenCounter
 from fleetbus.agents.messages import stored_messages
 from fleetbus.protocol import DataBlock, TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock
 
@@ -69,3 +70,25 @@ def test_messages_read_from_stored_json_equal_those_read_from_dicts() -> None:
 def test_stored_json_that_is_no_list_of_messages_is_a_clear_error(text: bytes) -> None:
     with pytest.raises(ValueError, match=r"invalid stored messages: "):
         stored_messages(text)
+
+
+def test_restored_messages_carry_their_chat_form_and_count_as_the_originals() -> None:
+    hint = Msg(role="user", content=[TextBlock(text="think")], marks=frozenset({"hint"}))
+    stored = [m.model_dump(mode="json") for m in [*MEMORY, hint]]
+
+    restored = stored_messages(orjson.dumps(stored))
+
+    assert ["_chat" in m.__dict__ for m in restored] == [True] * len(MEMORY) + [False]
+    for original, message in zip([*MEMORY, hint], restored, strict=True):
+        assert message.to_chat() == original.to_chat()
+        assert message.to_chat() is message.to_chat()
+        assert message.model_dump() == original.model_dump()  # the chat form is no field
+    changed = restored[0].model_copy(update={"content": [TextBlock(text="bye")]})
+    assert changed.to_chat().content == [TextBlock(text="bye")]
+    counter = ApproxTokenCounter()
+    assert [counter.count_message(m) for m in restored] == [
+        ApproxTokenCounter().count([m]) for m in [*MEMORY, hint]
+    ]
+    state = AgentState(agent_name="ann", memory=restored)
+    assert state.memory_index().tokens(counter) == ApproxTokenCounter().count(restored)
+    assert state.memory_index().call_ids == {"c1": 1}
