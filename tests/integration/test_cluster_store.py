@@ -172,15 +172,21 @@ async def cas_update(
         try:
             try:
                 return await kv.update(key, value, revision=revision)
-            except RevisionMismatchError:
+            except RevisionMismatchError as exc:
+                # Said in full: which of the two cases it was, and what was read.
                 if not failures:
-                    raise
+                    raise AssertionError(
+                        f"the update of {value!r} at revision {revision} was refused "
+                        f"with no failure before it: {exc}"
+                    ) from exc
                 entry = await kv.get(key)
                 if entry.value != value:
-                    raise
+                    raise AssertionError(
+                        f"the update of {value!r} at revision {revision} was refused after "
+                        f"{len(failures)} failure(s), the last {failures[-1]!r}; the key "
+                        f"holds {entry.value!r} at revision {entry.revision}"
+                    ) from exc
                 return entry.revision
-        except RevisionMismatchError:
-            raise
         except StoreError as exc:
             failures.append(exc)
             if loop.time() > deadline:
