@@ -110,3 +110,22 @@ async def test_a_head_whose_memory_cannot_be_read_is_a_store_error(bus: Bus) -> 
     await store.heads.put(key, b"[1, 2")
     with pytest.raises(StoreError, match="unreadable"):
         await reader.get(AGENT, "broken")
+
+
+async def test_memory_goes_on_after_a_tail_written_with_whitespace(bus: Bus) -> None:
+    """A head written by another JSON writer (spaces, an empty tail as
+    ``[ ]``) is appended to as well."""
+    store = await SessionStore.open(bus, owner="writer")
+    key = session_key(AGENT, "spaced")
+    first = turn(0)
+    await save(store, "spaced", first)
+    head = json.loads((await store.heads.get(key)).value)
+    for tail in ([], head["tail"]):
+        head["tail"] = tail
+        await store.heads.put(key, json.dumps(head, indent=1).replace("[]", "[ ]").encode())
+        writer = await SessionStore.open(bus, owner="another")
+        more = turn(1)
+        await save(writer, "spaced", more)
+        record = await (await SessionStore.open(bus, owner="reader")).get(AGENT, "spaced")
+        assert record is not None
+        assert dumped(record.state.memory) == dumped((first if tail else []) + more)

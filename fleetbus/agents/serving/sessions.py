@@ -1307,13 +1307,15 @@ def _decode_head(data: bytes) -> dict[str, Any]:
 
 
 def _appended(tail: bytes, messages: list[bytes]) -> bytes:
-    """The JSON array ``tail`` with the encoded ``messages`` added at its end."""
+    """The JSON array ``tail`` (as read, so whitespace and all) with the
+    encoded ``messages`` added at its end."""
     if not messages:
         return tail
     added = b",".join(messages)
-    if tail == _NO_TAIL:
-        return b"[" + added + b"]"
-    return tail[:-1] + b"," + added + b"]"
+    body = tail.rstrip()[:-1].rstrip()  # all but the closing bracket
+    if body.endswith(b"["):  # nothing in it yet
+        return body + added + b"]"
+    return body + b"," + added + b"]"
 
 
 def _dead_request(entry: Entry | None) -> tuple[int, dict[str, Any], str | None] | None:
