@@ -120,7 +120,8 @@ async def test_memory_goes_on_after_a_tail_written_with_whitespace(bus: Bus) -> 
     first = turn(0)
     await save(store, "spaced", first)
     head = json.loads((await store.heads.get(key)).value)
-    for tail in ([], head["tail"]):
+    tails: list[list[object]] = [[], head["tail"]]
+    for tail in tails:
         head["tail"] = tail
         await store.heads.put(key, json.dumps(head, indent=1).replace("[]", "[ ]").encode())
         writer = await SessionStore.open(bus, owner="another")
