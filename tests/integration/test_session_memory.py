@@ -5,6 +5,7 @@ stored data that cannot be read."""
 from __future__ import annotations
 
 import json
+import logging
 
 import orjson
 import pytest
@@ -130,3 +131,35 @@ async def test_memory_goes_on_after_a_tail_written_with_whitespace(bus: Bus) -> 
         record = await (await SessionStore.open(bus, owner="reader")).get(AGENT, "spaced")
         assert record is not None
         assert dumped(record.state.memory) == dumped((first if tail else []) + more)
+
+
+async def test_a_release_the_store_refuses_for_a_moment_is_tried_again(
+    bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lease release that fails as a cluster electing the bucket's leader
+    makes it fail is tried again: the lease is gone, not left to lapse (it
+    held the session's next request for a lease's TTL); a failure that will
+    not pass still leaves it to lapse, and says so."""
+    store = await SessionStore.open(bus, owner="writer", lease_ttl=5.0)
+    key = session_key(AGENT, "flaky")
+    original = store._remove_lease
+    failures: list[StoreError] = []
+
+    async def refusing(key: str, revision: int) -> int:
+        if failures:
+            raise failures.pop()
+        return await original(key, revision)
+
+    store._remove_lease = refusing  # type: ignore[method-assign]
+    failures += [StoreError("purge failed: nats: timeout", transient=True)] * 2
+    with caplog.at_level(logging.WARNING, logger="fleetbus.agents.serving.sessions"):
+        await save(store, "flaky", turn(0))
+    assert failures == []
+    assert await store.leases.get_or_none(key) is None
+    assert "will lapse" not in caplog.text
+    failures.append(StoreError("purge failed: refused"))  # not transient
+    with caplog.at_level(logging.WARNING, logger="fleetbus.agents.serving.sessions"):
+        await save(store, "flaky", turn(1))
+    assert failures == []
+    assert await store.leases.get_or_none(key) is not None
+    assert "not released (it will lapse)" in caplog.text

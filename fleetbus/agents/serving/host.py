@@ -73,6 +73,7 @@ from fleetbus.agents.serving.sessions import (
     SessionStatus,
     SessionStore,
     session_key,
+    transient,
 )
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus, Lifecycle, Request
@@ -550,7 +551,7 @@ class AgentHost(Lifecycle):
         # A JetStream fail-over (a cluster node died) leaves a stream without
         # a leader for a few seconds: the request waits for the new one.
         retry = Retry(
-            on=_transient, attempts=None, backoff=0.1, max_backoff=1.0, timeout=self.store_wait
+            on=transient, attempts=None, backoff=0.1, max_backoff=1.0, timeout=self.store_wait
         )
         try:
             return await retry.call(acquire)
@@ -1091,10 +1092,6 @@ def _nests_deeper(value: Any, limit: int) -> bool:
             if isinstance(child, dict | list):
                 stack.append((child, depth + 1))
     return False
-
-
-def _transient(exc: BaseException) -> bool:
-    return isinstance(exc, StoreError) and exc.transient
 
 
 def _decode_input(data: dict[str, Any] | None) -> AnyMessage | None:
