@@ -12,6 +12,7 @@ import heapq
 import logging
 import math
 import re
+import time
 from collections import deque
 from typing import Any
 
@@ -331,6 +332,13 @@ class Reconnects:
         self._next = asyncio.Event()
         self._interrupting: set[Interruption] = set()
         self.count = 0
+        self.lost_at: float | None = None
+        """When (``time.monotonic()``) the connection was last found lost;
+        ``None`` until it first is."""
+
+    def lost(self) -> None:
+        """The connection is found lost (nats-py reconnects): note when."""
+        self.lost_at = time.monotonic()
 
     def next(self) -> asyncio.Event:
         """Set when the connection is next re-established."""

@@ -6,12 +6,21 @@ starts a task and an ``asyncio.wait`` per message), bounded by a semaphore,
 and awaited — or cancelled — when the loop drains. The task keeps its own
 books (drops itself, gives its permit back) instead of a done callback: one
 loop callback less per request.
+
+A reply is sent once, at most once as NATS core delivers it: one the server
+took just before it died is lost with it. So the loop keeps the replies it
+sent last (:class:`RecentReplies`), and once its connection is back after a
+loss it sends again those sent shortly before it: whoever still waits gets
+the answer now instead of after its whole timeout, and a requester that has
+its answer already drops the copy (fleetbus's requests do).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -22,6 +31,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from fleetbus import logs, tracing
+from fleetbus.bus._replies import Reconnects
 from fleetbus.errors import BusError, ConnectionClosedError, PayloadTooLargeError, ProtocolError
 from fleetbus.protocol import (
     AnyMessage,
@@ -34,7 +44,7 @@ from fleetbus.protocol import (
 )
 from fleetbus.protocol.codec import clip
 
-__all__ = ["Handler", "Request", "ServeLoop", "settle"]
+__all__ = ["Handler", "RecentReplies", "Request", "ServeLoop", "settle"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +137,59 @@ def _forget_round_trip(task: asyncio.Task[None]) -> None:
         task.exception()  # retrieved: a late failure is nobody's to raise
 
 
+RESEND_BEFORE_LOSS = 2.0
+"""Seconds before a connection's loss whose replies are sent again once it
+is back: a reply the server had taken but not yet passed on (to a client
+of another cluster node, say) when it died. A killed server's connections
+end at once, so the loss is found within milliseconds of it."""
+
+RECENT_REPLIES = 1024
+"""Most replies a loop keeps for sending again."""
+
+RECENT_BYTES = 1024 * 1024
+"""Most bytes of replies a loop keeps for sending again."""
+
+
+class RecentReplies:
+    """The replies a serving loop sent last, each with when it was sent
+    (``time.monotonic()``), within :data:`RECENT_REPLIES` and
+    :data:`RECENT_BYTES`: those a connection's loss may have lost."""
+
+    __slots__ = ("_bytes", "_entries", "most", "most_bytes")
+
+    def __init__(self, most: int = RECENT_REPLIES, most_bytes: int = RECENT_BYTES) -> None:
+        self.most = most
+        self.most_bytes = most_bytes
+        self._entries: deque[tuple[float, str, bytes]] = deque()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def add(self, subject: str, payload: bytes) -> None:
+        """Keep the reply ``payload`` sent to ``subject`` now, dropping the
+        oldest past the limits (one larger than them all is not kept)."""
+        size = len(payload)
+        if size > self.most_bytes:
+            return
+        entries = self._entries
+        entries.append((time.monotonic(), subject, payload))
+        self._bytes += size
+        while len(entries) > self.most or self._bytes > self.most_bytes:
+            self._bytes -= len(entries.popleft()[2])
+
+    def since(self, when: float) -> list[tuple[str, bytes]]:
+        """The replies sent at ``when`` or later, oldest first."""
+        entries = self._entries
+        found: list[tuple[str, bytes]] = []
+        for sent, subject, payload in reversed(entries):
+            if sent < when:
+                break
+            found.append((subject, payload))
+        found.reverse()
+        return found
+
+
 class ServeLoop:
     """Serves one subject until stopped; owns and awaits its handler tasks.
 
@@ -137,6 +200,9 @@ class ServeLoop:
         limiter: bounds the handlers running at once.
         source: ``sender``/``source_component`` of the error replies made here.
         encode: encodes a reply, checking the server's size limit.
+        reconnects: the connection's losses and re-establishments; the
+            replies sent just before a loss are sent again after it
+            (``None``: they are not).
     """
 
     _loop: asyncio.AbstractEventLoop
@@ -151,8 +217,12 @@ class ServeLoop:
         limiter: asyncio.Semaphore,
         source: str,
         encode: Callable[[Message], bytes],
+        reconnects: Reconnects | None = None,
     ) -> None:
         self._nc = nc
+        self._reconnects = reconnects
+        self.recent = RecentReplies()
+        """The replies sent last, for sending again after a connection's loss."""
         self._subject = subject
         self._handler = handler
         self._limiter = limiter
@@ -184,10 +254,18 @@ class ServeLoop:
             raise BusError(f"cannot subscribe to {self._subject}: {exc}") from exc
         if ready is not None:
             ready.set()
+        resending = (
+            self._loop.create_task(self._resend_after_losses(self._reconnects))
+            if self._reconnects is not None
+            else None
+        )
         try:
             await stop.wait()
             await self._drain(sub, drain_timeout)
         finally:
+            if resending is not None:
+                resending.cancel()
+                await asyncio.wait([resending])
             # Cancelled, or the drain ran out of time: nothing outlives the loop.
             tasks = dict(self._tasks)
             for task in tasks.values():
@@ -199,6 +277,34 @@ class ServeLoop:
                     # Cancelled before it started: its ``finally`` never ran.
                     del self._tasks[key]
                     self._limiter.release()
+
+    async def _resend_after_losses(self, reconnects: Reconnects) -> None:
+        """Each time the connection is back after a loss, send again the
+        replies sent from :data:`RESEND_BEFORE_LOSS` seconds before it."""
+        while True:
+            await reconnects.next().wait()
+            lost_at = reconnects.lost_at
+            if lost_at is None:
+                continue  # back without a loss seen: nothing was lost
+            again = self.recent.since(lost_at - RESEND_BEFORE_LOSS)
+            sent = 0
+            for subject, payload in again:
+                try:
+                    await self._nc.publish(subject, payload)
+                except nats.errors.Error as exc:
+                    logger.warning(
+                        "replies on %s not sent again: %s", self._subject, exc or type(exc).__name__
+                    )
+                    break
+                sent += 1
+            if again:
+                logger.info(
+                    "sent %d of %d repl%s on %s again: the connection was lost just after",
+                    sent,
+                    len(again),
+                    "y" if len(again) == 1 else "ies",
+                    self._subject,
+                )
 
     async def _drain(self, sub: Subscription, timeout: float) -> None:
         loop = asyncio.get_running_loop()
@@ -253,6 +359,9 @@ class ServeLoop:
             except (PayloadTooLargeError, ProtocolError) as exc:
                 logger.warning("reply on %s cannot be sent: %s", msg.subject, exc)
                 payload = self._unsendable(reply, exc)
+            # Kept first: a reply nats-py cannot take now (its buffer full
+            # while it reconnects) goes out again once the connection is back.
+            self.recent.add(msg.reply, payload)
             try:
                 await self._nc.publish(msg.reply, payload)
             except nats.errors.Error as exc:

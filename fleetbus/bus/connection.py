@@ -177,6 +177,7 @@ class Bus:
         async def disconnected_cb() -> None:
             if nc.is_connected or nc.is_closed or nc.is_draining:
                 return
+            reconnects.lost()
             logger.warning("disconnected from NATS; reconnecting")
 
         async def reconnected_cb() -> None:
@@ -529,6 +530,7 @@ class Bus:
             limiter=limiter or asyncio.Semaphore(64),
             source=component or self.client_name,
             encode=self._encode,
+            reconnects=self.reconnects,
         )
         mark = self.denials.count
         subscribed = asyncio.Event()
