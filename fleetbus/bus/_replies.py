@@ -363,16 +363,24 @@ class Reconnects:
         interrupting, self._interrupting = self._interrupting, set()
         event.set()
         for interruption in interrupting:
-            interruption.interrupted = True
-            interruption.task.cancel("the connection was re-established")
+            interruption.fire("the connection was re-established")
 
 
 class Interruption:
     """A task to cancel on the next reconnection (see :meth:`Reconnects.interrupt`)."""
 
-    __slots__ = ("interrupted", "task")
+    __slots__ = ("ended", "interrupted", "task")
 
     def __init__(self, task: asyncio.Task[Any]) -> None:
         self.task = task
         self.interrupted = False
-        """Set when the reconnection cancelled the task."""
+        """Set when the task was cancelled for it."""
+        self.ended = False
+        """Set when the wait it interrupts is over, however it ended."""
+
+    def fire(self, why: str) -> None:
+        """End the wait now, as unanswered (once; nothing once it is over)."""
+        if self.interrupted or self.ended:
+            return
+        self.interrupted = True
+        self.task.cancel(why)

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
 from typing import Any, Self
 
@@ -29,7 +29,7 @@ from nats.aio.subscription import Subscription
 
 from fleetbus import tracing
 from fleetbus._retry import Retry
-from fleetbus.bus._replies import Denials, Reconnects, Replies, permission_denied
+from fleetbus.bus._replies import Denials, Interruption, Reconnects, Replies, permission_denied
 from fleetbus.bus._serve import Handler, Request, ServeLoop, settle
 from fleetbus.bus.settings import ConnectOptions
 from fleetbus.bus.subjects import Subjects
@@ -231,14 +231,20 @@ class Bus:
         return await self._replies.request(subject, payload, timeout, headers)
 
     async def _await_reply(
-        self, subject: str, data: bytes, timeout: float, headers: dict[str, str] | None = None
+        self,
+        subject: str,
+        data: bytes,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+        watch: Callable[[Interruption], None] | None = None,
     ) -> Msg:
         """One request; a reconnection while it waits ends it as unanswered.
 
         A reply published while this client was away is lost, and waiting out
         the whole timeout for it (a tool call's 30 s) would stall every call
         in flight across a server's fail-over: the retry, with the same
-        ``call_id``, goes out as soon as the connection is back.
+        ``call_id``, goes out as soon as the connection is back. ``watch``
+        is handed the wait's :class:`Interruption`, which can end it so too.
         """
         # The caller's task waits, and a reconnection cancels it (as
         # asyncio.timeout would). A task for the request, another for the
@@ -248,19 +254,22 @@ class Bus:
         task = asyncio.current_task()
         assert task is not None  # always inside a task under asyncio
         cancelling = task.cancelling()
-        watch = self.reconnects.interrupt(task)
+        interruption = self.reconnects.interrupt(task)
+        if watch is not None:
+            watch(interruption)
         try:
             return await self._replies.request(subject, data, timeout, headers=headers)
         except asyncio.CancelledError:
-            if watch.interrupted:
-                watch.interrupted = False
+            if interruption.interrupted:
+                interruption.interrupted = False
                 # Ours, unless someone else cancelled the task too.
                 if task.uncancel() <= cancelling:
                     raise nats.errors.TimeoutError from None
             raise
         finally:
-            self.reconnects.forget(watch)
-            if watch.interrupted:  # the reply came first and the cancel was swallowed
+            interruption.ended = True
+            self.reconnects.forget(interruption)
+            if interruption.interrupted:  # the reply came first and the cancel was swallowed
                 task.uncancel()
 
     @property
@@ -337,6 +346,7 @@ class Bus:
         attempts: int = 1,
         retry_backoff: float = 0.05,
         resend: float | None = None,
+        watch: Callable[[Interruption], None] | None = None,
     ) -> AnyMessage:
         """Send a request and wait for its reply, retrying what went unanswered.
 
@@ -362,6 +372,10 @@ class Bus:
                 ``timeout``. An agent's host sends the receipt once the
                 request is in its session's lease: a replica that dies with
                 a request it had not taken yet loses nothing.
+            watch: handed, as each attempt but the last starts waiting, an
+                :class:`Interruption` whose ``fire`` ends that attempt as
+                unanswered: the next goes out at once (what a reconnection
+                does; :class:`ToolClient` fires it for a call no worker holds).
 
         Returns:
             The decoded reply, which may be an ``error`` message.
@@ -404,7 +418,7 @@ class Bus:
                 data = encode(msgspec.structs.replace(message, attempt=sent))
             try:
                 if sent < attempts:  # an attempt is left to resend with
-                    return await self._await_reply(subject, data, timeout, headers)
+                    return await self._await_reply(subject, data, timeout, headers, watch)
                 return await self._replies.request(
                     subject, data, timeout, headers=headers, resend=resend
                 )

@@ -16,13 +16,18 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import msgspec
+import nats.errors
 
 from fleetbus._retry import Retry
+from fleetbus.bus._replies import Interruption
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.micro import EndpointInfo, discover
 from fleetbus.bus.store import ObjectStore, object_store
@@ -79,6 +84,9 @@ RESULT_HEADROOM = 16 * 1024
 headers); a larger one goes by reference."""
 
 _CANCELLED_REASON = "the caller stopped waiting for the result"
+
+CHECK_MAX = 30.0
+"""Most seconds between two checks of a call waiting for its reply."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +272,13 @@ class ToolClient:
             tool, :class:`~fleetbus.tools_workers.RemoteToolProxy`) waits for a
             worker when none serves it: its worker may be restarting. A
             direct :meth:`call` waits only if asked to.
+        check_after: seconds a call waits for its reply before the tool's
+            workers are asked whether one holds it (then twice as long
+            before each next check, up to :data:`CHECK_MAX`); when none
+            does, it was lost on its way (with a cluster node that died) and
+            is sent again at once, not after its attempt's timeout. ``None``:
+            never checked. Only an attempt with another after it is.
+        check_timeout: seconds a check waits for a worker's receipt.
     """
 
     def __init__(
@@ -277,8 +292,19 @@ class ToolClient:
         cancel_timeout: float = 1.0,
         store_timeout: float = 30.0,
         worker_wait: float = 10.0,
+        check_after: float | None = 2.0,
+        check_timeout: float = 1.0,
     ) -> None:
+        if check_after is not None and not check_after > 0:
+            raise ConfigError(f"check_after must be positive or None, got {check_after}")
         self._bus = bus
+        self.check_after = check_after
+        self.check_timeout = check_timeout
+        self._unanswered: dict[int, tuple[ToolCall, Interruption, float, float]] = {}
+        """Attempts that may be checked, by the id of their call: the call,
+        its attempt's interruption, when it is next checked, the interval."""
+        self._sweeping: asyncio.Task[None] | None = None
+        self._checks: set[asyncio.Task[None]] = set()
         self.sender = sender or bus.client_name
         self.timeout = timeout
         self.attempts = attempts
@@ -347,12 +373,18 @@ class ToolClient:
         subjects = self._bus.subjects
         subject = subjects.agent_inbox(tool_name) if agent else subjects.tool(tool_name)
 
+        tries = self.attempts if attempts is None else attempts
+        watch = None
+        if tries > 1 and not agent and self.check_after is not None:
+            watch = partial(self._watch, call)
+
         async def send() -> AnyMessage:
             return await self._bus.request(
                 subject,
                 call,
                 timeout=(self.timeout if timeout is None else timeout) + self.reply_grace,
-                attempts=self.attempts if attempts is None else attempts,
+                attempts=tries,
+                watch=watch,
             )
 
         try:
@@ -370,6 +402,9 @@ class ToolClient:
             if not agent:
                 await self._cancel(call, str(exc) or _CANCELLED_REASON)
             raise
+        finally:
+            if watch is not None:
+                self._unanswered.pop(id(call), None)
         if isinstance(reply, ErrorMessage):
             raise RemoteError(
                 f"{reply.source_component or 'worker'} could not handle the call: "
@@ -392,6 +427,73 @@ class ToolClient:
         if reply.content_by_reference:
             return await self.results.resolve(reply)
         return reply
+
+    def _watch(self, call: ToolCall, interruption: Interruption) -> None:
+        """An attempt at ``call`` waits, and ``interruption`` ends it: check it
+        after :attr:`check_after` seconds."""
+        assert self.check_after is not None
+        self._unanswered[id(call)] = (
+            call,
+            interruption,
+            time.monotonic() + self.check_after,
+            self.check_after,
+        )
+        if self._sweeping is None:
+            self._sweeping = asyncio.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Check each attempt waiting longer than its interval; done when none waits."""
+        assert self.check_after is not None
+        try:
+            while self._unanswered:
+                await asyncio.sleep(self.check_after / 2)
+                now = time.monotonic()
+                for key, (call, interruption, due, interval) in list(self._unanswered.items()):
+                    if interruption.ended:
+                        self._unanswered.pop(key, None)
+                    elif due <= now:
+                        self._unanswered[key] = (call, interruption, math.inf, interval)
+                        check = asyncio.create_task(self._check(key, call, interruption, interval))
+                        self._checks.add(check)
+                        check.add_done_callback(self._checks.discard)
+        finally:
+            self._sweeping = None
+
+    async def _check(
+        self, key: int, call: ToolCall, interruption: Interruption, interval: float
+    ) -> None:
+        """Ask the tool's workers whether one holds ``call``: when one does,
+        check again after twice ``interval``; when none does, end the
+        attempt (the next goes out at once)."""
+        try:
+            held = await self._held(call)
+        except Exception as exc:  # cannot tell: the attempt waits on
+            logger.debug("check of call %s failed: %s", call.call_id, exc)
+            held = True
+        if interruption.ended:
+            return
+        if not held:
+            logger.info(
+                "no worker holds call %s of %s after %.3gs: sending it again",
+                call.call_id,
+                call.tool_name,
+                interval,
+                extra={"call_id": call.call_id, "session_id": call.session_id},
+            )
+            interruption.fire("no worker holds the call")
+        elif self._unanswered.get(key, (None, None))[1] is interruption:
+            later = min(interval * 2, CHECK_MAX)
+            self._unanswered[key] = (call, interruption, time.monotonic() + later, later)
+
+    async def _held(self, call: ToolCall) -> bool:
+        """Whether a worker of the tool says it holds ``call`` (a receipt to
+        the ``tool_call`` sent on the tool's control subject)."""
+        subject = self._bus.subjects.tool_control(call.tool_name)
+        try:
+            await self._bus._nats_request(subject, self._bus.encode(call), self.check_timeout)
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            return False
+        return True
 
     async def _cancel(self, call: ToolCall, reason: str) -> None:
         """Tell the tool's workers to stop ``call``; log, never raise, if that fails."""

@@ -17,6 +17,9 @@ Guarantees:
   stops the call it names if it runs here: the call is answered, and
   recorded, as ``cancelled``; a cancel for a call not running here is
   ignored;
+- a ``tool_call`` request on that control subject checks who holds the call
+  (its caller has no reply yet): a worker that runs it, answered it, or has
+  every slot taken sends a receipt, and no worker runs it;
 - a result too large for one message goes to the fleet's object store, and
   the answer refers to it (see :class:`~fleetbus.bus.tools.ResultStore`);
 - on stop (SIGTERM/SIGINT in the CLI) the worker takes no new calls, finishes
@@ -33,6 +36,8 @@ import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import nats.errors
 
 from fleetbus._version import __version__
 from fleetbus.bus import (
@@ -176,6 +181,8 @@ class ToolWorker(Lifecycle):
         """Answered calls: when each record expires, the result, its bytes."""
         self._answered_bytes = 0
         self._running: dict[_Key, _Running] = {}
+        self._limiter: asyncio.Semaphore | None = None
+        """The places among the calls running (while :meth:`run` serves)."""
         self.service = MicroService(
             bus,
             name=SERVICE_NAME,
@@ -217,7 +224,7 @@ class ToolWorker(Lifecycle):
         # Kept: asyncio.get_running_loop() (and current_task() without a
         # loop) makes a getpid system call (Python 3.11), on every call otherwise.
         self._loop = asyncio.get_running_loop()
-        limiter = asyncio.Semaphore(self.concurrency)
+        limiter = self._limiter = asyncio.Semaphore(self.concurrency)
         names = self.toolkit.names
         loops_ready = [asyncio.Event() for _ in names]
         controls_ready = [asyncio.Event() for _ in names]
@@ -280,6 +287,8 @@ class ToolWorker(Lifecycle):
             message = request.message
             if isinstance(message, Cancel) and message.call_id:
                 self._cancel(served.name, message)
+            elif isinstance(message, ToolCall) and message.call_id:
+                await self._answer_check(served.name, message, request.reply)
             else:
                 logger.info(
                     "ignored a %s on %s: only 'cancel' with a call_id is understood",
@@ -289,6 +298,23 @@ class ToolWorker(Lifecycle):
                 )
 
         return handle
+
+    async def _answer_check(self, tool_name: str, call: ToolCall, reply: str) -> None:
+        """A caller with no answer yet asks who holds ``call``: a receipt
+        (an empty message) when it runs here, was answered here, or may be
+        waiting here unseen (every place among the calls taken); silence
+        otherwise, which tells the caller, when every worker is silent, that
+        the call was lost on its way (docs/protocol.md, "Checks")."""
+        assert call.call_id is not None
+        key = (tool_name, call.sender, call.call_id)
+        held = key in self._running or self._recorded(key) is not None
+        limiter = self._limiter
+        if not reply or not (held or (limiter is not None and limiter.locked())):
+            return
+        try:
+            await self.bus.nc.publish(reply, b"")
+        except nats.errors.Error as exc:
+            logger.debug("receipt for the check of call %s not sent: %s", call.call_id, exc)
 
     def _cancel(self, tool_name: str, cancel: Cancel) -> None:
         """Stop the call ``cancel`` names if it runs here; else do nothing

@@ -1,10 +1,15 @@
-"""A reply lost with the responder's connection is sent again once the
-connection is back, so the caller has it at once instead of after its whole
-timeout (a cluster node that dies just after its worker answered).
+"""Messages lost with a server that dies (a cluster node) cost their caller
+moments, not its whole timeout:
 
-The responder reaches the real nats-server through a TCP link the test
-controls: it swallows what the responder writes (the reply, lost as with a
-dying server), then cuts the connection; nats-py reconnects through it.
+- a reply lost with the responder's connection is sent again once the
+  connection is back;
+- a tool call lost on its way to the worker is found unheld by the worker
+  check its caller makes after a while, and sent again at once; a call that
+  a worker holds (running it) is not.
+
+The worker reaches the real nats-server through a TCP link the test
+controls: it swallows what passes one way (lost as with a dying server),
+then cuts the connection; nats-py reconnects through it.
 """
 
 from __future__ import annotations
@@ -12,9 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from fleetbus.bus import Bus, EmbeddedServer, Request
+import nats
+from nats.aio.msg import Msg
+
+from fleetbus.bus import Bus, EmbeddedServer, Request, ToolClient
 from fleetbus.bus._serve import RecentReplies
-from fleetbus.protocol import Message, ToolCall, ToolResult
+from fleetbus.protocol import Message, ToolCall, ToolResult, decode
+from fleetbus.tools_workers import Toolkit, ToolWorker, tool
 
 
 class Link:
@@ -24,6 +33,9 @@ class Link:
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.swallow = False
+        """Swallow what clients write (to the server)."""
+        self.swallow_incoming = False
+        """Swallow what the server writes (to the clients)."""
         self.swallowed = 0
         """Bytes swallowed so far."""
         self._writers: list[asyncio.StreamWriter] = []
@@ -55,7 +67,7 @@ class Link:
     ) -> None:
         with contextlib.suppress(ConnectionError, OSError):
             while data := await source.read(65536):
-                if upstream and self.swallow:
+                if self.swallow if upstream else self.swallow_incoming:
                     self.swallowed += len(data)
                     continue
                 sink.write(data)
@@ -132,3 +144,85 @@ def test_recent_replies_keep_the_newest_within_their_limits() -> None:
     recent.add("r.5", b"x" * 8)  # 2 + 8 bytes: only the newest fit with it
     assert [subject for subject, _ in recent.since(0.0)] == ["r.4", "r.5"]
     assert recent.since(float("inf")) == []
+
+
+@tool
+async def slow(seconds: float) -> str:
+    """Take a while.
+
+    Args:
+        seconds: how long.
+    """
+    await asyncio.sleep(seconds)
+    return "slow done"
+
+
+@tool
+def quick() -> str:
+    """Answer at once."""
+    return "quick done"
+
+
+async def test_a_call_lost_on_its_way_to_the_worker_is_sent_again_once_no_worker_holds_it(
+    nats_server: EmbeddedServer, bus: Bus, prefix: str
+) -> None:
+    link = await Link(int(nats_server.url.rsplit(":", 1)[1])).start()
+    worker_bus = await Bus.connect(link.url, prefix=prefix, name="far-worker")
+    worker = ToolWorker(worker_bus, Toolkit([quick]), worker_id="far-worker")
+    client = ToolClient(bus, timeout=20.0, check_after=0.5, check_timeout=0.5)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            serving = tg.create_task(worker.run())
+            await worker.wait_ready()
+            link.swallow_incoming = True  # the call dies with the server that has it
+            asking = tg.create_task(client.call("quick", call_id="c-gone"))
+            while link.swallowed == 0:  # noqa: ASYNC110 - the call went into the link
+                await asyncio.sleep(0.01)
+            link.swallow_incoming = False
+            link.cut()
+            result = await asyncio.wait_for(asking, 15)  # not the 21 s of its attempt
+            worker.stop()
+            await serving
+    finally:
+        await worker_bus.close()
+        await link.close()
+    assert result.ok, result
+    assert result.content == "quick done"
+    assert result.call_id == "c-gone"
+    assert worker.executed == 1  # the copy sent again; the first never arrived
+
+
+async def test_a_call_a_worker_holds_is_checked_but_not_sent_again(
+    nats_server: EmbeddedServer, bus: Bus, prefix: str
+) -> None:
+    worker = ToolWorker(bus, Toolkit([slow]), worker_id="busy-worker")
+    watcher = await nats.connect(nats_server.url)
+    checks: list[ToolCall] = []
+    sendings: list[ToolCall] = []
+
+    async def seen(msg: Msg) -> None:
+        message = decode(msg.data)
+        if isinstance(message, ToolCall):
+            (checks if msg.subject.endswith(".control") else sendings).append(message)
+
+    await watcher.subscribe(bus.subjects.tool_control("slow"), cb=seen)
+    await watcher.subscribe(bus.subjects.tool("slow"), cb=seen)
+    await watcher.flush()
+    caller = await Bus.connect(nats_server.url, prefix=prefix, name="patient")
+    client = ToolClient(caller, timeout=20.0, check_after=0.2, check_timeout=0.5)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            serving = tg.create_task(worker.run())
+            await worker.wait_ready()
+            result = await client.call("slow", {"seconds": 1.5}, call_id="c-held")
+            worker.stop()
+            await serving
+    finally:
+        await caller.close()
+        await watcher.close()
+    assert result.ok, result
+    assert result.content == "slow done"
+    assert checks, "the call was never checked"
+    assert {check.call_id for check in checks} == {"c-held"}
+    assert [call.attempt for call in sendings] == [1]  # held, so never sent again
+    assert worker.executed == 1
