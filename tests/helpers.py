@@ -22,6 +22,7 @@ from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.errors import SessionLost
 from fleetbus.protocol import UserRequest, to_builtins
+from fleetbus.tools_workers import ToolWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -132,6 +133,20 @@ async def wait_for_workers(bus: Bus, tool_name: str, count: int, timeout: float 
             return
         await asyncio.sleep(0.05)
     raise AssertionError(f"only {seen} of {count} workers serve {tool_name} after {timeout}s")
+
+
+@asynccontextmanager
+async def worker_running(worker: ToolWorker) -> AsyncIterator[ToolWorker]:
+    """``worker`` serving in this process until the block ends (then stopped
+    and drained)."""
+    async with asyncio.TaskGroup() as tg:
+        task = tg.create_task(worker.run())
+        await worker.wait_ready()
+        try:
+            yield worker
+        finally:
+            worker.stop()
+            await task
 
 
 @asynccontextmanager

@@ -14,6 +14,7 @@ import pytest
 
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.tools_workers import Toolkit, ToolWorker, tool
+from tests.helpers import worker_running
 from tests.integration.cluster import NatsCluster
 
 pytestmark = pytest.mark.slow
@@ -43,9 +44,7 @@ async def test_calls_cross_the_death_of_their_workers_node_without_waiting_out_a
     took: list[float] = []
     wrong: list[object] = []
     try:
-        async with asyncio.TaskGroup() as tg:
-            serving = tg.create_task(worker.run())
-            await worker.wait_ready()
+        async with worker_running(worker), asyncio.TaskGroup() as tg:
             while "echo" not in await client.discover(timeout=0.5):  # noqa: ASYNC110
                 await asyncio.sleep(0.1)  # until node 2 knows the worker
             stop_at = time.monotonic() + 8.0
@@ -64,8 +63,6 @@ async def test_calls_cross_the_death_of_their_workers_node_without_waiting_out_a
             await asyncio.sleep(2.0)
             cluster.kill(1)  # with whatever calls and replies it holds
             await asyncio.gather(*callers)
-            worker.stop()
-            await serving
     finally:
         await caller.close()
         await worker_bus.close()

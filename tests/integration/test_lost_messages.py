@@ -24,6 +24,7 @@ from fleetbus.bus import Bus, EmbeddedServer, Request, ToolClient
 from fleetbus.bus._serve import RecentReplies
 from fleetbus.protocol import Message, ToolCall, ToolResult, decode
 from fleetbus.tools_workers import Toolkit, ToolWorker, tool
+from tests.helpers import worker_running
 
 
 class Link:
@@ -171,18 +172,14 @@ async def test_a_call_lost_on_its_way_to_the_worker_is_sent_again_once_no_worker
     worker = ToolWorker(worker_bus, Toolkit([quick]), worker_id="far-worker")
     client = ToolClient(bus, timeout=20.0, check_after=0.5, check_timeout=0.5)
     try:
-        async with asyncio.TaskGroup() as tg:
-            serving = tg.create_task(worker.run())
-            await worker.wait_ready()
+        async with worker_running(worker):
             link.swallow_incoming = True  # the call dies with the server that has it
-            asking = tg.create_task(client.call("quick", call_id="c-gone"))
+            asking = asyncio.create_task(client.call("quick", call_id="c-gone"))
             while link.swallowed == 0:  # noqa: ASYNC110 - the call went into the link
                 await asyncio.sleep(0.01)
             link.swallow_incoming = False
             link.cut()
             result = await asyncio.wait_for(asking, 15)  # not the 21 s of its attempt
-            worker.stop()
-            await serving
     finally:
         await worker_bus.close()
         await link.close()
@@ -211,12 +208,8 @@ async def test_a_call_a_worker_holds_is_checked_but_not_sent_again(
     caller = await Bus.connect(nats_server.url, prefix=prefix, name="patient")
     client = ToolClient(caller, timeout=20.0, check_after=0.2, check_timeout=0.5)
     try:
-        async with asyncio.TaskGroup() as tg:
-            serving = tg.create_task(worker.run())
-            await worker.wait_ready()
+        async with worker_running(worker):
             result = await client.call("slow", {"seconds": 1.5}, call_id="c-held")
-            worker.stop()
-            await serving
     finally:
         await caller.close()
         await watcher.close()
