@@ -45,9 +45,11 @@ from fleetbus.protocol import (
 )
 
 __all__ = [
+    "ECHOED_REMINDER",
     "FORMAT_ERROR_TOOL",
     "Action",
     "as_text_messages",
+    "echoes_reminder",
     "format_errors_as_text",
     "format_errors_in_a_row",
     "instructions",
@@ -229,14 +231,36 @@ def format_errors_as_text(
     return out
 
 
+_REMINDED = (
+    "Your last message could not be used",
+    "To use a tool, call it; its result comes in the next message. Otherwise give your "
+    "final answer.",
+)
+"""The fixed parts of :func:`_reminder`."""
+
+ECHOED_REMINDER = "it only repeats the reminder: call a tool, or give your final answer"
+"""The format error of a step that answered with words of a reminder."""
+
+
 def _reminder(use: ToolUseBlock, offered: Collection[str]) -> str:
     """What a native request says about a step that could not be used."""
-    error = tc.read_calls(use.raw_arguments or "", offered).error
+    error = use.input.get("error") if isinstance(use.input, dict) else None
+    if not isinstance(error, str) or not error:
+        error = tc.read_calls(use.raw_arguments or "", offered).error
     why = f": {error}" if error else ""
-    return (
-        f"Your last message could not be used{why}. To use a tool, call it; its result "
-        "comes in the next message. Otherwise give your final answer."
-    )
+    return f"{_REMINDED[0]}{why}. {_REMINDED[1]}"
+
+
+def echoes_reminder(text: str) -> bool:
+    """Whether ``text`` says nothing but words of a reminder (small models
+    answer with them, a reminder later): not an answer, a format error."""
+    said = _plain(text)
+    return len(said) >= 12 and any(said in _plain(part) for part in _REMINDED)
+
+
+def _plain(text: str) -> str:
+    """``text`` lower-cased, its punctuation and runs of whitespace made one space."""
+    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
 
 
 def as_text_messages(

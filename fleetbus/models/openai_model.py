@@ -565,6 +565,9 @@ class OpenAIChatModel:
                         for call in read.calls
                     )
                     return content
+            if not uses and tp.echoes_reminder(text):
+                content.append(self._format_error(text, tp.ECHOED_REMINDER, messages))
+                return content
             if text:
                 content.append(TextBlock(text=text))
             content.extend(uses)

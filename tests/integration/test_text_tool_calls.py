@@ -17,6 +17,7 @@ import pytest
 import fleetbus
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.models import ModelConfig, ModelError, ModelRequest
+from fleetbus.models import _text_protocol as tp
 from fleetbus.models.model import ModelStreamItem, TextDelta
 from fleetbus.models.openai_model import OpenAIChatModel, OpenAIConfig
 from fleetbus.protocol import ChatMessage, TextBlock, ToolResultBlock, ToolSpec, ToolUseBlock
@@ -358,6 +359,47 @@ async def test_an_invented_observation_is_shown_back_and_the_model_corrects_itse
         "a tool result you wrote yourself, but no tool ran."
     )
     assert server.bodies[2]["messages"][-1]["content"] == "395"
+
+
+ECHO = "To use a tool, call it; its result comes in the next message."
+"""What Qwen2.5-Coder-1.5B behind llama.cpp answered after a reminder (and,
+that answer in its history, to the next request too)."""
+
+
+async def test_an_answer_that_only_repeats_the_reminder_is_not_the_answer(
+    server: FakeOpenAIServer, model: OpenAIChatModel
+) -> None:
+    server.add(completion(INVENTED), completion(ECHO), completion(FENCED), completion("395."))
+    agent = calculating(model)
+
+    final = await asyncio.wait_for(agent.reply("What is 17 * 23 + 4?"), timeout=10)
+
+    assert final.content == "395."
+    wrote, reminder = server.bodies[2]["messages"][-2:]
+    assert wrote == {"role": "assistant", "content": ECHO}
+    assert reminder["content"].startswith(
+        "Your last message could not be used: it only repeats the reminder: call a tool, "
+        "or give your final answer."
+    )
+    assert server.bodies[3]["messages"][-1]["content"] == "395"
+
+
+async def test_a_model_that_keeps_repeating_the_reminder_ends_the_reply_with_an_error(
+    server: FakeOpenAIServer, config: OpenAIConfig
+) -> None:
+    server.add(completion(INVENTED), completion(ECHO), completion(f"  {ECHO.upper()}  "))
+
+    async with OpenAIChatModel("fake-model", base_url=server.url, config=config) as m:
+        agent = calculating(m)
+        final = await asyncio.wait_for(agent.reply("What is 17 * 23 + 4?"), timeout=10)
+
+    assert final.finished_reason == "error"
+    assert "only repeats the reminder" in final.content
+    assert isinstance(final.content, str)
+    assert ECHO not in final.content.replace(f"last: {tp.ECHOED_REMINDER}", "")
+    assert len(server.requests) == 3
+    # Nothing of it kept as an answer that a next request would see.
+    assert all(ECHO not in m.text for m in agent.memory if m.role == "assistant")
 
 
 async def test_in_the_text_protocol_an_invented_observation_gets_a_format_reminder(
