@@ -297,6 +297,8 @@ class ToolClient:
     ) -> None:
         if check_after is not None and not check_after > 0:
             raise ConfigError(f"check_after must be positive or None, got {check_after}")
+        if not check_timeout > 0:
+            raise ConfigError(f"check_timeout must be positive, got {check_timeout}")
         self._bus = bus
         self.check_after = check_after
         self.check_timeout = check_timeout
@@ -438,7 +440,7 @@ class ToolClient:
             time.monotonic() + self.check_after,
             self.check_after,
         )
-        if self._sweeping is None:
+        if self._sweeping is None or self._sweeping.done():  # (done: a loop since closed)
             self._sweeping = asyncio.create_task(self._sweep())
 
     async def _sweep(self) -> None:

@@ -18,10 +18,12 @@ import asyncio
 import contextlib
 
 import nats
+import pytest
 from nats.aio.msg import Msg
 
 from fleetbus.bus import Bus, EmbeddedServer, Request, ToolClient
 from fleetbus.bus._serve import RecentReplies
+from fleetbus.errors import ConfigError
 from fleetbus.protocol import Message, ToolCall, ToolResult, decode
 from fleetbus.tools_workers import Toolkit, ToolWorker, tool
 from tests.helpers import worker_running
@@ -219,3 +221,11 @@ async def test_a_call_a_worker_holds_is_checked_but_not_sent_again(
     assert {check.call_id for check in checks} == {"c-held"}
     assert [call.attempt for call in sendings] == [1]  # held, so never sent again
     assert worker.executed == 1
+
+
+async def test_check_settings_out_of_range_are_refused(bus: Bus) -> None:
+    with pytest.raises(ConfigError, match="check_after must be positive or None"):
+        ToolClient(bus, check_after=0)
+    with pytest.raises(ConfigError, match="check_timeout must be positive"):
+        ToolClient(bus, check_timeout=-1)
+    assert ToolClient(bus, check_after=None).check_after is None
