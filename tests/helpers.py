@@ -157,11 +157,13 @@ async def serving(
     *,
     replica: str = "test",
     settle: bool = True,
+    ready_timeout: float = 10.0,
     **options: Any,
 ) -> AsyncIterator[AgentService]:
     """``agent`` served in this process, on its own connection of the fleet,
-    until the block ends. ``options`` go to :class:`AgentService` (defaults
-    here: a 1 s lease, a 5 s drain)."""
+    until the block ends, once ready (within ``ready_timeout`` seconds: a
+    cluster whose node has just restarted takes longer). ``options`` go to
+    :class:`AgentService` (defaults here: a 1 s lease, a 5 s drain)."""
     server_bus = await Bus.connect(url, prefix=prefix, name=f"agent-{replica}")
     options.setdefault("lease_ttl", 1.0)
     options.setdefault("drain_timeout", 5.0)
@@ -170,7 +172,7 @@ async def serving(
         async with asyncio.TaskGroup() as tg:
             tg.create_task(service.run())
             try:
-                await service.wait_ready()
+                await service.wait_ready(ready_timeout)
                 if settle:
                     # A further round trip on the serving connection, beyond
                     # what wait_ready() already makes sure of.

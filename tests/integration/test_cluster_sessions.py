@@ -29,6 +29,10 @@ from tests.integration.test_sessions_durable import (
 
 pytestmark = pytest.mark.slow
 
+CLUSTER_READY = 30.0
+"""Seconds an agent service may take to be ready: its buckets are made (R3)
+while a node that an earlier test killed may still be catching up."""
+
 
 async def open_store(bus: Bus, timeout: float = 30.0) -> SessionStore:
     """The session store, once every bucket has a leader again (the other
@@ -61,6 +65,7 @@ async def test_replies_finish_when_the_sessions_leader_is_killed(
             await make_agent(bus, StepModel()),
             lease_ttl=15.0,
             recover_interval=0.5,
+            ready_timeout=CLUSTER_READY,
         ) as service,
     ):
         assert service.store is not None
@@ -119,7 +124,12 @@ async def test_requests_that_come_while_the_leases_leader_is_killed_wait_for_the
     texts = {f"e{i}": f"x{i}" for i in range(4)}
     async with (
         step_worker(cluster.urls, bus.prefix, runs, gate),
-        serving(cluster.urls, bus.prefix, await make_agent(bus, StepModel())),
+        serving(
+            cluster.urls,
+            bus.prefix,
+            await make_agent(bus, StepModel()),
+            ready_timeout=CLUSTER_READY,
+        ),
     ):
         inbox = bus.subjects.agent_inbox(AGENT)
         warm = await bus.request(inbox, UserRequest(session_id="warm", content=""), timeout=30)
