@@ -281,8 +281,10 @@ class ServeLoop:
     async def _resend_after_losses(self, reconnects: Reconnects) -> None:
         """Each time the connection is back after a loss, send again the
         replies sent from :data:`RESEND_BEFORE_LOSS` seconds before it."""
+        back = reconnects.next()
         while True:
-            await reconnects.next().wait()
+            await back.wait()
+            back = reconnects.next()  # armed already: a loss while sending is not missed
             lost_at = reconnects.lost_at
             if lost_at is None:
                 continue  # back without a loss seen: nothing was lost

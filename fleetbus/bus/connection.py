@@ -337,6 +337,23 @@ class Bus:
         except nats.errors.Error as exc:
             raise BusError(f"publish to {subject} failed: {exc}") from exc
 
+    async def receipt(self, reply_to: str) -> None:
+        """Send a receipt to ``reply_to``: an empty message (no body, no
+        headers), which says a request is held (an agent's host took it, a
+        tool worker holds the call a check asks about) and is not its answer.
+
+        Raises:
+            ConnectionClosedError: the bus is closed.
+            BusError: it could not be sent.
+        """
+        self._check_open()
+        try:
+            await self._nc.publish(reply_to, b"")
+        except nats.errors.ConnectionClosedError as exc:
+            raise ConnectionClosedError("the bus connection is closed") from exc
+        except (nats.errors.Error, OSError) as exc:
+            raise BusError(f"receipt to {reply_to} not sent: {exc}") from exc
+
     async def request(
         self,
         subject: str,

@@ -37,8 +37,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import nats.errors
-
 from fleetbus._version import __version__
 from fleetbus.bus import (
     RESULT_HEADROOM,
@@ -51,7 +49,7 @@ from fleetbus.bus import (
     Request,
     ResultStore,
 )
-from fleetbus.errors import PayloadTooLargeError, ProtocolError, StoreError
+from fleetbus.errors import BusError, PayloadTooLargeError, ProtocolError, StoreError
 from fleetbus.protocol import (
     Cancel,
     ErrorMessage,
@@ -312,8 +310,8 @@ class ToolWorker(Lifecycle):
         if not reply or not (held or (limiter is not None and limiter.locked())):
             return
         try:
-            await self.bus.nc.publish(reply, b"")
-        except nats.errors.Error as exc:
+            await self.bus.receipt(reply)
+        except BusError as exc:
             logger.debug("receipt for the check of call %s not sent: %s", call.call_id, exc)
 
     def _cancel(self, tool_name: str, cancel: Cancel) -> None:

@@ -488,8 +488,8 @@ class AgentHost(Lifecycle):
         an empty message. Best effort: without it the requester sends the
         request again, and that is answered once too."""
         try:
-            await self.bus.nc.publish(reply_to, b"")
-        except Exception as exc:  # nats-py raises its own errors, or OSError
+            await self.bus.receipt(reply_to)
+        except BusError as exc:
             logger.warning("%s: the receipt to %s was not sent: %s", self.replica_id, reply_to, exc)
 
     async def _acquire(
