@@ -22,6 +22,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import Header
 
+from fleetbus.bus._client import Client
 from fleetbus.errors import PermissionDeniedError
 
 __all__ = [
@@ -242,20 +243,30 @@ class Replies:
             if self._inbox:
                 return
             inbox = f"{self._nc.new_inbox()}."
-            await self._nc.subscribe(f"{inbox}*", cb=self._deliver)
+            sub = await self._nc.subscribe(f"{inbox}*", cb=self._deliver)
+            if isinstance(self._nc, Client):
+                self._nc.route(sub, self._take)
             # Kept: asyncio.get_running_loop() makes a getpid system call
             # (Python 3.11), on every request otherwise.
             self._loop = asyncio.get_running_loop()
             self._inbox = inbox
 
     async def _deliver(self, msg: Msg) -> None:
+        self._take(msg)
+
+    def _take(self, msg: Msg) -> bool:
+        """Wake the request ``msg`` answers (or note its receipt): straight
+        from the connection's read loop
+        (:class:`~fleetbus.bus._client.Client`), or from the subscription's
+        callback. Always taken."""
         token = msg.subject[len(self._inbox) :]
         if not msg.data and token in self._receipts and not msg.headers:
             self._receipts[token] = True  # a receipt, not the reply
-            return
+            return True
         entry = self._waiting.get(token)
         if entry is not None and not entry[0].done():
             entry[0].set_result(msg)
+        return True
 
     def deny(self, denial: PermissionDeniedError) -> bool:
         """Fail the requests ``denial`` stops (see the class); whether any.

@@ -18,6 +18,7 @@ its answer already drops the copy (fleetbus's requests do).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections import deque
@@ -31,6 +32,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from fleetbus import logs, tracing
+from fleetbus.bus._client import Client
 from fleetbus.bus._replies import Reconnects
 from fleetbus.errors import BusError, ConnectionClosedError, PayloadTooLargeError, ProtocolError
 from fleetbus.protocol import (
@@ -208,6 +210,9 @@ class ServeLoop:
     _loop: asyncio.AbstractEventLoop
     """The loop :meth:`run` serves in."""
 
+    _context: contextvars.Context
+    """The context :meth:`run` was started in: each handler's starts as a copy."""
+
     def __init__(
         self,
         nc: NATS,
@@ -245,8 +250,13 @@ class ServeLoop:
         # Kept: asyncio.get_running_loop() makes a getpid system call (Python
         # 3.11), on every request otherwise.
         self._loop = asyncio.get_running_loop()
+        # The handlers start in the context this loop was started in, as
+        # those that nats-py's subscription task starts do.
+        self._context = contextvars.copy_context()
         try:
             sub = await self._nc.subscribe(self._subject, queue=queue or "", cb=self._dispatch)
+            if isinstance(self._nc, Client) and _has_places(self._limiter):
+                self._nc.route(sub, self._take)
             await settle(self._nc)
         except nats.errors.ConnectionClosedError as exc:
             raise ConnectionClosedError(f"cannot serve {self._subject}: connection closed") from exc
@@ -335,13 +345,33 @@ class ServeLoop:
 
     async def _dispatch(self, msg: Msg) -> None:
         # nats-py awaits this from the subscription's own task, one message at
-        # a time. An exception here would vanish into nats-py's error
-        # callback, so none may escape.
+        # a time, for the requests not taken directly (:meth:`_take`). An
+        # exception here would vanish into nats-py's error callback, so none
+        # may escape.
         try:
             await self._limiter.acquire()
-            self._tasks[id(msg)] = self._loop.create_task(self._handle(msg))
+            self._start(msg)
         except Exception:
             logger.exception("cannot dispatch a request on %s", self._subject)
+
+    def _take(self, msg: Msg) -> bool:
+        """Start handling ``msg`` now, from the connection's read loop
+        (:class:`~fleetbus.bus._client.Client`), if a place is free and
+        nobody waits for one; else say no (nats-py queues it for
+        :meth:`_dispatch`)."""
+        if not _take_place(self._limiter):
+            return False
+        try:
+            self._start(msg)
+        except Exception:
+            self._limiter.release()
+            logger.exception("cannot dispatch a request on %s", self._subject)
+        return True
+
+    def _start(self, msg: Msg) -> None:
+        self._tasks[id(msg)] = self._loop.create_task(
+            self._handle(msg), context=self._context.copy()
+        )
 
     async def _handle(self, msg: Msg) -> None:
         try:
@@ -434,6 +464,24 @@ class ServeLoop:
 
     def _error(self, about: Message, code: ErrorCode, text: str) -> ErrorMessage:
         return error_reply(about, code, clip(text), source=self._source)
+
+
+def _has_places(limiter: asyncio.Semaphore) -> bool:
+    """Whether ``limiter`` has the fields :func:`_take_place` reads (an
+    ``asyncio.Semaphore`` has, from Python 3.11 to 3.13): else requests
+    take nats-py's way."""
+    return isinstance(getattr(limiter, "_value", None), int) and hasattr(limiter, "_waiters")
+
+
+def _take_place(limiter: asyncio.Semaphore) -> bool:
+    """Take a place of ``limiter`` if one is free and nobody waits for one
+    (what ``acquire`` does at once then); whether it did. By its fields:
+    ``locked()`` and ``acquire()`` each make a generator to look at the
+    waiters, a fifth of the serving loop's own cost of a request."""
+    if limiter._value > 0 and not limiter._waiters:
+        limiter._value -= 1
+        return True
+    return False
 
 
 def _span_name(subject: str) -> str:

@@ -29,6 +29,7 @@ from nats.aio.subscription import Subscription
 
 from fleetbus import tracing
 from fleetbus._retry import Retry
+from fleetbus.bus._client import Client
 from fleetbus.bus._replies import Denials, Interruption, Reconnects, Replies, permission_denied
 from fleetbus.bus._serve import Handler, Request, ServeLoop, settle
 from fleetbus.bus.settings import ConnectOptions
@@ -145,7 +146,7 @@ class Bus:
         client_name = options.name or f"{socket.gethostname()}-{os.getpid()}"
         kwargs = options.nats_kwargs()
         kwargs.setdefault("name", client_name)
-        nc = _Client()
+        nc = Client()
         last_error: list[BaseException] = []
         reconnects = Reconnects()
         denials = Denials()
@@ -664,34 +665,6 @@ class Bus:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
-
-
-_HEADER_SPACE = " \t\n\r\x0b\x0c"
-"""What ``bytes.strip`` strips: around a header's name and value."""
-
-
-class _Client(NATS):
-    """nats-py's client, parsing message headers in half the CPU.
-
-    Every lease write a host makes comes back to every host, republished with
-    seven headers; nats-py's parser tests each character of each name in a
-    generator (19 us for those seven on this machine, 10 us here). The
-    result is the same: lines without a colon, and names that are not ASCII
-    or hold whitespace, are left out; invalid UTF-8 in a value becomes
-    U+FFFD."""
-
-    @staticmethod
-    def _parse_header_lines(raw: bytes) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for line in raw.decode("utf-8", "replace").split("\r\n"):
-            name, colon, value = line.partition(":")
-            if not colon:
-                continue
-            key = name.strip(_HEADER_SPACE)
-            if not key.isascii() or (key and key.split() != [key]):
-                continue
-            out[key] = value.strip(_HEADER_SPACE)
-        return out
 
 
 class Observation:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from nats.aio.client import Client
 
-from fleetbus.bus.connection import _Client
+from fleetbus.bus._client import Client as BusClient
 
 BLOCKS = [
     b"",
@@ -28,4 +28,4 @@ BLOCKS = [
 
 @pytest.mark.parametrize("raw", BLOCKS)
 def test_the_same_headers_as_nats_py(raw: bytes) -> None:
-    assert _Client._parse_header_lines(raw) == Client._parse_header_lines(raw)
+    assert BusClient._parse_header_lines(raw) == Client._parse_header_lines(raw)
