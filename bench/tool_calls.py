@@ -6,9 +6,11 @@ a no-op tool. Measured: sequential latency (p50/p99) and throughput with 64
 calls in flight, for 1 and 2 responders, each with the standard event loop
 and with uvloop (client and responders alike).
 
-Then, with uvloop, one worker and 64 in flight: fleetbus with tracing off,
-then on (an OpenTelemetry SDK provider with an in-memory exporter in this
-process and in the worker).
+Then, with uvloop, one responder and 64 in flight: what a ``traceparent``
+header alone costs (raw nats-py and fleetbus, each call with and without
+one, no span made, the server's CPU per call beside), and fleetbus with
+tracing off, then on (an OpenTelemetry SDK provider with an in-memory
+exporter in this process and in the worker).
 
 Prints one JSON line. Targets: fleetbus throughput >= 0.8x raw,
 p50 <= 1.3x raw, tracing on >= 0.9x off.
@@ -253,6 +255,98 @@ async def measure_tracing(
     }
 
 
+TRACEPARENT = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+"""The header a traced call carries (a fixed one: no span is made for it)."""
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user and system) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure_header(
+    url: str, server_pid: int, n_tp: int, in_flight: int, repeats: int
+) -> dict[str, Any]:
+    """What carrying the trace context in a NATS header costs, with no span
+    anywhere: throughput with 64 in flight and one responder, each call
+    sent without a header and with a fixed ``traceparent`` (the runs of the
+    two alternate, in the same processes), for raw nats-py and for fleetbus
+    (tracing off in both processes; ``fleetbus.tracing.inject`` replaced for
+    the run by a function returning the fixed header, so every tool call
+    carries it). The server's CPU per call is measured beside each: the
+    header's cost that no client code can save. This is the floor under
+    what tracing can cost."""
+    from fleetbus import tracing
+
+    raw_cmd = [sys.executable, str(HERE / "_raw_responder.py"), url, RAW_SUBJECT, "uvloop"]
+    prefix = "benchheader"
+    worker_cmd = [sys.executable, "-m", "fleetbus", "worker", "bench._noop_tools"]
+    worker_cmd += ["--nats", url, "--prefix", prefix, "--concurrency", str(in_flight)]
+    env = {"FLEETBUS_UVLOOP": "1", "BENCH_TRACING": "0"}
+    nc = await nats.connect(url)
+    bus = await Bus.connect(url, prefix=prefix)
+    client = ToolClient(bus, attempts=1)
+    payload = encode(ToolCall(tool_name="noop", call_id="x" * 32, sender=bus.client_name))
+    injected = tracing.inject
+    header: dict[str, dict[str, str] | None] = {"now": None}
+
+    async def raw_call() -> object:
+        return await nc.request(RAW_SUBJECT, payload, timeout=10, headers=header["now"])
+
+    async def fleet_call() -> object:
+        result = await client.call("noop", {})
+        if not result.ok:
+            raise RuntimeError(f"tool call failed: {result.error_detail}")
+        return result
+
+    async def raw_up() -> bool:
+        try:
+            await nc.request(RAW_SUBJECT, payload, timeout=1)
+        except nats.errors.Error:
+            return False
+        return True
+
+    async def fleet_up() -> bool:
+        return "noop" in await client.discover(timeout=0.3)
+
+    async def alternate(call: Callable[[], Awaitable[object]]) -> dict[str, Any]:
+        rates: dict[str, list[float]] = {"plain": [], "header": []}
+        server_us: dict[str, list[float]] = {"plain": [], "header": []}
+        for _ in range(repeats):
+            for mode in ("plain", "header"):
+                header["now"] = TRACEPARENT if mode == "header" else None
+                before = cpu_seconds(server_pid)
+                rate = await throughput(call, n_tp, in_flight, 1)
+                calls = (n_tp // in_flight) * in_flight
+                server_us[mode].append((cpu_seconds(server_pid) - before) * 1e6 / calls)
+                rates[mode].append(rate)
+        plain, with_header = statistics.median(rates["plain"]), statistics.median(rates["header"])
+        return {
+            "plain_calls_per_s": round(plain, 1),
+            "header_calls_per_s": round(with_header, 1),
+            "header_vs_plain": round(with_header / plain, 3),
+            "server_cpu_us_per_call": {
+                mode: round(statistics.median(values), 1) for mode, values in server_us.items()
+            },
+        }
+
+    # Only the header this run sets: no span, no provider.
+    tracing.inject = lambda headers=None: header["now"]
+    try:
+        with processes([raw_cmd], env):
+            await wait_until(raw_up)
+            raw = await alternate(raw_call)
+        with processes([worker_cmd], env):
+            await wait_until(fleet_up)
+            fleet = await alternate(fleet_call)
+    finally:
+        tracing.inject = injected
+        await bus.close()
+        await nc.close()
+    return {"raw_nats_py": raw, "fleetbus": fleet}
+
+
 def run_loop(kind: str, url: str, args: argparse.Namespace) -> dict[str, Any]:
     coro = measure(url, kind, args.sequential, args.calls, args.in_flight, args.repeats)
     if kind == "uvloop":
@@ -284,6 +378,10 @@ def main() -> None:
         if not args.no_tracing:
             import uvloop
 
+            assert server.pid is not None
+            report["trace_header_uvloop_in_flight_64"] = uvloop.run(
+                measure_header(server.url, server.pid, args.calls, args.in_flight, args.repeats)
+            )
             report["tracing_uvloop_in_flight_64"] = uvloop.run(
                 measure_tracing(server.url, args.calls, args.in_flight, args.repeats, args.spans)
             )
