@@ -3,8 +3,10 @@
 Both sides answer from another process over the same embedded nats-server:
 raw nats-py with a trivial responder, fleetbus with a worker process serving
 a no-op tool. Measured: sequential latency (p50/p99) and throughput with 64
-calls in flight, for 1 and 2 responders, each with the standard event loop
-and with uvloop (client and responders alike).
+calls in flight (the median of seven runs), for 1 and 2 responders, each
+with the standard event loop and with uvloop (client and responders
+alike). Both kinds of responder are up at once and the runs of the two
+take turns, so the machine's changing load falls on both.
 
 Then, with uvloop, one responder and 64 in flight: what a ``traceparent``
 header alone costs (raw nats-py and fleetbus, each call with and without
@@ -26,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -83,38 +85,58 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def sequential(call: Callable[[], Awaitable[object]], n: int) -> dict[str, float]:
-    for _ in range(min(200, n)):  # warm up
-        await call()
-    latencies = []
-    for _ in range(n):
-        started = time.perf_counter()
-        await call()
-        latencies.append(time.perf_counter() - started)
+async def sequential(
+    calls: Mapping[str, Callable[[], Awaitable[object]]], n: int, block: int = 200
+) -> dict[str, dict[str, float]]:
+    """Latency of one call at a time, p50 and p99 over ``n`` calls of each
+    of ``calls``, made in blocks of ``block`` taking turns (so a change in
+    the machine's load falls on both sides)."""
+    for call in calls.values():  # warm up
+        for _ in range(min(block, n)):
+            await call()
+    latencies: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(max(1, n // block)):
+        for name, call in calls.items():
+            for _ in range(block):
+                started = time.perf_counter()
+                await call()
+                latencies[name].append(time.perf_counter() - started)
     return {
-        "p50_us": round(statistics.median(latencies) * 1e6, 1),
-        "p99_us": round(percentile(latencies, 0.99) * 1e6, 1),
+        name: {
+            "p50_us": round(statistics.median(values) * 1e6, 1),
+            "p99_us": round(percentile(values, 0.99) * 1e6, 1),
+        }
+        for name, values in latencies.items()
     }
 
 
 async def throughput(
-    call: Callable[[], Awaitable[object]], n: int, in_flight: int, repeats: int
-) -> float:
-    """Calls per second with ``in_flight`` concurrent callers: the median of
-    ``repeats`` runs (this machine is shared; one run is noisy)."""
+    calls: Mapping[str, Callable[[], Awaitable[object]]],
+    n: int,
+    in_flight: int,
+    repeats: int,
+    *,
+    warm: bool = True,
+) -> dict[str, float]:
+    """Calls per second of each of ``calls`` with ``in_flight`` concurrent
+    callers: the median of ``repeats`` runs of ``n`` calls, the runs of the
+    calls taking turns (this machine is shared: its load moves from one
+    second to the next, and falls on both sides so)."""
 
-    async def worker(count: int) -> None:
+    async def worker(call: Callable[[], Awaitable[object]], count: int) -> None:
         for _ in range(count):
             await call()
 
     per = n // in_flight
-    await asyncio.gather(*(worker(max(1, per // 10)) for _ in range(in_flight)))  # warm up
-    rates = []
+    for call in calls.values() if warm else ():
+        await asyncio.gather(*(worker(call, max(1, per // 10)) for _ in range(in_flight)))
+    rates: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
-        started = time.perf_counter()
-        await asyncio.gather(*(worker(per) for _ in range(in_flight)))
-        rates.append(per * in_flight / (time.perf_counter() - started))
-    return round(statistics.median(rates), 1)
+        for name, call in calls.items():
+            started = time.perf_counter()
+            await asyncio.gather(*(worker(call, per) for _ in range(in_flight)))
+            rates[name].append(per * in_flight / (time.perf_counter() - started))
+    return {name: round(statistics.median(values), 1) for name, values in rates.items()}
 
 
 async def measure(
@@ -153,43 +175,38 @@ async def measure(
             raise RuntimeError(f"tool call failed: {result.error_detail}")
         return result
 
-    async def raw_up() -> bool:
-        try:
-            await nc.request(RAW_SUBJECT, payload, timeout=1)
-        except nats.errors.Error:
-            return False
-        return True
-
+    calls = {"raw": raw_call, "fleetbus": fleet_call}
     results: dict[str, Any] = {}
     try:
         for responders in (1, 2):
-            with processes([raw_cmd] * responders, env):
-                await wait_until(raw_up)
-                await asyncio.sleep(0.5)  # let every responder subscribe
-                raw_seq = await sequential(raw_call, n_seq) if responders == 1 else None
-                raw_tp = await throughput(raw_call, n_tp, in_flight, repeats)
-            with processes([worker_cmd] * responders, env):
+            # Both kinds of responder are up at once, the idle kind idle: the
+            # runs of the two take turns.
+            with processes([raw_cmd] * responders + [worker_cmd] * responders, env):
 
-                async def fleet_up(count: int = responders) -> bool:
+                async def up(count: int = responders) -> bool:
+                    try:
+                        await nc.request(RAW_SUBJECT, payload, timeout=1)
+                    except nats.errors.Error:
+                        return False
                     tools = await client.discover(timeout=0.3)
                     return "noop" in tools and tools["noop"].workers >= count
 
-                await wait_until(fleet_up)
-                fleet_seq = await sequential(fleet_call, n_seq) if responders == 1 else None
-                fleet_tp = await throughput(fleet_call, n_tp, in_flight, repeats)
-            entry: dict[str, Any] = {
-                "raw_calls_per_s": raw_tp,
-                "fleetbus_calls_per_s": fleet_tp,
-                "throughput_ratio": round(fleet_tp / raw_tp, 3),
+                await wait_until(up)
+                await asyncio.sleep(0.5)  # let every raw responder subscribe
+                if responders == 1:
+                    seq = await sequential(calls, n_seq)
+                    results["sequential"] = {
+                        "raw": seq["raw"],
+                        "fleetbus": seq["fleetbus"],
+                        "p50_ratio": round(seq["fleetbus"]["p50_us"] / seq["raw"]["p50_us"], 3),
+                        "p99_ratio": round(seq["fleetbus"]["p99_us"] / seq["raw"]["p99_us"], 3),
+                    }
+                rates = await throughput(calls, n_tp, in_flight, repeats)
+            results[f"in_flight_{in_flight}_workers_{responders}"] = {
+                "raw_calls_per_s": rates["raw"],
+                "fleetbus_calls_per_s": rates["fleetbus"],
+                "throughput_ratio": round(rates["fleetbus"] / rates["raw"], 3),
             }
-            if raw_seq is not None and fleet_seq is not None:
-                results["sequential"] = {
-                    "raw": raw_seq,
-                    "fleetbus": fleet_seq,
-                    "p50_ratio": round(fleet_seq["p50_us"] / raw_seq["p50_us"], 3),
-                    "p99_ratio": round(fleet_seq["p99_us"] / raw_seq["p99_us"], 3),
-                }
-            results[f"in_flight_{in_flight}_workers_{responders}"] = entry
     finally:
         await bus.close()
         await nc.close()
@@ -241,7 +258,7 @@ async def measure_tracing(
             env["BENCH_SPANS"] = spans
             with processes([worker_cmd], env):
                 await wait_until(up)
-                rates[mode] = await throughput(call, n_tp, in_flight, repeats)
+                rates[mode] = (await throughput({mode: call}, n_tp, in_flight, repeats))[mode]
     finally:
         await bus.close()
         if rates.get("on") is not None:
@@ -313,11 +330,12 @@ async def measure_header(
     async def alternate(call: Callable[[], Awaitable[object]]) -> dict[str, Any]:
         rates: dict[str, list[float]] = {"plain": [], "header": []}
         server_us: dict[str, list[float]] = {"plain": [], "header": []}
+        await throughput({"warm-up": call}, n_tp // 10, in_flight, 1, warm=False)
         for _ in range(repeats):
             for mode in ("plain", "header"):
                 header["now"] = TRACEPARENT if mode == "header" else None
                 before = cpu_seconds(server_pid)
-                rate = await throughput(call, n_tp, in_flight, 1)
+                rate = (await throughput({mode: call}, n_tp, in_flight, 1, warm=False))[mode]
                 calls = (n_tp // in_flight) * in_flight
                 server_us[mode].append((cpu_seconds(server_pid) - before) * 1e6 / calls)
                 rates[mode].append(rate)
@@ -361,7 +379,7 @@ def main() -> None:
     parser.add_argument("--sequential", type=int, default=2000, help="sequential calls")
     parser.add_argument("--calls", type=int, default=10000, help="calls per throughput run")
     parser.add_argument("--in-flight", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="throughput runs (median)")
+    parser.add_argument("--repeats", type=int, default=7, help="throughput runs (median)")
     parser.add_argument("--loops", default="asyncio,uvloop", help="event loops to measure")
     parser.add_argument("--no-tracing", action="store_true", help="skip the tracing run")
     parser.add_argument(
