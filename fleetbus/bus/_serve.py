@@ -427,7 +427,8 @@ class ServeLoop:
         logs.serving(message)  # every line this task logs carries its ids
         try:
             request = Request(message, msg.subject, len(msg.data), msg.reply)
-            parent = tracing.extract(msg.headers)
+            headers = msg.headers
+            parent = tracing.extract(headers) if headers else None
             if parent is None and not tracing.enabled():
                 # Positional arguments: a quarter cheaper than keywords, on every request.
                 return await self._handler(request)

@@ -166,7 +166,8 @@ class Tool:
         Never raises, except ``CancelledError`` when the caller is cancelled.
         """
         try:
-            kwargs = self.validate(parameters)
+            # What validate() does, without the call: on every call a worker runs.
+            kwargs = dict(self._model.__pydantic_validator__.validate_python(parameters).__dict__)
         except pydantic.ValidationError as exc:
             return ToolOutcome.failure(
                 "error", "invalid_parameters", f"invalid parameters for {self.name}: {_brief(exc)}"
@@ -185,7 +186,7 @@ class Tool:
             logger.info("tool %s raised %s", self.name, failed)
             return ToolOutcome.failure("error", "tool_error", failed)
         if result is None or type(result) in _JSON_SCALARS:
-            return ToolOutcome(status="success", content=result)
+            return ToolOutcome("success", result)
         try:
             content = pydantic_core.to_jsonable_python(result)
         except ValueError as exc:  # PydanticSerializationError, or a value nested too deep

@@ -267,15 +267,18 @@ class ToolWorker(Lifecycle):
         logger.info("worker %s stopped after %d call(s)", self.worker_id, self.executed)
 
     def _handler(self, served: ToolLike) -> Handler:
+        stats = self.service.stats[served.name]
+
         async def handle(request: Request) -> Message:
             started = time.perf_counter_ns()
             reply = await self._answer(served, request)
             error = None
-            if isinstance(reply, ToolResult) and reply.error_detail is not None:
-                error = f"{reply.error_detail.code}: {reply.error_detail.message}"
+            if type(reply) is ToolResult:
+                if reply.error_detail is not None:
+                    error = f"{reply.error_detail.code}: {reply.error_detail.message}"
             elif isinstance(reply, ErrorMessage):
                 error = f"{reply.code}: {reply.message}"
-            self.service.record(served.name, started, error)
+            stats.record(time.perf_counter_ns() - started, error)
             return reply
 
         return handle
@@ -381,7 +384,7 @@ class ToolWorker(Lifecycle):
         # A call is one client's: two callers that pick the same call_id do
         # not get each other's answers.
         key = (served.name, call.sender, call.call_id)
-        recorded = self._recorded(key)
+        recorded = self._recorded(key) if key in self._answered else None
         if recorded is not None:
             logger.info(
                 "call %s answered before; replaying its result",
@@ -392,7 +395,7 @@ class ToolWorker(Lifecycle):
         running = self._running.get(key)
         if running is not None:
             return await running.join()
-        current = _Running(task=asyncio.current_task(self._loop))
+        current = _Running(asyncio.current_task(self._loop))
         self._running[key] = current
         try:
             result, record, size = await self._execute(
@@ -402,7 +405,8 @@ class ToolWorker(Lifecycle):
             current.finish(exc)
             raise
         else:
-            current.finish(result)
+            if current.joined is not None:
+                current.finish(result)
             if record:
                 self._remember(key, result, size)
             return result
