@@ -22,16 +22,34 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-__all__ = ["Client", "Route"]
+__all__ = ["Client", "Delivered", "Received", "Route"]
 
 _HEADER_SPACE = " \t\n\r\x0b\x0c"
 """What ``bytes.strip`` strips: around a header's name and value."""
 
-Route = Callable[[Msg], bool]
+
+class Delivered(msgspec.Struct, gc=False):
+    """A message as a route that asks for it bare takes it: the four
+    fields of nats-py's ``Msg`` a serving loop reads, made in an eighth of
+    the time (43 against 347 ns; a ``Msg`` is a dataclass of eight fields
+    made by keyword). Not for what nats-py's own code reads (JetStream's
+    replies read ``Msg.header``, its metadata, its acks)."""
+
+    subject: str
+    reply: str
+    data: bytes
+    headers: dict[str, str] | None = None
+
+
+Received = Msg | Delivered
+"""A message a route takes, or nats-py's queue hands its subscription's callback."""
+
+Route = Callable[[Received], bool]
 """A subscription's receiver: takes a message now, or says it does not
 (``False``: nats-py's queue takes it); must not raise."""
 
@@ -49,13 +67,14 @@ class Client(NATS):
 
     def __init__(self) -> None:
         super().__init__()
-        self._routes: dict[int, Route] = {}
+        self._routes: dict[int, tuple[Route, bool]] = {}
 
-    def route(self, sub: Subscription, take: Route) -> None:
+    def route(self, sub: Subscription, take: Route, *, bare: bool = False) -> None:
         """Hand ``sub``'s messages to ``take`` as they are parsed, while none
         waits in nats-py's queue; those it declines go there (the
-        subscription still needs its callback, for them)."""
-        self._routes[sub._id] = take
+        subscription still needs its callback, for them). ``bare``: as
+        :class:`Delivered`, not nats-py's ``Msg``."""
+        self._routes[sub._id] = (take, bare)
 
     def _remove_sub(self, sid: int, max_msgs: int = 0) -> None:
         self._routes.pop(sid, None)
@@ -64,12 +83,17 @@ class Client(NATS):
     async def _process_msg(
         self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes
     ) -> None:
-        take = self._routes.get(sid)
-        if take is not None:
+        route = self._routes.get(sid)
+        if route is not None:
             sub = self._subs.get(sid)
             if sub is not None and sub._pending_queue.empty():
                 hdr = await self._process_headers(headers) if headers else None
-                if take(self._build_message(sid, subject, reply, data, hdr)):
+                take, bare = route
+                if bare:
+                    msg: Received = Delivered(subject.decode(), reply.decode(), data, hdr)
+                else:
+                    msg = self._build_message(sid, subject, reply, data, hdr)
+                if take(msg):
                     stats = self.stats
                     stats["in_msgs"] += 1
                     stats["in_bytes"] += len(data)

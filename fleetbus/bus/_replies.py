@@ -14,7 +14,7 @@ import math
 import re
 import time
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import nats.errors
 from nats.aio.client import NO_RESPONDERS_STATUS
@@ -22,7 +22,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import Header
 
-from fleetbus.bus._client import Client
+from fleetbus.bus._client import Client, Received
 from fleetbus.errors import PermissionDeniedError
 
 __all__ = [
@@ -254,7 +254,7 @@ class Replies:
     async def _deliver(self, msg: Msg) -> None:
         self._take(msg)
 
-    def _take(self, msg: Msg) -> bool:
+    def _take(self, msg: Received) -> bool:
         """Wake the request ``msg`` answers (or note its receipt): straight
         from the connection's read loop
         (:class:`~fleetbus.bus._client.Client`), or from the subscription's
@@ -265,7 +265,8 @@ class Replies:
             return True
         entry = self._waiting.get(token)
         if entry is not None and not entry[0].done():
-            entry[0].set_result(msg)
+            # Never bare (routed as nats-py's Msg): JetStream's replies come here.
+            entry[0].set_result(cast(Msg, msg))
         return True
 
     def deny(self, denial: PermissionDeniedError) -> bool:

@@ -28,11 +28,10 @@ from dataclasses import dataclass
 import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from fleetbus import logs, tracing
-from fleetbus.bus._client import Client
+from fleetbus.bus._client import Client, Received
 from fleetbus.bus._replies import Reconnects
 from fleetbus.errors import BusError, ConnectionClosedError, PayloadTooLargeError, ProtocolError
 from fleetbus.protocol import (
@@ -256,7 +255,7 @@ class ServeLoop:
         try:
             sub = await self._nc.subscribe(self._subject, queue=queue or "", cb=self._dispatch)
             if isinstance(self._nc, Client) and _has_places(self._limiter):
-                self._nc.route(sub, self._take)
+                self._nc.route(sub, self._take, bare=True)
             await settle(self._nc)
         except nats.errors.ConnectionClosedError as exc:
             raise ConnectionClosedError(f"cannot serve {self._subject}: connection closed") from exc
@@ -343,7 +342,7 @@ class ServeLoop:
                     timeout,
                 )
 
-    async def _dispatch(self, msg: Msg) -> None:
+    async def _dispatch(self, msg: Received) -> None:
         # nats-py awaits this from the subscription's own task, one message at
         # a time, for the requests not taken directly (:meth:`_take`). An
         # exception here would vanish into nats-py's error callback, so none
@@ -354,7 +353,7 @@ class ServeLoop:
         except Exception:
             logger.exception("cannot dispatch a request on %s", self._subject)
 
-    def _take(self, msg: Msg) -> bool:
+    def _take(self, msg: Received) -> bool:
         """Start handling ``msg`` now, from the connection's read loop
         (:class:`~fleetbus.bus._client.Client`), if a place is free and
         nobody waits for one; else say no (nats-py queues it for
@@ -368,12 +367,12 @@ class ServeLoop:
             logger.exception("cannot dispatch a request on %s", self._subject)
         return True
 
-    def _start(self, msg: Msg) -> None:
+    def _start(self, msg: Received) -> None:
         self._tasks[id(msg)] = self._loop.create_task(
             self._handle(msg), context=self._context.copy()
         )
 
-    async def _handle(self, msg: Msg) -> None:
+    async def _handle(self, msg: Received) -> None:
         try:
             reply = await self._reply_for(msg)
             if reply is None:
@@ -406,7 +405,7 @@ class ServeLoop:
             self._tasks.pop(id(msg), None)
             self._limiter.release()
 
-    async def _reply_for(self, msg: Msg) -> Message | None:
+    async def _reply_for(self, msg: Received) -> Message | None:
         try:
             message = decode(msg.data)
         except ProtocolError as exc:

@@ -446,7 +446,15 @@ class Bus:
 
         try:
             if attempts == 1:
-                reply = await send()
+                # send() without its frame, on every request of one attempt.
+                sent = 1
+                try:
+                    reply = await self._replies.request(
+                        subject, payload, timeout, headers=headers, resend=resend
+                    )
+                except _UNANSWERED as exc:
+                    _log_unanswered(exc, subject, timeout, message, 1, 1)
+                    raise
             else:
                 # Retry makes its first attempt without stamina (tenacity),
                 # which took 65 of the 122 us of client CPU per tool call

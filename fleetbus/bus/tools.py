@@ -380,17 +380,15 @@ class ToolClient:
         if tries > 1 and not agent and self.check_after is not None:
             watch = partial(self._watch, call)
 
-        async def send() -> AnyMessage:
-            return await self._bus.request(
-                subject,
-                call,
-                timeout=(self.timeout if timeout is None else timeout) + self.reply_grace,
-                attempts=tries,
-                watch=watch,
-            )
-
+        wait = (self.timeout if timeout is None else timeout) + self.reply_grace
         try:
             if worker_wait > 0:
+
+                async def send() -> AnyMessage:
+                    return await self._bus.request(
+                        subject, call, timeout=wait, attempts=tries, watch=watch
+                    )
+
                 reply = await Retry(
                     on=_nobody_serves(tool_name, worker_wait, call),
                     attempts=None,
@@ -398,8 +396,10 @@ class ToolClient:
                     max_backoff=1.0,
                     timeout=worker_wait,
                 ).call(send)
-            else:
-                reply = await send()
+            else:  # send(), without its frame: on every call
+                reply = await self._bus.request(
+                    subject, call, timeout=wait, attempts=tries, watch=watch
+                )
         except asyncio.CancelledError as exc:
             if not agent:
                 await self._cancel(call, str(exc) or _CANCELLED_REASON)
