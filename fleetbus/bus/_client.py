@@ -20,6 +20,7 @@ before, so their order, the pending limits, slow-consumer errors and
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import msgspec
@@ -28,6 +29,10 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 __all__ = ["Client", "Delivered", "Received", "Route"]
+
+_UNSAFE = re.compile(r"[ \t\r\n]")
+"""What a subject may not hold (a CR LF would end the command: nats-py
+refuses the same)."""
 
 _HEADER_SPACE = " \t\n\r\x0b\x0c"
 """What ``bytes.strip`` strips: around a header's name and value."""
@@ -101,6 +106,46 @@ class Client(NATS):
                     return
         # Declined (and made again there: only while a receiver is full).
         await super()._process_msg(sid, subject, reply, data, headers)
+
+    def publish_now(self, subject: str, payload: bytes, reply: str = "") -> bool:
+        """Queue a publish of ``payload`` on ``subject`` (without headers)
+        for the flusher, as ``publish`` does on a connection that is up,
+        without its three coroutines, its subject regular expression and the
+        future it makes to wake the flusher: 1.7 us a publish through
+        ``publish``, a fifth of a tool worker's CPU a call. Whether it did:
+        ``False`` when the connection is not plainly up (connecting,
+        reconnecting, draining, closed), the payload is larger than the
+        server takes, the pending buffer would pass its limit, or the
+        subject has whitespace: then ``publish`` does what it does (buffers,
+        waits, or raises).
+        """
+        size = len(payload)
+        pending = self._pending_data_size
+        queue = self._flush_queue
+        if (
+            self._status != NATS.CONNECTED
+            or queue is None
+            or size > self._max_payload
+            or _UNSAFE.search(subject) is not None
+            or (reply and _UNSAFE.search(reply) is not None)
+        ):
+            return False
+        command = f"PUB {subject} {reply} {size}\r\n".encode() + payload + b"\r\n"
+        pending += len(command)
+        if self._max_pending_size > 0 and pending > self._max_pending_size:
+            return False  # publish flushes first, and waits for it
+        if queue.empty():
+            flusher = self._flusher_task
+            if flusher is None or flusher.done():
+                return False  # publish writes it itself
+            # Wakes the flusher, which writes whatever is pending by then.
+            queue.put_nowait(flusher.get_loop().create_future())
+        self._pending.append(command)
+        self._pending_data_size = pending
+        stats = self.stats
+        stats["out_msgs"] += 1
+        stats["out_bytes"] += size
+        return True
 
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:

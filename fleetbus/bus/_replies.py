@@ -189,7 +189,11 @@ class Replies:
         if resend is not None:
             self._receipts[token] = False  # (before it is sent: the receipt may come at once)
         try:
-            await self._nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
+            nc = self._nc
+            if headers is not None or not isinstance(nc, Client):
+                await nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
+            elif not nc.publish_now(subject, payload, self._inbox + token):
+                await nc.publish(subject, payload, reply=self._inbox + token)
             if resend is None:
                 msg = await reply
             else:

@@ -236,6 +236,8 @@ class ServeLoop:
         """The handlers running, by the id of the message each handles."""
         self._span_name = _span_name(subject)
         """What a request's span is called (when tracing is on)."""
+        self._publish_now = nc.publish_now if isinstance(nc, Client) else None
+        """Queues a reply without a coroutine, when the connection is plainly up."""
 
     async def run(
         self,
@@ -394,7 +396,8 @@ class ServeLoop:
             # while it reconnects) goes out again once the connection is back.
             self.recent.add(msg.reply, payload)
             try:
-                await self._nc.publish(msg.reply, payload)
+                if self._publish_now is None or not self._publish_now(msg.reply, payload):
+                    await self._nc.publish(msg.reply, payload)
             except nats.errors.Error as exc:
                 logger.warning("reply on %s not sent: %s", msg.subject, exc or type(exc).__name__)
         except Exception:
