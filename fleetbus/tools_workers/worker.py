@@ -526,14 +526,16 @@ class ToolWorker(Lifecycle):
         if size is None:  # a small result (cancelled, by reference) or one never sent
             size = _RECORD_BYTES + len(key[2]) + len(result.session_id or "")
         cost = size + len(key[1])  # the caller's sender is kept in the key
-        previous = self._answered.pop(key, None)
+        answered = self._answered
+        total = self._answered_bytes + cost
+        previous = answered.pop(key, None)
         if previous is not None:
-            self._answered_bytes -= previous[2]
-        self._answered[key] = (time.monotonic() + self.dedup_ttl, result, cost)
-        self._answered_bytes += cost
-        while len(self._answered) > self.dedup_size or self._answered_bytes > self.dedup_bytes:
-            _, (_, _, dropped) = self._answered.popitem(last=False)
-            self._answered_bytes -= dropped
+            total -= previous[2]
+        answered[key] = (time.monotonic() + self.dedup_ttl, result, cost)
+        most, most_bytes = self.dedup_size, self.dedup_bytes
+        while len(answered) > most or total > most_bytes:
+            total -= answered.popitem(last=False)[1][2]
+        self._answered_bytes = total
 
 
 def _uncancel(task: asyncio.Task[object] | None) -> int:
