@@ -14,7 +14,7 @@ import math
 import re
 import time
 from collections import deque
-from typing import Any, cast
+from typing import Any
 
 import nats.errors
 from nats.aio.client import NO_RESPONDERS_STATUS
@@ -62,7 +62,7 @@ RESEND_MAX = 30.0
 """Seconds at most between two sendings of a request awaiting its receipt."""
 
 
-def _no_responders(msg: Msg) -> bool:
+def _no_responders(msg: Received) -> bool:
     headers = msg.headers
     return headers is not None and headers.get(Header.STATUS) == NO_RESPONDERS_STATUS
 
@@ -137,7 +137,7 @@ class Replies:
 
     def __init__(self, nc: NATS) -> None:
         self._nc = nc
-        self._waiting: dict[str, tuple[asyncio.Future[Msg | None], str]] = {}
+        self._waiting: dict[str, tuple[asyncio.Future[Received | None], str]] = {}
         """Pending requests by token: the future of the reply, the subject."""
         self._inbox = ""
         """``<inbox prefix>.<unique>.``; a request's reply subject adds its token."""
@@ -157,7 +157,7 @@ class Replies:
         timeout: float,
         headers: dict[str, str] | None = None,
         resend: float | None = None,
-    ) -> Msg:
+    ) -> Received:
         """Publish ``payload`` (with ``headers``) on ``subject`` and wait
         ``timeout`` seconds for the reply.
 
@@ -183,7 +183,7 @@ class Replies:
         self._sent += 1
         token = str(self._sent)
         loop = self._loop
-        reply: asyncio.Future[Msg | None] = loop.create_future()
+        reply: asyncio.Future[Received | None] = loop.create_future()
         self._waiting[token] = (reply, subject)
         self._expect(loop.time() + timeout, token)
         if resend is not None:
@@ -210,12 +210,12 @@ class Replies:
     async def _until_answered(
         self,
         token: str,
-        reply: asyncio.Future[Msg | None],
+        reply: asyncio.Future[Received | None],
         subject: str,
         payload: bytes,
         headers: dict[str, str] | None,
         resend: float,
-    ) -> Msg | None:
+    ) -> Received | None:
         """The reply to the request ``token``, sending it again while no
         receipt came (see :meth:`request`)."""
         interval = max(resend, 0.001)
@@ -249,7 +249,7 @@ class Replies:
             inbox = f"{self._nc.new_inbox()}."
             sub = await self._nc.subscribe(f"{inbox}*", cb=self._deliver)
             if isinstance(self._nc, Client):
-                self._nc.route(sub, self._take)
+                self._nc.route(sub, self._take, bare=True)
             # Kept: asyncio.get_running_loop() makes a getpid system call
             # (Python 3.11), on every request otherwise.
             self._loop = asyncio.get_running_loop()
@@ -269,8 +269,7 @@ class Replies:
             return True
         entry = self._waiting.get(token)
         if entry is not None and not entry[0].done():
-            # Never bare (routed as nats-py's Msg): JetStream's replies come here.
-            entry[0].set_result(cast(Msg, msg))
+            entry[0].set_result(msg)
         return True
 
     def deny(self, denial: PermissionDeniedError) -> bool:

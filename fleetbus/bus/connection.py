@@ -29,7 +29,7 @@ from nats.aio.subscription import Subscription
 
 from fleetbus import tracing
 from fleetbus._retry import Retry
-from fleetbus.bus._client import Client
+from fleetbus.bus._client import Client, Received
 from fleetbus.bus._replies import Denials, Interruption, Reconnects, Replies, permission_denied
 from fleetbus.bus._serve import Handler, Request, ServeLoop, settle
 from fleetbus.bus.settings import ConnectOptions
@@ -228,8 +228,18 @@ class Bus:
         headers: dict[str, Any] | None = None,
     ) -> Msg:
         """nats-py's ``Client.request``, on the bus's reply inbox (``old_style``
-        is ignored: every request shares the inbox)."""
-        return await self._replies.request(subject, payload, timeout, headers)
+        is ignored: every request shares the inbox); the reply as nats-py's
+        ``Msg``, which its JetStream code reads (``Msg.header``)."""
+        reply = await self._replies.request(subject, payload, timeout, headers)
+        if isinstance(reply, Msg):
+            return reply
+        return Msg(
+            _client=self._nc,
+            subject=reply.subject,
+            reply=reply.reply,
+            data=reply.data,
+            headers=reply.headers,
+        )
 
     async def _await_reply(
         self,
@@ -238,7 +248,7 @@ class Bus:
         timeout: float,
         headers: dict[str, str] | None = None,
         watch: Callable[[Interruption], None] | None = None,
-    ) -> Msg:
+    ) -> Received:
         """One request; a reconnection while it waits ends it as unanswered.
 
         A reply published while this client was away is lost, and waiting out
@@ -428,7 +438,7 @@ class Bus:
         sent = 0
         headers = tracing.inject(None)  # the trace goes along (None when off)
 
-        async def send() -> Msg:
+        async def send() -> Received:
             nonlocal sent
             sent += 1
             data = payload

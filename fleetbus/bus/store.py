@@ -18,12 +18,12 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 import orjson
-from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import RePublish
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore as _NatsObjectStore
 
+from fleetbus.bus._client import Received
 from fleetbus.bus._replicas import (
     ensure_replicas,
     kv_stream_name,
@@ -321,7 +321,9 @@ class KeyValueStore:
         except (KeyError, TypeError, ValueError):
             raise StoreError(f"{what}: the server's answer has no sequence") from None
 
-    async def _request(self, subject: str, payload: bytes, headers: dict[str, str] | None) -> Msg:
+    async def _request(
+        self, subject: str, payload: bytes, headers: dict[str, str] | None
+    ) -> Received:
         if self._replies is not None:  # the bus's own reply inbox: less CPU a request
             return await self._replies.request(subject, payload, self._timeout, headers)
         return await self._nc.request(subject, payload, timeout=self._timeout, headers=headers)

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
+import nats.js.errors
+import pytest
+from nats.aio.msg import Msg
+
 from fleetbus.bus import Bus, Request
 from fleetbus.bus._client import Client
 from fleetbus.protocol import Message, ToolCall, ToolResult, encode
@@ -110,3 +114,14 @@ async def test_a_free_place_does_not_let_a_request_pass_those_queued(bus: Bus) -
         gate.set()
         stop.set()
     assert seen == ["first", "second", "third"]
+
+
+async def test_jetstream_requests_on_the_bare_inbox_get_nats_py_messages(bus: Bus) -> None:
+    """The reply inbox takes its replies bare; nats-py's JetStream code,
+    which requests through it, still gets the ``Msg`` it reads (its API
+    errors are made from ``Msg.header``)."""
+    reply = await bus._nc.request("$JS.API.INFO", b"", timeout=5)
+    assert isinstance(reply, Msg)
+    assert reply.header is None or isinstance(reply.header, dict)
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await bus._nc.jetstream().stream_info("no_such_stream")
