@@ -245,6 +245,9 @@ class ServeLoop:
         """The handlers running, by the id of the message each handles."""
         self._span_name = _span_name(subject)
         """What a request's span is called (when tracing is on)."""
+        self._by_fields = False
+        """Whether the limiter's places are taken and given back by its fields
+        (:func:`_take_place`)."""
         self._publish_now = nc.publish_now if isinstance(nc, Client) else None
         """Queues a reply without a coroutine, when the connection is plainly up."""
 
@@ -265,7 +268,8 @@ class ServeLoop:
         self._context = contextvars.copy_context()
         try:
             sub = await self._nc.subscribe(self._subject, queue=queue or "", cb=self._dispatch)
-            if isinstance(self._nc, Client) and _has_places(self._limiter):
+            self._by_fields = _has_places(self._limiter)
+            if isinstance(self._nc, Client) and self._by_fields:
                 self._nc.route(sub, self._take, bare=True)
             await settle(self._nc)
         except nats.errors.ConnectionClosedError as exc:
@@ -440,7 +444,11 @@ class ServeLoop:
             # The task's own bookkeeping: cheaper than a done callback (one
             # more loop callback per request).
             self._tasks.pop(id(msg), None)
-            self._limiter.release()
+            limiter = self._limiter
+            if self._by_fields and not limiter._waiters:
+                limiter._value += 1  # what release() does when nobody waits, without its two calls
+            else:
+                limiter.release()
 
     def _undecodable(self, msg: Received, exc: ProtocolError) -> ErrorMessage:
         """The answer to a request that did not decode: its ids come from the error."""

@@ -364,7 +364,8 @@ class ToolWorker(Lifecycle):
                     f"this subject serves {served.name!r}, not {call.tool_name!r}",
                 ),
             )
-        limit = self.max_request_bytes or self.bus.max_payload
+        max_payload = self.bus.max_payload  # read once: a property of a property
+        limit = self.max_request_bytes or max_payload
         if request.size > limit:
             return self._result(
                 call,
@@ -399,7 +400,7 @@ class ToolWorker(Lifecycle):
         self._running[key] = current
         try:
             result, record, size = await self._execute(
-                served, call, min(timeout, self.max_timeout), current
+                served, call, min(timeout, self.max_timeout), current, max_payload
             )
         except BaseException as exc:
             current.finish(exc)
@@ -414,11 +415,16 @@ class ToolWorker(Lifecycle):
             del self._running[key]
 
     async def _execute(
-        self, served: ToolLike, call: ToolCall, timeout: float, running: _Running
+        self,
+        served: ToolLike,
+        call: ToolCall,
+        timeout: float,
+        running: _Running,
+        max_payload: int,
     ) -> tuple[ToolResult, bool, int | None]:
         """Run the tool; the result as it can travel (by reference when too
-        large for one message), whether a retry should get it, and its
-        encoded size when known."""
+        large for one message, ``max_payload`` the server's limit), whether
+        a retry should get it, and its encoded size when known."""
         self.executed += 1
         try:
             outcome = await served.run(call.parameters, timeout=timeout)
@@ -446,7 +452,7 @@ class ToolWorker(Lifecycle):
         if running.cancel_reason is not None:
             _uncancel(task)  # the tool swallowed the cancel and returned: that is what happened
         result = self._result(call, outcome)
-        limit = self.max_result_bytes or self.bus.max_payload - RESULT_HEADROOM
+        limit = self.max_result_bytes or max_payload - RESULT_HEADROOM
         try:
             # Encoded as the serving loop sends it, which then takes this payload.
             size = len(self.bus.encode(result))
