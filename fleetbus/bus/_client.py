@@ -1,5 +1,8 @@
-"""nats-py's client as the bus uses it: headers parsed in half the CPU, and
-messages handed to the bus's own receivers from the read loop itself.
+"""nats-py's client as the bus uses it: headers parsed in half the CPU,
+messages handed to the bus's own receivers from the read loop itself, and
+publishes queued without nats-py's coroutines while the connection is up
+(:meth:`Client.publish_now`). What each step saved, measured:
+docs/performance.md, "the bus's own message path".
 
 nats-py delivers each message of a subscription with a callback through an
 ``asyncio.Queue`` and a task of the subscription's that takes from it and
