@@ -43,7 +43,8 @@ _HEADER_SPACE = " \t\n\r\x0b\x0c"
 
 class Delivered(msgspec.Struct, gc=False):
     """A message as a route that asks for it bare takes it: the four
-    fields of nats-py's ``Msg`` a serving loop reads, made in an eighth of
+    fields of nats-py's ``Msg`` that a serving loop and the reply inbox
+    read, made in an eighth of
     the time (43 against 347 ns; a ``Msg`` is a dataclass of eight fields
     made by keyword). Not for what nats-py's own code reads (JetStream's
     replies read ``Msg.header``, its metadata, its acks)."""
@@ -119,8 +120,8 @@ class Client(NATS):
         ``False`` when the connection is not plainly up (connecting,
         reconnecting, draining, closed), the payload is larger than the
         server takes, the pending buffer would pass its limit, or the
-        subject has whitespace: then ``publish`` does what it does (buffers,
-        waits, or raises).
+        subject is empty or has whitespace: then ``publish`` does what it
+        does (buffers, waits, or raises).
         """
         size = len(payload)
         pending = self._pending_data_size
@@ -129,6 +130,7 @@ class Client(NATS):
             self._status != NATS.CONNECTED
             or queue is None
             or size > self._max_payload
+            or not subject
             or _UNSAFE.search(subject) is not None
             or (reply and _UNSAFE.search(reply) is not None)
         ):

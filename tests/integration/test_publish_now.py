@@ -38,9 +38,10 @@ async def test_a_publish_now_arrives_as_a_publish_does(bus: Bus) -> None:
 
 
 @pytest.mark.parametrize(
-    ("subject", "reply"), [("has space", ""), ("cr\r\nPUB x 1", ""), ("ok", "bad\treply")]
+    ("subject", "reply"),
+    [("", ""), ("has space", ""), ("cr\r\nPUB x 1", ""), ("ok", "bad\treply")],
 )
-async def test_a_subject_with_whitespace_is_left_to_publish(
+async def test_an_empty_subject_or_one_with_whitespace_is_left_to_publish(
     bus: Bus, subject: str, reply: str
 ) -> None:
     nc = bus._nc
