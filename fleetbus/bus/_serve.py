@@ -1,11 +1,13 @@
 """The serving loop behind :meth:`fleetbus.Bus.serve`.
 
-Each request is handled in a task of its own, owned by the loop: started from
-the subscription's callback (cheaper than nats-py's message iterator, which
-starts a task and an ``asyncio.wait`` per message), bounded by a semaphore,
-and awaited — or cancelled — when the loop drains. The task keeps its own
-books (drops itself, gives its permit back) instead of a done callback: one
-loop callback less per request.
+Each request is handled in a task of its own, owned by the loop: started
+where the connection reads the request (:class:`~fleetbus.bus._client.Client`'s
+route), or, while every place is taken, from the subscription's callback once
+one comes free (both cheaper than nats-py's message iterator, which starts a
+task and an ``asyncio.wait`` per message); bounded by a semaphore, and
+awaited — or cancelled — when the loop drains. The task keeps its own books
+(drops itself, gives its place back) instead of a done callback: one loop
+callback less per request.
 
 A reply is sent once, at most once as NATS core delivers it: one the server
 took just before it died is lost with it. So the loop keeps the replies it
@@ -182,6 +184,8 @@ class RecentReplies:
             return
         entries = self._entries
         if len(entries) == entries.maxlen:
+            if not entries:
+                return  # it keeps none
             size -= len(entries[0][2])  # the oldest, which the append drops
         entries.append((time.monotonic(), subject, payload))
         self._bytes += size

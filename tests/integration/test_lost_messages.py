@@ -147,6 +147,15 @@ def test_recent_replies_keep_the_newest_within_their_limits() -> None:
     recent.add("r.5", b"x" * 8)  # 2 + 8 bytes: only the newest fit with it
     assert [subject for subject, _ in recent.since(0.0)] == ["r.4", "r.5"]
     assert recent.since(float("inf")) == []
+    recent.add("r.6", b"a")  # 11 bytes: r.4 goes
+    recent.add("r.7", b"a")  # 3 of them, 10 bytes
+    recent.add("r.8", b"a")  # the count drops r.5, and its 8 bytes with it
+    recent.add("r.9", b"x" * 7)  # the count drops r.6: 1 + 1 + 7 bytes fit
+    assert [subject for subject, _ in recent.since(0.0)] == ["r.7", "r.8", "r.9"]
+    none = RecentReplies(most=0)
+    none.add("r", b"ab")
+    assert len(none) == 0
+    assert none.since(0.0) == []
 
 
 @tool
