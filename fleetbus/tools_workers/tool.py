@@ -166,8 +166,7 @@ class Tool:
         Never raises, except ``CancelledError`` when the caller is cancelled.
         """
         try:
-            # What validate() does, without the call: on every call a worker runs.
-            kwargs = dict(self._model.__pydantic_validator__.validate_python(parameters).__dict__)
+            kwargs = self.validate(parameters)
         except pydantic.ValidationError as exc:
             return ToolOutcome.failure(
                 "error", "invalid_parameters", f"invalid parameters for {self.name}: {_brief(exc)}"
