@@ -122,6 +122,7 @@ class ModelCalls:
                 tools=tool_specs(self.scope),
                 tool_choice="auto",
                 options=dict(self.settings.model_config.options),
+                session_id=self.reply.session_id,
             )
             response = await self.call_model(request)
             used = self.state.memory_index().call_ids
@@ -252,6 +253,7 @@ class ModelCalls:
             tools=[],
             tool_choice="none",
             options=dict(self.settings.model_config.options),
+            session_id=self.reply.session_id,
         )
         try:
             response = await self.call_model(request)

@@ -227,7 +227,7 @@ class ToolRunner:
             with tracing.span(
                 "fleetbus tool call",
                 kind=tracing.SpanKind.CLIENT,
-                attributes={"fleetbus.tool": call.name, "fleetbus.call_id": call.id},
+                attributes={"fleetbus.tool": call.name, "fleetbus.call_id": self.call_id_of(call)},
             ) as span:
                 result = await self._execute(call)
                 if span is not None:

@@ -146,6 +146,7 @@ class BusChatModel:
         call_id = new_id()
         prompt = LlmPrompt(
             sender=self.bus.client_name,
+            session_id=request.session_id,
             call_id=call_id,
             model=self._name,
             messages=list(request.messages),

@@ -71,12 +71,16 @@ class ModelRequest:
         tools: the tools the model may call.
         tool_choice: ``auto``, ``none``, ``required``, or a tool name.
         options: model options (temperature, max tokens…), adapter-specific.
+        session_id: the session the call is made for, if any: a model on the
+            bus sends it with the ``llm_prompt``, so the model worker's spans
+            and log lines name it.
     """
 
     messages: list[ChatMessage]
     tools: list[ToolSpec] = field(default_factory=list)
     tool_choice: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    session_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

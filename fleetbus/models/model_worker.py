@@ -300,6 +300,7 @@ class ModelWorker(Lifecycle):
             tools=list(prompt.tools),
             tool_choice=prompt.tool_choice,
             options=dict(prompt.options),
+            session_id=prompt.session_id,
         )
         final: ModelResponse | None = None
         seq = 0

@@ -154,7 +154,7 @@ async def test_a_reply_on_a_model_worker_with_a_tool_worker_is_one_trace(
             await toolkit.add_remote(ToolClient(bus), ["calculator"])
             model = BusChatModel(bus, "offline", timeout=20)
             agent = Agent("planner", "", model, toolkit=toolkit)
-            final = await agent.reply("What is 6 * 7? Use the calculator.")
+            final = await agent.reply("What is 6 * 7? Use the calculator.", session_id="s-traced")
         finally:
             assert stop(tools) == 0
             assert stop(model_worker) == 0
@@ -172,6 +172,13 @@ async def test_a_reply_on_a_model_worker_with_a_tool_worker_is_one_trace(
         assert span["context"]["trace_id"] == trace_id  # the agent, the model, the tool: one trace
     assert {int(s["parent_id"], 16) for s in served} == model_calls
     assert {int(s["parent_id"], 16) for s in runs} == tool_calls
+    # The ids on both sides are the ones sent on the wire: the model worker
+    # names the session, the agent's tool call the call_id the worker saw.
+    assert {s["attributes"]["fleetbus.session_id"] for s in served} == {"s-traced"}
+    (tool_call,) = [s for s in here if s.name == "fleetbus tool call"]
+    assert tool_call.attributes is not None
+    assert tool_call.attributes["fleetbus.call_id"] == runs[0]["attributes"]["fleetbus.call_id"]
+    assert runs[0]["attributes"]["fleetbus.session_id"] == "s-traced"
 
 
 @pytest.mark.slow
