@@ -24,8 +24,9 @@ environment variable           meaning
 
 Replies travel on inboxes of the fleet and of the client's identity,
 ``_INBOX_<prefix with . as _>.<identity>.<unique>…``: the identity is the
-user name, else the public key of the NKEY (or of the credentials file's
-user), and is left out without credentials. The authorization block of
+user name (``FLEETBUS_NATS_USER``, or the user of a URL
+``nats://user:password@host``), else the public key of the NKEY (or of the
+credentials file's user), and is left out without credentials. The authorization block of
 ``fleetbus auth`` lets each user subscribe to its own inboxes only, so no role
 needs the server-wide ``_INBOX.>``.
 """
@@ -38,6 +39,7 @@ import ssl
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import nkeys  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
@@ -207,15 +209,19 @@ class ConnectOptions(BaseModel):
         return context
 
     def identity(self) -> str | None:
-        """Who this client is to the server: the user name, else the public
-        key of the NKEY seed (of the credentials file, or of the seed file);
-        ``None`` without either.
+        """Who this client is to the server: the user name (given as
+        ``user``, else in a server URL as ``nats://user:password@host``),
+        else the public key of the NKEY seed (of the credentials file, or of
+        the seed file); ``None`` without either.
 
         Raises:
             ConfigError: the credentials or seed file is missing or malformed.
         """
         if self.user:
             return self.user
+        url_user = _url_user(self.servers)
+        if url_user:
+            return url_user
         if self.creds_file:
             return _public_key(_creds_seed(self.creds_file), self.creds_file)
         if self.nkey_file:
@@ -340,3 +346,13 @@ def _public_key(seed: str, path: str) -> str:
         return str(pair.public_key.decode())
     finally:
         pair.wipe()
+
+
+def _url_user(servers: Sequence[str]) -> str | None:
+    """The user name of the first server URL that carries ``user:password@``
+    (as NATS reads it: a URL with a name and no password carries a token)."""
+    for url in servers:
+        parts = urlsplit(url)
+        if parts.username and parts.password is not None:
+            return unquote(parts.username)
+    return None

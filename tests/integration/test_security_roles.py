@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Iterator
@@ -31,6 +33,7 @@ from fleetbus.models.model_worker import ModelWorker
 from fleetbus.protocol import Event
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, ToolWorker, tool
+from tests.helpers import ROOT, worker_running
 
 PREFIX = f"sec{uuid.uuid4().hex[:8]}"
 PASSWORD = "pw-" + uuid.uuid4().hex
@@ -195,3 +198,38 @@ async def _scenario(
     await watcher_bus.publish(subjects.events("a1", "s1"), Event(sender="w", event="x"))
     denial = await refused(watcher_bus.flush())
     assert str(denial) == f"permission denied: publish to {subjects.events('a1', 's1')}"
+
+
+async def test_a_user_named_in_the_url_reads_its_own_replies(fleet: Fleet) -> None:
+    """``fleetbus call --nats nats://alice:PW@host`` reads its replies on
+    alice's inboxes: the identity comes from the URL as from ``--user``."""
+    worker_bus = await fleet.connect("worker")
+    try:
+        async with worker_running(ToolWorker(worker_bus, Toolkit([add]), worker_id="w-url")):
+            host = fleet.server.url.removeprefix("nats://")
+            url = f"nats://alice:{PASSWORD}@{host}"
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "fleetbus",
+                "call",
+                "add",
+                '{"a": 2, "b": 3}',
+                "--nats",
+                url,
+                "--prefix",
+                PREFIX,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+            printed, _ = await asyncio.wait_for(proc.communicate(), 60.0)
+    finally:
+        await worker_bus.close()
+    text = printed.decode(errors="replace")
+    assert proc.returncode == 0, text
+    assert "permission denied" not in text
+    assert "5" in text
+    assert ConnectOptions(servers=[url], prefix=PREFIX).identity() == "alice"
