@@ -94,6 +94,20 @@ def test_options_read_the_environment() -> None:
     assert "s3cret" not in repr(options)
 
 
+def test_the_identity_is_the_user_of_the_url_unless_named() -> None:
+    def identity(*servers: str, **overrides: str) -> str | None:
+        return ConnectOptions.from_env(list(servers), environ={}, **overrides).identity()
+
+    assert identity("nats://alice:s3cret@h:4222") == "alice"
+    assert identity("nats://h:4222", "nats://b%40ob:pw@h2:4222") == "b@ob"
+    assert identity("nats://alice:pw@h:4222", user="carol") == "carol"
+    assert identity("nats://a-token@h:4222") is None  # a name without a password is a token
+    assert identity("nats://h:4222") is None
+    assert ConnectOptions(servers=["nats://alice:pw@h"], prefix="f").reply_prefix() == (
+        "_INBOX_f.alice"
+    )
+
+
 def test_arguments_win_over_the_environment() -> None:
     env = {"FLEETBUS_NATS_URL": "nats://env:4222", "FLEETBUS_PREFIX": "env"}
     options = ConnectOptions.from_env("nats://arg:4222", environ=env, prefix="arg")
