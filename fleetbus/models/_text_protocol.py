@@ -46,10 +46,12 @@ from fleetbus.protocol import (
 
 __all__ = [
     "ECHOED_REMINDER",
+    "ECHOED_REQUEST",
     "FORMAT_ERROR_TOOL",
     "Action",
     "as_text_messages",
     "echoes_reminder",
+    "echoes_request",
     "format_errors_as_text",
     "format_errors_in_a_row",
     "instructions",
@@ -256,6 +258,29 @@ def echoes_reminder(text: str) -> bool:
     answer with them, a reminder later): not an answer, a format error."""
     said = _plain(text)
     return len(said) >= 12 and any(said in _plain(part) for part in _REMINDED)
+
+
+ECHOED_REQUEST = (
+    "it only repeats the user's request: work it out (call a tool if one helps), "
+    "then give your final answer"
+)
+"""The format error of a step that answered with the user's own words."""
+
+
+def echoes_request(text: str, messages: Sequence[ChatMessage]) -> bool:
+    """Whether ``text`` says nothing but the words of a user's message of the
+    conversation (small models answer a question with the question itself):
+    not an answer, a format error."""
+    said = _plain(text)
+    if len(said) < 12:
+        return False
+    for message in reversed(messages):
+        if message.role != "user":
+            continue
+        asked = " ".join(b.text for b in message.content if isinstance(b, TextBlock))
+        if asked and said == _plain(asked):
+            return True
+    return False
 
 
 def _plain(text: str) -> str:

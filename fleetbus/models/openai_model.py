@@ -78,7 +78,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, Literal, cast
 
@@ -568,6 +568,9 @@ class OpenAIChatModel:
             if not uses and tp.echoes_reminder(text):
                 content.append(self._format_error(text, tp.ECHOED_REMINDER, messages))
                 return content
+            if not uses and plan.offered and tp.echoes_request(text, messages):
+                content.append(self._format_error(text, tp.ECHOED_REQUEST, messages))
+                return content
             if text:
                 content.append(TextBlock(text=text))
             content.extend(uses)
@@ -598,6 +601,12 @@ class OpenAIChatModel:
         thought = "\n".join(t for t in (thinking, action.prose) if t)
         if thought:
             content.append(ThinkingBlock(thinking=thought))
+        if (
+            action.error is None
+            and action.tool is None
+            and tp.echoes_request(action.answer or "", messages)
+        ):
+            action = replace(action, error=tp.ECHOED_REQUEST)
         if action.error is not None:
             content.append(self._format_error(text, action.error, messages))
         elif action.tool is not None:

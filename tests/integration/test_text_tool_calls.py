@@ -501,3 +501,45 @@ async def test_a_step_the_model_wrote_wrong_is_shown_to_a_person_as_a_warning_no
     block = next(m for m in agent.memory if m.role == "tool").content[0]
     assert isinstance(block, ToolResultBlock)
     assert "format_error: the model's step could not be used (it holds" in str(block.output)
+
+
+EGGS = "A box holds 48 eggs. How many eggs are there in 365 boxes?"
+"""What Qwen2.5-Coder-1.5B behind llama.cpp answered, word for word, after the
+right calculator call (17,520): the question itself."""
+
+
+async def test_an_answer_that_only_repeats_the_question_is_not_the_answer(
+    server: FakeOpenAIServer, model: OpenAIChatModel
+) -> None:
+    native = {"id": "call_1", "name": "calculator", "arguments": '{"expr": "48 * 365"}'}
+    server.add(
+        completion(tool_calls=[native]),
+        completion(EGGS),
+        completion("There are 17520 eggs in 365 boxes."),
+    )
+    agent = calculating(model)
+
+    final = await asyncio.wait_for(agent.reply(EGGS), timeout=10)
+
+    assert final.content == "There are 17520 eggs in 365 boxes."
+    assert len(server.bodies) == 3
+    wrote, reminder = server.bodies[2]["messages"][-2:]
+    assert wrote == {"role": "assistant", "content": EGGS}
+    assert reminder["role"] == "user"
+    assert reminder["content"].startswith(
+        f"Your last message could not be used: {tp.ECHOED_REQUEST}."
+    )
+
+
+async def test_the_text_protocol_takes_a_repeated_question_for_no_answer(
+    server: FakeOpenAIServer,
+) -> None:
+    config = OpenAIConfig(max_retries=0, read_timeout=5.0, native_tools="off")
+    server.add(completion(f"  {EGGS.lower()}  "), completion("17520"))
+
+    async with OpenAIChatModel("fake-model", base_url=server.url, config=config) as m:
+        final = await asyncio.wait_for(calculating(m).reply(EGGS), timeout=10)
+
+    assert final.content == "17520"
+    assert len(server.bodies) == 2
+    assert server.bodies[1]["messages"][-1]["content"].startswith("Your last message could not")
