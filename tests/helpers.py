@@ -157,7 +157,7 @@ async def serving(
     *,
     replica: str = "test",
     settle: bool = True,
-    ready_timeout: float = 10.0,
+    ready_timeout: float = 30.0,
     **options: Any,
 ) -> AsyncIterator[AgentService]:
     """``agent`` served in this process, on its own connection of the fleet,
@@ -184,7 +184,7 @@ async def serving(
         await server_bus.close()
 
 
-async def wait_for_file(directory: Path, pattern: str, timeout: float = 10.0) -> Path:
+async def wait_for_file(directory: Path, pattern: str, timeout: float = 30.0) -> Path:
     """The first file in ``directory`` matching ``pattern``, once one exists."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -58,7 +58,7 @@ class Output:
             self._text += self._decoder.decode(chunk)
         return self._text
 
-    async def wait_for(self, pattern: str, *, count: int = 1, timeout: float = 20.0) -> str:
+    async def wait_for(self, pattern: str, *, count: int = 1, timeout: float = 60.0) -> str:
         """Wait until ``pattern`` was printed ``count`` times; the output."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -74,7 +74,7 @@ class Output:
             f"{pattern!r} not printed {count} time(s) (exit {self.proc.poll()}):\n{text}"
         )
 
-    async def finish(self, timeout: float = 30.0) -> tuple[int, str]:
+    async def finish(self, timeout: float = 60.0) -> tuple[int, str]:
         """Wait for the process to exit (reading as it prints); exit code and output."""
         deadline = time.monotonic() + timeout
         while self.proc.poll() is None:
@@ -90,7 +90,7 @@ class Output:
         return self.proc.returncode, text
 
 
-async def run_cli(*args: str, timeout: float = 30.0) -> tuple[int, str]:
+async def run_cli(*args: str, timeout: float = 60.0) -> tuple[int, str]:
     """Run ``fleetbus ARGS`` to its end: exit code and output."""
     return await Output(spawn(list(args), env=CLI_ENV)).finish(timeout)
 
@@ -224,7 +224,7 @@ async def test_ask_streams_replies_that_watch_and_sessions_show(
 
             await watching.wait_for(r"final_answer .*@ reply")
             watching.proc.send_signal(signal.SIGINT)
-            code, watched = await watching.finish(timeout=10)
+            code, watched = await watching.finish(timeout=45)
             assert code == 0, watched
 
             code, out = await run_cli("sessions", *on_bus)
@@ -323,7 +323,7 @@ async def test_cancel_interrupts_the_reply_an_ask_waits_for(
             code, out = await run_cli("cancel", "c1", *on_bus)
             assert code == 0, out
             assert "cancel sent to echo for session c1" in out
-            code, out = await asking.finish(timeout=10)
+            code, out = await asking.finish(timeout=45)
         assert code == 0, out
         assert "■ interrupted (session c1)" in out
 
@@ -369,7 +369,7 @@ async def test_an_ask_that_times_out_or_is_stopped_interrupts_its_reply(
                         asking.proc.send_signal(signal.SIGINT)  # Ctrl-C
                     if isinstance(message, FinalAnswer):
                         break
-            code, out = await asking.finish(timeout=10)
+            code, out = await asking.finish(timeout=45)
         assert code == 130, out
         assert "interrupted" in out
         assert isinstance(message, FinalAnswer)
@@ -454,7 +454,7 @@ async def test_watch_counts_no_undecodable_message_when_sessions_are_listed(
         await until_watched(bus, watching, "q1")
         await asyncio.sleep(0.1)
         watching.proc.send_signal(signal.SIGINT)
-        code, out = await watching.finish(timeout=10)
+        code, out = await watching.finish(timeout=45)
     assert code == 0, out
     assert "undecodable" not in out
 

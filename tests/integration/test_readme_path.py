@@ -67,7 +67,7 @@ async def run_cli(
 async def stopped(worker: Output) -> str:
     """SIGTERM a process (``fleetbus -v worker``) and what it printed by its end."""
     worker.proc.send_signal(signal.SIGTERM)
-    code, text = await worker.finish(timeout=20)
+    code, text = await worker.finish(timeout=60)
     assert code == 0, text
     return text
 

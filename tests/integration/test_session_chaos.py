@@ -474,7 +474,7 @@ async def test_requests_survive_replicas_killed_at_random(
         await taken(store, sessions, 10)
         async with asyncio.TaskGroup() as tg:
             killer = tg.create_task(chaos(running, rng, asked, max_kills=8))
-            waiting = tg.create_task(wait_for(lambda: all(a.answered for a in asked), timeout=25))
+            waiting = tg.create_task(wait_for(lambda: all(a.answered for a in asked), timeout=60))
         kills = killer.result()
         # Unanswered requests (if any) are reported below, with their sessions.
         records = await settled(store, sessions, 15 if waiting.result() else 1)
@@ -653,7 +653,7 @@ async def test_replicas_killed_as_their_replies_end(
             running.revive()
             return all(a.answered for a in asked)
 
-        await wait_for(over, timeout=15)
+        await wait_for(over, timeout=45)
         records = await settled(store, [a.session for a in asked], 5)
         await asyncio.sleep(0.5)  # a second answer would come now
         await bus.flush()

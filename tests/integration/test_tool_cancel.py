@@ -85,7 +85,7 @@ async def test_cancelling_the_caller_cancels_the_tool_in_the_worker_process(
             call.cancel()
         assert call.cancelled()
         cancelled_at = time.monotonic()
-        await wait_for_file(tmp_path, "a.*.cancelled", timeout=5)
+        await wait_for_file(tmp_path, "a.*.cancelled", timeout=30)
         assert time.monotonic() - cancelled_at < 5
         # The worker recorded the call as cancelled: a retry gets that answer
         # at once instead of running the tool again (or joining a run).
@@ -126,7 +126,7 @@ async def test_interrupting_an_agent_cancels_its_remote_tool(
                     await wait_for_file(tmp_path, "b.*.start")
                     agent.interrupt()
                 final = reply.result()
-                await wait_for_file(tmp_path, "b.*.cancelled", timeout=5)
+                await wait_for_file(tmp_path, "b.*.cancelled", timeout=30)
                 async with asyncio.timeout(5):
                     seen = await anext(aiter(control))
             assert isinstance(seen, Cancel)
