@@ -60,7 +60,9 @@ async def test_a_reply_is_one_tree_of_steps_model_calls_and_tool_calls(
     assert all(m.parent is not None and m.parent.span_id in step_ids for m in models)
     (call,) = named["fleetbus tool call"]
     assert call.attributes is not None
-    assert (call.attributes["fleetbus.tool"], call.attributes["fleetbus.call_id"]) == ("add", "c1")
+    # The call_id as it travels to a worker: the reply's id and the model's.
+    sent = f"{reply.attributes['fleetbus.reply_id']}.c1"
+    assert (call.attributes["fleetbus.tool"], call.attributes["fleetbus.call_id"]) == ("add", sent)
     assert call.parent is not None
     assert call.parent.span_id == steps[0].context.span_id
     assert {s.context.trace_id for s in spans.get_finished_spans()} == {reply.context.trace_id}
