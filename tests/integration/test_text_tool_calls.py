@@ -511,9 +511,8 @@ right calculator call (17,520): the question itself."""
 async def test_an_answer_that_only_repeats_the_question_is_not_the_answer(
     server: FakeOpenAIServer, model: OpenAIChatModel
 ) -> None:
-    native = {"id": "call_1", "name": "calculator", "arguments": '{"expr": "48 * 365"}'}
     server.add(
-        completion(tool_calls=[native]),
+        completion(tool_calls=[("call_1", "calculator", '{"expr": "48 * 365"}')]),
         completion(EGGS),
         completion("There are 17520 eggs in 365 boxes."),
     )
@@ -523,6 +522,7 @@ async def test_an_answer_that_only_repeats_the_question_is_not_the_answer(
 
     assert final.content == "There are 17520 eggs in 365 boxes."
     assert len(server.bodies) == 3
+    assert server.bodies[1]["messages"][-1]["content"] == "17520"  # the calculator ran
     wrote, reminder = server.bodies[2]["messages"][-2:]
     assert wrote == {"role": "assistant", "content": EGGS}
     assert reminder["role"] == "user"

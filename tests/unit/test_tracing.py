@@ -61,7 +61,7 @@ async def test_a_reply_is_one_tree_of_steps_model_calls_and_tool_calls(
     (call,) = named["fleetbus tool call"]
     assert call.attributes is not None
     # The call_id as it travels to a worker: the reply's id and the model's.
-    sent = f"{reply.attributes['fleetbus.reply_id']}.c1"
+    sent = f"{reply.attributes['fleetbus.reply_id']!s}.c1"
     assert (call.attributes["fleetbus.tool"], call.attributes["fleetbus.call_id"]) == ("add", sent)
     assert call.parent is not None
     assert call.parent.span_id == steps[0].context.span_id
