@@ -13,6 +13,7 @@ object store (:class:`ResultStore`).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
 import logging
@@ -61,6 +62,7 @@ __all__ = [
     "RESULTS_STORE",
     "RESULT_HEADROOM",
     "SERVICE_NAME",
+    "CallScope",
     "RemoteTool",
     "ResultStore",
     "ToolClient",
@@ -115,6 +117,65 @@ class RemoteTool:
     def spec(self) -> ToolSpec:
         """The tool as offered to a model."""
         return ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
+
+
+class CallScope:
+    """Tool calls made on behalf of one piece of work (an agent host's reply),
+    and whether they are *abandoned*: left running when their caller stops
+    waiting, instead of cancelled on the workers.
+
+    A call whose awaiting task is cancelled normally sends a ``cancel`` to the
+    tool's workers, so that a tool nobody waits for stops. That is wrong for a
+    replica that lost its session: another replica takes the session over and
+    sends the same calls again with the same ``call_id``, which must join the
+    run or be answered from the worker's record, not find it cancelled. So a
+    call in an abandoned scope only stops waiting (a debug line says so).
+
+    A scope is abandoned once :meth:`abandon` is called (by a host whose
+    session was lost), or while ``task`` — the task that serves the work, not
+    the one running the calls — is being cancelled from outside: a host that
+    stops cuts its replies that way, and their sessions are taken over. An
+    agent interrupting its own reply (a user's ``cancel``) cancels the calls
+    from inside, which still reaches the workers.
+
+    Enter it around the work (``with CallScope(...):``): the calls made there,
+    and in the tasks started there, are in it.
+
+    Args:
+        task: the task serving the work (``None``: only :meth:`abandon` counts).
+    """
+
+    __slots__ = ("_abandoned", "_task", "_token")
+
+    def __init__(self, task: asyncio.Task[Any] | None = None) -> None:
+        self._task = task
+        self._abandoned = False
+        self._token: contextvars.Token[CallScope | None] | None = None
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether a call of this scope cancelled now is left running."""
+        task = self._task
+        return self._abandoned or (task is not None and task.cancelling() > 0)
+
+    def abandon(self) -> None:
+        """From now on, calls of this scope whose awaiting task is cancelled
+        are left running (call it before cancelling them)."""
+        self._abandoned = True
+
+    def __enter__(self) -> CallScope:
+        self._token = _call_scope.set(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._token is not None:
+            _call_scope.reset(self._token)
+            self._token = None
+
+
+_call_scope: contextvars.ContextVar[CallScope | None] = contextvars.ContextVar(
+    "fleetbus_call_scope", default=None
+)
 
 
 class ResultStore:
@@ -253,7 +314,8 @@ class ToolClient:
     of running the tool twice.
 
     A call whose caller is cancelled while it waits is cancelled on the
-    worker too: a ``cancel`` goes to the tool's control subject. A result
+    worker too: a ``cancel`` goes to the tool's control subject (unless the
+    call's :class:`CallScope` is abandoned). A result
     stored by reference (too large for one message) is read back, so the
     caller gets the whole content either way.
 
@@ -349,7 +411,8 @@ class ToolClient:
         Cancelling the awaiting task sends a ``cancel`` for the call to the
         tool's workers (best effort, within ``cancel_timeout``; a failure is
         logged), then lets the ``CancelledError`` through. Not for
-        ``agent=True``.
+        ``agent=True``, nor in an abandoned :class:`CallScope` (a replica
+        that lost its session: the call is left to its successor).
 
         Raises:
             CallTimeoutError: no worker answered any attempt in time.
@@ -401,7 +464,16 @@ class ToolClient:
                     subject, call, timeout=wait, attempts=tries, watch=watch
                 )
         except asyncio.CancelledError as exc:
-            if not agent:
+            scope = _call_scope.get()
+            if scope is not None and scope.abandoned:
+                logger.debug(
+                    "stopped waiting for call %s of %s; it is left to run for the "
+                    "session's next owner",
+                    call.call_id,
+                    tool_name,
+                    extra={"call_id": call.call_id, "session_id": call.session_id},
+                )
+            elif not agent:
                 await self._cancel(call, str(exc) or _CANCELLED_REASON)
             raise
         finally:

@@ -44,7 +44,11 @@ lease released. A replica that dies leaves a lease that goes silent;
 without scanning the store, and that replica takes the session over from its
 last write, finishes it, stores and publishes the final answer, and answers
 the original request. A replica that loses its session stops quietly: only
-the owner answers.
+the owner answers. It stops waiting for the tool calls of its reply without
+cancelling them on the workers (:class:`~fleetbus.bus.CallScope`): the new
+owner sends them again with the same ``call_id`` and gets their results; so
+does a host that stops with replies still running, whose sessions are taken
+over. Only a ``cancel`` (the session's reply interrupted) cancels them.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ from fleetbus.agents.serving.sessions import (
     transient,
 )
 from fleetbus.agents.state import AgentState
-from fleetbus.bus import Bus, Lifecycle, Request
+from fleetbus.bus import Bus, CallScope, Lifecycle, Request
 from fleetbus.bus.subjects import Subjects, check_name
 from fleetbus.bus.topics import DurableTopic
 from fleetbus.errors import (
@@ -614,10 +618,22 @@ class AgentHost(Lifecycle):
                 await self._publish(orphan_to, stored)
                 orphan_to = None
 
+        # The reply's tool calls: a replica that stops waiting for them
+        # because it lost the session, or because it stops (its sessions are
+        # taken over), leaves them running for the session's next owner, who
+        # sends them again with the same call_id; a cancel would make that
+        # re-send find them cancelled. Only an interrupt (a user's cancel)
+        # cancels them on the workers.
+        calls = CallScope(asyncio.current_task())
+
         async def checkpoint(state: AgentState) -> None:
             if state.reply is None or state.paused or self.checkpoints == "reply":
                 return  # the end of a reply: written below with its answer and status
-            await self._save(lease, self.lease_ttl, state=state, input_recorded=run.recording)
+            try:
+                await self._save(lease, self.lease_ttl, state=state, input_recorded=run.recording)
+            except SessionLost:
+                calls.abandon()  # before it cuts the reply's other calls short
+                raise
 
         agent = serve_rules(
             self.bus, self.definition(name).clone(state=record.state, checkpoint=checkpoint)
@@ -653,14 +669,15 @@ class AgentHost(Lifecycle):
         slot = self._limiter if holds_slot else None
         speaking = talk.speaking(self.bus, name, session, slot)
         try:
-            async with asyncio.TaskGroup() as tg:
-                # Renewed until released: the end is written, sent and released
-                # under the lease, so nobody takes a session that is ending.
-                renewing = tg.create_task(self._renew(lease))
-                try:
-                    final = await self._serve_phases(agent, phases, run, lease)
-                finally:
-                    renewing.cancel()
+            with calls:
+                async with asyncio.TaskGroup() as tg:
+                    # Renewed until released: the end is written, sent and released
+                    # under the lease, so nobody takes a session that is ending.
+                    renewing = tg.create_task(self._renew(lease, calls))
+                    try:
+                        final = await self._serve_phases(agent, phases, run, lease)
+                    finally:
+                        renewing.cancel()
         except* SessionLost as group:
             lost = group.exceptions[0]
         finally:
@@ -783,21 +800,30 @@ class AgentHost(Lifecycle):
             await stream.aclose()
         return final
 
-    async def _renew(self, lease: Lease) -> None:
+    async def _renew(self, lease: Lease, calls: CallScope) -> None:
+        """Renew ``lease`` until cancelled. Raises ``SessionLost`` when it was
+        taken over or could not be renewed for its TTL, after abandoning
+        ``calls`` (the reply's tool calls are left to the next owner)."""
         assert self.store is not None
-        while True:
-            await asyncio.sleep(self.lease_ttl / 3)
-            try:
-                await self.store.renew(lease)
-            except StoreError as exc:
-                if time.monotonic() - lease.renewed_at >= self.lease_ttl:
-                    record = lease.record
-                    raise SessionLost(
-                        f"the lease of session {record.session_id} could not be renewed: {exc}",
-                        agent=record.agent,
-                        session_id=record.session_id,
-                    ) from exc
-                logger.warning("%s: lease renewal failed, retrying: %s", lease.record.agent, exc)
+        try:
+            while True:
+                await asyncio.sleep(self.lease_ttl / 3)
+                try:
+                    await self.store.renew(lease)
+                except StoreError as exc:
+                    if time.monotonic() - lease.renewed_at >= self.lease_ttl:
+                        record = lease.record
+                        raise SessionLost(
+                            f"the lease of session {record.session_id} could not be renewed: {exc}",
+                            agent=record.agent,
+                            session_id=record.session_id,
+                        ) from exc
+                    logger.warning(
+                        "%s: lease renewal failed, retrying: %s", lease.record.agent, exc
+                    )
+        except SessionLost:
+            calls.abandon()
+            raise
 
     async def _publish(self, subject: str, message: Message) -> None:
         try:
