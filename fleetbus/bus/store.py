@@ -4,6 +4,13 @@ Buckets are named per fleet (``<prefix>_<name>``), created on first use, and
 their errors are fleetbus errors. Agents keep session state in a KV bucket
 (compare-and-set on the revision they read) and offload large tool results to
 an object store.
+
+A failure that may pass (``StoreError.transient``: on a cluster, a stream
+whose leader died answers nothing for the seconds its new leader takes to be
+elected) is ridden out the same way by every user of the store — an agent
+taking a session, ``fleetbus sessions``, ``confirm``, ``cancel``, the
+dashboard: :func:`wait_for_store` retries it, with jittered backoff, for up to
+:data:`STORE_WAIT` seconds.
 """
 
 from __future__ import annotations
@@ -11,9 +18,9 @@ from __future__ import annotations
 import base64
 import binascii
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -23,6 +30,7 @@ from nats.js.api import RePublish
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore as _NatsObjectStore
 
+from fleetbus._retry import Retry
 from fleetbus.bus._client import Received
 from fleetbus.bus._replicas import (
     ensure_replicas,
@@ -41,9 +49,26 @@ from fleetbus.errors import (
     StoreError,
 )
 
-__all__ = ["Entry", "KeyValueStore", "ObjectStore", "ObjectSummary", "key_value", "object_store"]
+__all__ = [
+    "STORE_WAIT",
+    "Entry",
+    "KeyValueStore",
+    "ObjectStore",
+    "ObjectSummary",
+    "key_value",
+    "object_store",
+    "transient",
+    "wait_for_store",
+]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+STORE_WAIT = 30.0
+"""Seconds :func:`wait_for_store` rides out a transient store failure by
+default: well past the few seconds a cluster takes to elect a stream's new
+leader after a node dies."""
 
 # JetStream's "wrong last sequence" API error codes (a compare-and-set lost).
 _WRONG_LAST_SEQUENCE = (10071, 10164)
@@ -93,6 +118,48 @@ def _answered_error(what: str, error: dict[str, Any]) -> StoreError:
     return StoreError(
         f"{what} failed: {error.get('description') or error}", transient=error.get("code") == 503
     )
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a store failure that may pass (see ``StoreError.transient``)."""
+    return isinstance(exc, StoreError) and exc.transient
+
+
+async def wait_for_store(
+    call: Callable[[], Awaitable[_T]],
+    *,
+    timeout: float = STORE_WAIT,
+    waiting: Callable[[StoreError], object] | None = None,
+) -> _T:
+    """``await call()``, retried while it fails with a transient store error,
+    for up to ``timeout`` seconds.
+
+    Args:
+        call: the store operation (opening a bucket, a read, a write, or a
+            whole command's reading of the store).
+        timeout: seconds from the first attempt after which no retry is
+            made (an attempt under way is not cut); zero: no retry.
+        waiting: called once, with the error, at the first transient
+            failure (to say that the call waits).
+
+    Raises:
+        StoreError: a failure that is not transient, or the last transient
+            one once ``timeout`` has passed.
+    """
+    told = False
+
+    async def attempt() -> _T:
+        nonlocal told
+        try:
+            return await call()
+        except StoreError as exc:
+            if waiting is not None and exc.transient and not told:
+                told = True
+                waiting(exc)
+            raise
+
+    retry = Retry(on=transient, attempts=None, backoff=0.1, max_backoff=1.0, timeout=timeout)
+    return await retry.call(attempt)
 
 
 ADMIN_TIMEOUT = 15.0

@@ -13,11 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fleetbus.bus.store import STORE_WAIT
 from fleetbus.cli._common import add_model_options
 
 __all__ = ["FLEET_COMMANDS", "add_fleet_commands", "add_model_worker_parser", "add_sim_parser"]
 
-FLEET_COMMANDS = ("agent", "ask", "sessions", "confirm", "cancel", "watch")
+FLEET_COMMANDS = ("agent", "ask", "sessions", "confirm", "resume", "cancel", "watch")
 """The commands of :mod:`fleetbus.cli.fleet`."""
 
 
@@ -99,6 +100,7 @@ def add_fleet_commands(sub: Any, bus_options: Any) -> None:
     p = sub.add_parser("sessions", help="list agent sessions with their status")
     p.add_argument("agent", metavar="AGENT", nargs="?")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _store_wait_option(p)
     bus_options(p)
 
     p = sub.add_parser("confirm", help="allow or deny the tool calls a paused session waits for")
@@ -126,12 +128,40 @@ def add_fleet_commands(sub: Any, bus_options: Any) -> None:
     p.add_argument("--agent", help="the agent (found from the session when omitted)")
     p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
+    _store_wait_option(p)
+    bus_options(p)
+
+    p = sub.add_parser(
+        "resume", help="give a paused session the results of tool calls run outside the agent"
+    )
+    p.add_argument("session", metavar="SESSION")
+    p.add_argument(
+        "--result",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("CALL_ID", "JSON"),
+        help="the call's output, a JSON value (a text in quotes: '\"rows: 3\"')",
+    )
+    p.add_argument(
+        "--error",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("CALL_ID", "MESSAGE"),
+        help="the call failed: the model sees MESSAGE as the tool's error",
+    )
+    p.add_argument("--agent", help="the agent (found from the session when omitted)")
+    p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
+    _store_wait_option(p)
     bus_options(p)
 
     p = sub.add_parser("cancel", help="interrupt the reply running in a session")
     p.add_argument("session", metavar="SESSION")
     p.add_argument("--agent", help="the agent (found from the session when omitted)")
     p.add_argument("--reason", default="cancelled from the command line")
+    _store_wait_option(p)
     bus_options(p)
 
     p = sub.add_parser("watch", help="live traffic on the bus, one message a line")
@@ -140,6 +170,17 @@ def add_fleet_commands(sub: Any, bus_options: Any) -> None:
     group.add_argument("--agent", help="only this agent")
     p.add_argument("--json", action="store_true", help="print raw messages, one JSON a line")
     bus_options(p)
+
+
+def _store_wait_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--store-wait",
+        type=float,
+        default=STORE_WAIT,
+        metavar="SECONDS",
+        help="seconds to wait for the session store when it fails for a while (a cluster "
+        f"electing a new leader after a node died; default {STORE_WAIT:g})",
+    )
 
 
 def add_sim_parser(sub: Any, bus_options: Any) -> None:

@@ -1,5 +1,5 @@
 """The fleet commands: ``agent``, ``ask``, ``sessions``, ``confirm``,
-``cancel`` and ``watch``."""
+``resume``, ``cancel`` and ``watch``."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.table import Table
+from rich.text import Text
 
 from fleetbus import logs
 from fleetbus._imports import import_named
@@ -29,6 +30,7 @@ from fleetbus.agents.serving.host import AgentHost, AgentSource
 from fleetbus.agents.serving.remote import RemoteAgent
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, ToolClient
+from fleetbus.bus.store import wait_for_store
 from fleetbus.bus.subjects import check_name
 from fleetbus.cli._common import (
     child_environment,
@@ -42,7 +44,7 @@ from fleetbus.cli._common import (
     run,
 )
 from fleetbus.cli._parsers import add_fleet_commands
-from fleetbus.errors import ConfigError, FleetbusError, RemoteError
+from fleetbus.errors import ConfigError, FleetbusError, RemoteError, StoreError
 from fleetbus.models import ChatModel, ModelConfig, default_model
 from fleetbus.models.strings import (
     BusModelRef,
@@ -59,7 +61,9 @@ from fleetbus.protocol import (
     Cancel,
     Confirmation,
     ConfirmResult,
+    ErrorDetail,
     ErrorMessage,
+    ExternalOutput,
     ExternalResult,
     FinalAnswer,
     Message,
@@ -69,7 +73,16 @@ from fleetbus.protocol import (
 )
 from fleetbus.tools_workers import RemoteToolProxy, Toolkit, load_toolkit
 
-__all__ = ["add_fleet_commands", "commands", "confirm_result", "load_agents", "stream_reply"]
+__all__ = [
+    "add_fleet_commands",
+    "commands",
+    "confirm_result",
+    "external_result",
+    "load_agents",
+    "stream_reply",
+]
+
+_T = TypeVar("_T")
 
 
 def load_agents(
@@ -575,7 +588,10 @@ def _read_output_schema(path: Path) -> dict[str, Any]:
 
 
 async def _converse(
-    args: argparse.Namespace, agent: str, session: str, message: UserRequest | ConfirmResult
+    args: argparse.Namespace,
+    agent: str,
+    session: str,
+    message: UserRequest | ConfirmResult | ExternalResult,
 ) -> int:
     """Stream the reply to ``message``: exit 1 when it ends in error (or is refused)."""
     from fleetbus.cli.render import ReplyPrinter
@@ -704,8 +720,7 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     async def main() -> int:
         bus = await connect(args.nats, args.prefix)
         try:
-            store = await SessionStore.open(bus, owner="cli")
-            records = await store.records(args.agent)
+            records = await _from_store(lambda: _records(bus, args.agent), args.store_wait)
         finally:
             await bus.close()
         if args.json:
@@ -733,6 +748,30 @@ def cmd_sessions(args: argparse.Namespace) -> int:
         return 0
 
     return run(main())
+
+
+async def _records(bus: Bus, agent: str | None = None) -> list[SessionRecord]:
+    store = await SessionStore.open(bus, owner="cli")
+    return await store.records(agent)
+
+
+async def _from_store(call: Callable[[], Awaitable[_T]], store_wait: float) -> _T:
+    """``call()``, a reading of the session store, riding out a failure that
+    may pass (a cluster electing the store's new leader after a node died)
+    for up to ``store_wait`` seconds; said once on stderr.
+
+    Raises:
+        StoreError: a failure that does not pass, or one that lasted
+            ``store_wait`` seconds.
+    """
+
+    def waiting(exc: StoreError) -> None:
+        err_console.print(
+            Text(f"waiting for the session store: {exc} (up to {store_wait:g} s)", style="yellow"),
+            soft_wrap=True,
+        )
+
+    return await wait_for_store(call, timeout=store_wait, waiting=waiting)
 
 
 def _summary(record: SessionRecord) -> dict[str, Any]:
@@ -768,11 +807,11 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
-async def _find_agent(bus: Bus, session: str, agent: str | None) -> str:
+async def _find_agent(bus: Bus, session: str, agent: str | None, store_wait: float) -> str:
     if agent:
         return agent
-    store = await SessionStore.open(bus, owner="cli")
-    matches = [r.agent for r in await store.records() if r.session_id == session]
+    records = await _from_store(lambda: _records(bus), store_wait)
+    matches = [r.agent for r in records if r.session_id == session]
     if not matches:
         raise ConfigError(f"no session {session!r}; name the agent with --agent")
     if len(set(matches)) > 1:
@@ -801,12 +840,89 @@ def cmd_confirm(args: argparse.Namespace) -> int:
     async def main() -> int:
         bus = await connect(args.nats, args.prefix)
         try:
-            agent = await _find_agent(bus, args.session, args.agent)
+            agent = await _find_agent(bus, args.session, args.agent, args.store_wait)
         finally:
             await bus.close()
         return await _converse(args, agent, args.session, message)
 
     return run(main())
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    """Give a paused reply the results of calls run outside the agent, then
+    stream the resumed reply.
+
+    Raises:
+        ConfigError: no result given, a call given twice, or a result that
+            is not JSON.
+    """
+    message = external_result(
+        args.session,
+        results=[(call_id, _json_value(call_id, text)) for call_id, text in args.result],
+        errors=args.error,
+        sender="cli",
+    )
+
+    async def main() -> int:
+        bus = await connect(args.nats, args.prefix)
+        try:
+            agent = await _find_agent(bus, args.session, args.agent, args.store_wait)
+        finally:
+            await bus.close()
+        return await _converse(args, agent, args.session, message)
+
+    return run(main())
+
+
+def external_result(
+    session_id: str,
+    *,
+    results: Iterable[tuple[str, Any]] = (),
+    errors: Iterable[tuple[str, str]] = (),
+    sender: str = "cli",
+) -> ExternalResult:
+    """The ``external_result`` of ``fleetbus resume SESSION --result CALL_ID
+    JSON … --error CALL_ID MESSAGE …``: each call's output (any JSON value),
+    or the error message of a call that failed (the model sees it as a tool
+    error).
+
+    Raises:
+        ConfigError: no call is named, or a call is named twice.
+    """
+    outputs: list[ExternalOutput] = []
+    seen: set[str] = set()
+    given = [(c, v, False) for c, v in results] + [(c, m, True) for c, m in errors]
+    for call_id, value, failed in given:
+        if not call_id:
+            raise ConfigError("a call id is empty")
+        if call_id in seen:
+            raise ConfigError(f"the call {call_id!r} is given twice")
+        seen.add(call_id)
+        if failed:
+            detail = ErrorDetail(code="tool_error", message=str(value))
+            outputs.append(ExternalOutput(call_id=call_id, status="error", error_detail=detail))
+        else:
+            outputs.append(ExternalOutput(call_id=call_id, content=value))
+    if not outputs:
+        raise ConfigError(
+            "give at least one result (--result CALL_ID JSON or --error CALL_ID TEXT)"
+        )
+    return ExternalResult(sender=sender, session_id=session_id, results=outputs)
+
+
+def _json_value(call_id: str, text: str) -> Any:
+    """The output of ``--result CALL_ID JSON``.
+
+    Raises:
+        ConfigError: the text is not JSON.
+    """
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(
+            f"--result {call_id}: the result is not JSON ({exc}); give a text as a JSON "
+            f"string, in quotes: '{json.dumps(text[:40], ensure_ascii=False)}'"
+        ) from None
 
 
 def confirm_result(
@@ -882,7 +998,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     async def main() -> int:
         bus = await connect(args.nats, args.prefix)
         try:
-            agent = await _find_agent(bus, args.session, args.agent)
+            agent = await _find_agent(bus, args.session, args.agent, args.store_wait)
             cancel = Cancel(sender="cli", session_id=args.session, reason=args.reason)
             await bus.publish(bus.subjects.agent_control(agent), cancel)
             await bus.flush()
@@ -901,6 +1017,7 @@ def commands() -> dict[str, Any]:
         "ask": cmd_ask,
         "sessions": cmd_sessions,
         "confirm": cmd_confirm,
+        "resume": cmd_resume,
         "cancel": cmd_cancel,
         "watch": cmd_watch,
     }

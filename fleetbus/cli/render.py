@@ -439,14 +439,15 @@ class ReplyPrinter:
                         soft_wrap=True,
                     )
             else:
-                self._line(
-                    Text(
-                        f"    resume with an external_result for call_id {call_id} "
-                        f"(session {session})",
-                        style="yellow",
-                    ),
-                    soft_wrap=True,
-                )
+                # JSON and MESSAGE are for the person to fill in: the output
+                # of the call they ran, or why it failed.
+                for verb, command in (
+                    ("result", f"fleetbus resume {session} --result {call_id} JSON"),
+                    ("failed", f"fleetbus resume {session} --error {call_id} MESSAGE"),
+                ):
+                    self._line(
+                        Text.assemble(f"    {verb + ':':<7} ", (command, "bold")), soft_wrap=True
+                    )
 
     def _end(
         self,

@@ -41,6 +41,7 @@ def _minimal(name: str) -> list[str]:
         "ask": ["ask", "helper", "hi"],
         "sessions": ["sessions"],
         "confirm": ["confirm", "s-1", "--allow", "c-1"],
+        "resume": ["resume", "s-1", "--result", "c-1", "3"],
         "cancel": ["cancel", "s-1"],
         "watch": ["watch"],
     }[name]

@@ -145,12 +145,13 @@ def test_a_pause_for_confirmation_prints_the_exact_commands() -> None:
     assert printer.finished_reason == "paused"
 
 
-def test_a_pause_for_external_execution_names_the_calls() -> None:
+def test_a_pause_for_external_execution_prints_the_resume_commands() -> None:
     ev = EventFactory("a", "r", None)
     calls = [{"call_id": "x-1", "tool_name": "ask_human", "parameters": {"question": "ok?"}}]
     text, _ = printed([ev("require_external_execution", calls=calls)], session_id="s-5")
     assert 'ask_human {"question": "ok?"}  call_id x-1' in text
-    assert "external_result for call_id x-1 (session s-5)" in text
+    assert "result: fleetbus resume s-5 --result x-1 JSON" in text
+    assert "failed: fleetbus resume s-5 --error x-1 MESSAGE" in text
 
 
 @tool

@@ -77,10 +77,10 @@ from fleetbus.agents.serving.sessions import (
     SessionStatus,
     SessionStore,
     session_key,
-    transient,
 )
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus, CallScope, Lifecycle, Request
+from fleetbus.bus.store import wait_for_store
 from fleetbus.bus.subjects import Subjects, check_name
 from fleetbus.bus.topics import DurableTopic
 from fleetbus.errors import (
@@ -521,44 +521,35 @@ class AgentHost(Lifecycle):
                 "deep, more than an agent stores",
             )
         store = self.store
-        failures = 0
 
         async def acquire() -> Lease:
-            nonlocal failures
-            try:
-                return await store.acquire(
-                    name,
-                    session,
-                    fresh=lambda: self.definition(name).initial_state(),
-                    reply_to=reply_to,
-                    pending_input=pending,
-                    wait=self.busy_wait,
-                    # A confirmation or an external result continues a session:
-                    # one to a session that does not exist must not start it.
-                    create=not isinstance(message, ConfirmResult | ExternalResult),
-                    joins=receipt,
-                )
-            except StoreError as exc:
-                failures += 1
-                if failures == 1 and exc.transient:
-                    logger.warning(
-                        "%s: the session store failed taking session %s, retrying for up "
-                        "to %g s: %s",
-                        name,
-                        session,
-                        self.store_wait,
-                        exc,
-                        extra={"session_id": session, "call_id": message.call_id},
-                    )
-                raise
+            return await store.acquire(
+                name,
+                session,
+                fresh=lambda: self.definition(name).initial_state(),
+                reply_to=reply_to,
+                pending_input=pending,
+                wait=self.busy_wait,
+                # A confirmation or an external result continues a session:
+                # one to a session that does not exist must not start it.
+                create=not isinstance(message, ConfirmResult | ExternalResult),
+                joins=receipt,
+            )
+
+        def waiting(exc: StoreError) -> None:
+            logger.warning(
+                "%s: the session store failed taking session %s, retrying for up to %g s: %s",
+                name,
+                session,
+                self.store_wait,
+                exc,
+                extra={"session_id": session, "call_id": message.call_id},
+            )
 
         # A JetStream fail-over (a cluster node died) leaves a stream without
         # a leader for a few seconds: the request waits for the new one.
-        retry = Retry(
-            on=transient, attempts=None, backoff=0.1, max_backoff=1.0, timeout=self.store_wait
-        )
         try:
-            return await retry.call(acquire)
+            return await wait_for_store(acquire, timeout=self.store_wait, waiting=waiting)
         except SessionNotFoundError as exc:
             return _nothing_waits(name, message, session, str(exc))
         except RequestHeldError:

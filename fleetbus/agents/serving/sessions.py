@@ -61,6 +61,7 @@ from fleetbus.bus import (
     key_value,
     object_store,
 )
+from fleetbus.bus.store import transient
 from fleetbus.errors import (
     FleetbusError,
     KeyNotFoundError,
@@ -396,6 +397,9 @@ class SessionStore:
 
         One listing that creates no consumer on the server, then one read
         per session (and its chunks). For people and tools, not for loops.
+        A session that cannot be read is left out (with a warning), unless
+        the failure may pass (``StoreError.transient``): then it is raised,
+        so that the caller can wait for the store rather than list less.
 
         Raises:
             StoreError: the bucket failed.
@@ -408,6 +412,8 @@ class SessionStore:
                 if read is not None:
                     records.append((await self._load(key, *read)).record)
             except (ValueError, StoreError) as exc:
+                if transient(exc):
+                    raise
                 logger.warning("session %s is unreadable: %s", key, exc)
         return sorted(records, key=lambda r: r.updated_at, reverse=True)
 
@@ -1261,11 +1267,6 @@ class Recovery:
                     logger.warning("%s: recovery check failed: %s", self.agent, exc)
         finally:
             await self.close()
-
-
-def transient(exc: BaseException) -> bool:
-    """Whether ``exc`` is a store failure that may pass (see ``StoreError.transient``)."""
-    return isinstance(exc, StoreError) and exc.transient
 
 
 _NO_TAIL = b"[]"

@@ -1,0 +1,85 @@
+"""The commands that read the session store, on a real 3-node NATS cluster
+whose node leading the store has just been killed: they wait for the new
+leader (saying so once on stderr) instead of failing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+import pytest
+
+from fleetbus.agents import Agent
+from fleetbus.agents.serving.remote import RemoteAgent
+from fleetbus.bus import Bus
+from fleetbus.protocol import FinalAnswer
+from fleetbus.tools_workers import Toolkit
+from tests.helpers import ROOT, serving
+from tests.integration.agent_specs import CommandModel
+from tests.integration.cluster import NatsCluster
+from tests.integration.test_cluster_store import wait_current_replicas
+
+pytestmark = pytest.mark.slow
+
+WAITING = "waiting for the session store"
+
+
+async def fleetbus(*args: str, timeout: float = 90.0) -> tuple[int, str, str]:
+    """``fleetbus ARGS`` as a process: exit code, stdout, stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "fleetbus",
+        *args,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "1000"},
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.timeout(180)
+async def test_sessions_waits_for_the_new_leader_of_the_session_store(
+    cluster: NatsCluster, cluster_bus: Bus
+) -> None:
+    bus = cluster_bus
+    on_bus = ("--nats", ",".join(cluster.urls), "--prefix", bus.prefix)
+    agent = Agent("echo", "", CommandModel(), toolkit=Toolkit())
+    async with serving(cluster.urls, bus.prefix, agent, ready_timeout=30):
+        answer = await RemoteAgent(bus, "echo", session_id="w1").reply("hello", timeout=30)
+    assert isinstance(answer, FinalAnswer)
+    code, out, err = await fleetbus("sessions", "echo", *on_bus, "--json")
+    assert code == 0, out + err
+    assert [s["session"] for s in json.loads(out)] == ["w1"]
+    assert WAITING not in err
+
+    stream = f"KV_{bus.subjects.kv_bucket('sessions')}"
+    await wait_current_replicas(bus, stream, 3)
+    leader = await cluster.stream_leader(bus, stream)
+    cluster.kill(leader)  # the other two elect a new leader: seconds without one
+    code, out, err = await fleetbus("sessions", "echo", *on_bus, "--json")
+    assert code == 0, out + err
+    assert [s["session"] for s in json.loads(out)] == ["w1"]
+    assert err.count(WAITING) == 1, err
+    assert "(up to 30 s)" in err
+
+    # The same for a command that finds a session's agent in the store.
+    cluster.restart(leader)
+    cluster.wait_ready()
+    await wait_current_replicas(bus, stream, 3, timeout=60)
+    cluster.kill(await cluster.stream_leader(bus, stream))
+    code, out, err = await fleetbus("cancel", "w1", *on_bus)
+    assert code == 0, out + err
+    assert "cancel sent to echo for session w1" in out
+    assert err.count(WAITING) == 1, err
