@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from fleetbus.bus.store import STORE_WAIT
 from fleetbus.cli._common import (
     add_connection_options,
     connect,
@@ -62,6 +63,15 @@ def add_parser(
     p.add_argument(
         "--poll", type=float, default=2.0, help="seconds between reads of sessions and stats"
     )
+    p.add_argument(
+        "--store-wait",
+        type=float,
+        default=STORE_WAIT,
+        metavar="SECONDS",
+        help="seconds a reading of the session store waits out a failure that may pass (a "
+        f"cluster electing a new leader after a node died) before the page shows an error; "
+        f"default {STORE_WAIT:g}",
+    )
     bus_options(p)
 
 
@@ -96,6 +106,8 @@ def cmd(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be 0 to 65535, not {args.port}")
     if args.poll <= 0:
         raise ConfigError("--poll must be positive")
+    if args.store_wait < 0:
+        raise ConfigError("--store-wait must not be negative")
 
     class Server(uvicorn.Server):  # type: ignore[misc,name-defined]
         """uvicorn's server without its own signal handling: the command's
@@ -108,7 +120,9 @@ def cmd(args: argparse.Namespace) -> int:
     async def serve() -> int:
         bus = await connect(args.nats, args.prefix, "dashboard")
         try:
-            view = dashboard.FleetView(bus, session_poll=args.poll, stats_poll=args.poll)
+            view = dashboard.FleetView(
+                bus, session_poll=args.poll, stats_poll=args.poll, store_wait=args.store_wait
+            )
             app = dashboard.create_app(
                 bus, view=view, allowed_hosts=_allowed_hosts(args.host, args.allow_host)
             )

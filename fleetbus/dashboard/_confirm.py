@@ -1,6 +1,8 @@
-"""Sending a person's decision on paused calls, through the code path of
-``fleetbus confirm``: the same ``confirm_result`` to the agent's inbox, the
-resumed reply streamed by :func:`fleetbus.cli.fleet.stream_reply`."""
+"""Sending a person's answer to paused calls, through the code path of
+``fleetbus confirm`` and ``fleetbus resume``: the same ``confirm_result``
+(allowed, denied, edited, rules accepted) or ``external_result`` to the
+agent's inbox, the resumed reply streamed by
+:func:`fleetbus.cli.fleet.stream_reply`."""
 
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fleetbus.bus import Bus
-from fleetbus.cli.fleet import confirm_result, stream_reply
+from fleetbus.cli.fleet import confirm_result, external_result, stream_reply
 from fleetbus.errors import FleetbusError, NoRespondersError
-from fleetbus.protocol import AnyMessage, ConfirmResult, ErrorMessage, Event
+from fleetbus.protocol import AnyMessage, ConfirmResult, ErrorMessage, Event, ExternalResult
 
-__all__ = ["ConfirmOutcome", "send_confirmation"]
+__all__ = ["ConfirmOutcome", "external", "send_answer", "send_confirmation"]
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +26,8 @@ SENDER = "dashboard"
 
 @dataclass(frozen=True, slots=True)
 class ConfirmOutcome:
-    """What became of a confirmation, as far as the dashboard saw it."""
+    """What became of a confirmation (or an external result), as far as the
+    dashboard saw it."""
 
     accepted: bool
     """Whether the agent took it (``False``: refused, or nobody answered)."""
@@ -60,6 +63,21 @@ def confirmation(
     )
 
 
+def external(
+    session_id: str,
+    *,
+    results: Sequence[tuple[str, Any]] = (),
+    errors: Sequence[tuple[str, str]] = (),
+) -> ExternalResult:
+    """The ``external_result`` of ``fleetbus resume SESSION --result CALL_ID
+    JSON … --error CALL_ID MESSAGE …``.
+
+    Raises:
+        ConfigError: no call is named, or a call is named twice.
+    """
+    return external_result(session_id, results=results, errors=errors, sender=SENDER)
+
+
 async def send_confirmation(
     bus: Bus,
     agent: str,
@@ -90,6 +108,21 @@ async def send_confirmation(
         edits=edits,
         accept_rules=accept_rules,
     )
+    return await send_answer(bus, agent, session_id, message, timeout=timeout, answered=answered)
+
+
+async def send_answer(
+    bus: Bus,
+    agent: str,
+    session_id: str,
+    message: ConfirmResult | ExternalResult,
+    *,
+    timeout: float,
+    answered: asyncio.Event,
+) -> ConfirmOutcome:
+    """Send a ``confirm_result`` or ``external_result`` to ``agent`` and
+    follow the resumed reply to its end (``answered`` as in
+    :func:`send_confirmation`)."""
 
     def seen(item: AnyMessage) -> None:
         if isinstance(item, Event):
@@ -101,7 +134,12 @@ async def send_confirmation(
         return ConfirmOutcome(accepted=False, state="unserved", message=str(exc))
     except FleetbusError as exc:
         logger.warning(
-            "confirmation for %s/%s: %s", agent, session_id, exc, extra={"session_id": session_id}
+            "%s for %s/%s: %s",
+            "confirmation" if isinstance(message, ConfirmResult) else "external result",
+            agent,
+            session_id,
+            exc,
+            extra={"session_id": session_id},
         )
         return ConfirmOutcome(accepted=False, state="failed", message=str(exc))
     finally:

@@ -14,8 +14,15 @@ Routes:
 ``GET /api/sessions/{agent}/{session}/stream``
     those events, then each new one (event ``message``) as it is published.
 ``POST /api/sessions/{agent}/{session}/confirm``
-    ``{"allow": [call ids], "deny": [call ids], "always": false}``: the
-    decision sent as ``fleetbus confirm`` sends it.
+    ``{"allow": [call ids], "deny": [call ids], "always": false,
+    "edits": {call id: {input}}, "accept_rules": [rules]}`` (all but one of
+    ``allow``, ``deny`` and ``edits`` optional): the decision sent as
+    ``fleetbus confirm`` sends it; an edited call is allowed with the input
+    given instead of the model's.
+``POST /api/sessions/{agent}/{session}/resume``
+    ``{"results": {call id: output}, "errors": {call id: message}}``: the
+    results of calls run outside the agent, sent as ``fleetbus resume``
+    sends them.
 
 The page can send confirmations, so the application defends itself against
 other web pages a browser has open: it answers only the host names it was
@@ -31,6 +38,7 @@ import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -45,6 +53,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fleetbus.bus import Bus
+from fleetbus.dashboard._confirm import ConfirmOutcome
 from fleetbus.dashboard.view import FleetView
 from fleetbus.errors import ConfigError
 
@@ -60,6 +69,7 @@ DEFAULT_HOSTS: Final = ("127.0.0.1", "localhost")
 """Host names answered when none are given."""
 _MAX_BODY: Final = 64 * 1024
 _MAX_CALLS: Final = 100
+_MAX_RULES: Final = 20
 _MIN_INTERVAL: Final = 0.25
 _KEEPALIVE: Final = 15.0
 _SECURITY_HEADERS: Final = [
@@ -208,10 +218,36 @@ def create_app(
         if len(body) > _MAX_BODY:
             return _json({"error": "the request is too large"}, 413)
         try:
-            allow, deny, always = _decisions(body)
-            outcome = await fleet.confirm(agent, session, allow=allow, deny=deny, always=always)
+            decision = _decisions(body)
+            outcome = await fleet.confirm(
+                agent,
+                session,
+                allow=decision.allow,
+                deny=decision.deny,
+                always=decision.always,
+                edits=decision.edits,
+                accept_rules=decision.accept_rules,
+            )
         except ConfigError as exc:
             return _json({"error": str(exc)}, 400)
+        return _outcome(outcome)
+
+    async def resume(request: Request) -> Response:
+        refused = _refuse(request, secret)
+        if refused is not None:
+            return refused
+        agent, session = _names(request)
+        body = await request.body()
+        if len(body) > _MAX_BODY:
+            return _json({"error": "the request is too large"}, 413)
+        try:
+            results, errors = _external_results(body)
+            outcome = await fleet.resume(agent, session, results=results, errors=errors)
+        except ConfigError as exc:
+            return _json({"error": str(exc)}, 400)
+        return _outcome(outcome)
+
+    def _outcome(outcome: ConfirmOutcome) -> Response:
         status = {"refused": 409, "unserved": 503, "failed": 502}.get(outcome.state, 200)
         return _json(
             {
@@ -231,6 +267,7 @@ def create_app(
             Route("/api/sessions/{agent}/{session}/events", session_events),
             Route("/api/sessions/{agent}/{session}/stream", session_stream),
             Route("/api/sessions/{agent}/{session}/confirm", confirm, methods=["POST"]),
+            Route("/api/sessions/{agent}/{session}/resume", resume, methods=["POST"]),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ],
         middleware=[
@@ -258,18 +295,57 @@ def _refuse(request: Request, secret: str) -> Response | None:
     return None
 
 
-def _decisions(body: bytes) -> tuple[list[str], list[str], bool]:
-    """``allow``, ``deny`` and ``always`` from a POST body.
+@dataclass(frozen=True, slots=True)
+class _Decision:
+    """What a confirmation POST asks for."""
+
+    allow: list[str]
+    deny: list[str]
+    always: bool
+    edits: list[tuple[str, dict[str, Any]]]
+    accept_rules: list[str]
+
+
+def _body_object(body: bytes, shape: str) -> dict[str, Any]:
+    """The JSON object a POST body holds.
 
     Raises:
-        ConfigError: not such a JSON object.
+        ConfigError: not JSON, or not an object (``shape`` says what to send).
     """
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ConfigError(f"the body is not JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError('send {"allow": [call ids], "deny": [call ids], "always": false}')
+        raise ConfigError(f"send {shape}")
+    return data
+
+
+def _call_map(data: dict[str, Any], key: str) -> dict[str, Any]:
+    """``data[key]``, an object keyed by call id (empty when missing).
+
+    Raises:
+        ConfigError: not such an object, or too many calls.
+    """
+    calls = data.get(key, {})
+    if not isinstance(calls, dict) or not all(isinstance(c, str) and c for c in calls):
+        raise ConfigError(f"{key} must be an object keyed by call id")
+    if len(calls) > _MAX_CALLS:
+        raise ConfigError(f"at most {_MAX_CALLS} calls in {key}")
+    return calls
+
+
+def _decisions(body: bytes) -> _Decision:
+    """``allow``, ``deny``, ``always``, ``edits`` and ``accept_rules`` from a POST body.
+
+    Raises:
+        ConfigError: not such a JSON object.
+    """
+    data = _body_object(
+        body,
+        '{"allow": [call ids], "deny": [call ids], "always": false, '
+        '"edits": {call id: {input}}, "accept_rules": [rules]}',
+    )
     lists = []
     for key in ("allow", "deny"):
         calls = data.get(key, [])
@@ -281,4 +357,27 @@ def _decisions(body: bytes) -> tuple[list[str], list[str], bool]:
     always = data.get("always", False)
     if not isinstance(always, bool):
         raise ConfigError("always must be true or false")
-    return lists[0], lists[1], always
+    edits = _call_map(data, "edits")
+    for call_id, parameters in edits.items():
+        if not isinstance(parameters, dict):
+            raise ConfigError(f"the edited input of {call_id} must be a JSON object")
+    rules = data.get("accept_rules", [])
+    if not isinstance(rules, list) or not all(isinstance(r, str) and r for r in rules):
+        raise ConfigError("accept_rules must be a list of rules")
+    if len(rules) > _MAX_RULES:
+        raise ConfigError(f"at most {_MAX_RULES} rules in accept_rules")
+    return _Decision(lists[0], lists[1], always, list(edits.items()), rules)
+
+
+def _external_results(body: bytes) -> tuple[list[tuple[str, Any]], list[tuple[str, str]]]:
+    """``results`` and ``errors`` from a POST body.
+
+    Raises:
+        ConfigError: not such a JSON object.
+    """
+    data = _body_object(body, '{"results": {call id: output}, "errors": {call id: message}}')
+    results = _call_map(data, "results")
+    errors = _call_map(data, "errors")
+    if not all(isinstance(m, str) for m in errors.values()):
+        raise ConfigError("errors must map each call id to its message")
+    return list(results.items()), list(errors.items())

@@ -4,7 +4,9 @@
 
 - the session store (:meth:`SessionStore.records
   <fleetbus.agents.serving.sessions.SessionStore.records>`), polled: every
-  session's status, step, owner and pending calls;
+  session's status, step, owner and pending calls (a failure that may pass,
+  a cluster electing the store's new leader, is waited out for up to
+  ``store_wait`` seconds, with one warning, before the page shows an error);
 - the event streams (``<prefix>.events.>``): replies as they happen, which
   also reveal the agents that publish them;
 - the lease writes the server repeats (``<prefix>.kv.session_leases.>``): the
@@ -27,19 +29,26 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final, Protocol
 
 import orjson
 
+from fleetbus.agents.permissions import suggest_rules
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore, lease_owner
 from fleetbus.bus import SERVICE_NAME, Bus, check_name
-from fleetbus.dashboard._confirm import ConfirmOutcome, send_confirmation
+from fleetbus.bus.store import STORE_WAIT, wait_for_store
+from fleetbus.dashboard._confirm import (
+    ConfirmOutcome,
+    confirmation,
+    external,
+    send_answer,
+)
 from fleetbus.dashboard._micro import collect_stats
-from fleetbus.errors import ConfigError, FleetbusError, ProtocolError
-from fleetbus.protocol import Event, FinalAnswer, decode, to_builtins
+from fleetbus.errors import ConfigError, FleetbusError, ProtocolError, StoreError
+from fleetbus.protocol import ConfirmResult, Event, ExternalResult, FinalAnswer, decode, to_builtins
 
 __all__ = ["FleetView", "Limits"]
 
@@ -52,6 +61,8 @@ _FOLLOW_TICK: Final = 1.0
 _CONNECTION_TICK: Final = 0.5
 _GONE_AFTER: Final = 60.0
 """Seconds a session missing from the store is kept while its events are fresh."""
+_PARAMETERS_CHARS: Final = 4000
+"""The most characters of a pending call's parameters shown (and offered to edit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +148,8 @@ class FleetView:
         drain_timeout: seconds :meth:`run` lets confirmed replies finish once
             stopped, before leaving them (which interrupts them, as Ctrl-C on
             ``fleetbus confirm`` does).
+        store_wait: seconds a reading of the session store waits out a
+            failure that may pass (as ``fleetbus sessions --store-wait``).
     """
 
     def __init__(
@@ -149,6 +162,7 @@ class FleetView:
         stats_wait: float = 0.5,
         reply_timeout: float = 600.0,
         drain_timeout: float = 5.0,
+        store_wait: float = STORE_WAIT,
     ) -> None:
         self.bus = bus
         self.limits = limits or Limits()
@@ -157,6 +171,7 @@ class FleetView:
         self.stats_wait = stats_wait
         self.reply_timeout = reply_timeout
         self.drain_timeout = drain_timeout
+        self.store_wait = store_wait
         self.version = 0
         """Bumped at every change of the picture."""
         self.stopping = asyncio.Event()
@@ -300,15 +315,21 @@ class FleetView:
             self._agents.popitem(last=False)
 
     async def _poll_sessions(self) -> None:
+        def waiting(exc: StoreError) -> None:
+            logger.warning("waiting for the session store: %s (up to %g s)", exc, self.store_wait)
+
         try:
-            if self._store is None:
-                self._store = await SessionStore.open(self.bus, owner="dashboard")
-            records = await asyncio.wait_for(self._store.records(), 30.0)
+            records = await wait_for_store(self._records, timeout=self.store_wait, waiting=waiting)
         except (FleetbusError, TimeoutError) as exc:
             self._error("sessions", f"the session store cannot be read: {exc or 'timed out'}")
             return
         self._error("sessions", None)
         self._merge(records[: self.limits.sessions])
+
+    async def _records(self) -> list[SessionRecord]:
+        if self._store is None:
+            self._store = await SessionStore.open(self.bus, owner="dashboard")
+        return await asyncio.wait_for(self._store.records(), 30.0)
 
     def _merge(self, records: list[SessionRecord]) -> None:
         listed = set()
@@ -535,31 +556,73 @@ class FleetView:
         allow: list[str],
         deny: list[str],
         always: bool = False,
+        edits: Sequence[tuple[str, dict[str, Any]]] = (),
+        accept_rules: Sequence[str] = (),
         accept_timeout: float = 5.0,
     ) -> ConfirmOutcome:
-        """Allow and deny paused calls of a session, as ``fleetbus confirm`` does.
+        """Allow and deny paused calls of a session, as ``fleetbus confirm`` does:
+        an edited call (``edits``: its call id and the input it runs with
+        instead of the model's) is allowed; ``accept_rules`` are allow rules
+        the agent keeps for this and its later sessions.
 
         The resumed reply is followed in the background (its events reach
         the view like any other); this returns once the agent answered the
         first time, or after ``accept_timeout`` seconds.
 
         Raises:
-            ConfigError: no call named, a name that is not a subject token, or
-                the view is not running.
+            ConfigError: no call named, a call both allowed and denied, a
+                rule that does not parse, a name that is not a subject token,
+                or the view is not running.
         """
+        message = confirmation(
+            session_id,
+            allow=allow,
+            deny=deny,
+            always=always,
+            edits=edits,
+            accept_rules=accept_rules,
+        )
+        return await self._answer(agent, session_id, message, accept_timeout)
+
+    async def resume(
+        self,
+        agent: str,
+        session_id: str,
+        *,
+        results: Sequence[tuple[str, Any]] = (),
+        errors: Sequence[tuple[str, str]] = (),
+        accept_timeout: float = 5.0,
+    ) -> ConfirmOutcome:
+        """Give a paused session the results of calls run outside the agent,
+        as ``fleetbus resume`` does: ``results`` (call id, output as any JSON
+        value), ``errors`` (call id, the message of a call that failed).
+        Followed as :meth:`confirm` follows a confirmation.
+
+        Raises:
+            ConfigError: no call named, a call named twice, a name that is not
+                a subject token, or the view is not running.
+        """
+        message = external(session_id, results=results, errors=errors)
+        return await self._answer(agent, session_id, message, accept_timeout)
+
+    async def _answer(
+        self,
+        agent: str,
+        session_id: str,
+        message: ConfirmResult | ExternalResult,
+        accept_timeout: float,
+    ) -> ConfirmOutcome:
         check_name(agent, what="agent name")
         check_name(session_id, what="session id")
         if self._tg is None or self.stopping.is_set():
             raise ConfigError("the dashboard is not following the fleet")
         first = asyncio.Event()
         task = self._tg.create_task(
-            send_confirmation(
+            send_answer(
                 self.bus,
                 agent,
                 session_id,
-                allow=allow,
-                deny=deny,
-                always=always,
+                message,
                 timeout=self.reply_timeout,
                 answered=first,
             )
@@ -607,14 +670,29 @@ def _text(content: Any, limit: int) -> str:
 
 
 def _pending(call: dict[str, Any]) -> dict[str, Any]:
-    """A pending call as shown: its parameters as clipped JSON text."""
-    parameters = orjson.dumps(call.get("parameters", {}), default=str).decode()
+    """A pending call as shown: its parameters as clipped JSON text (``clipped``
+    when cut: the page then offers no edit of them), and for a call to
+    confirm the allow rules a person may accept (as ``fleetbus sessions``
+    lists them)."""
+    given = call.get("parameters", {})
+    parameters = orjson.dumps(given, default=str).decode()
+    kind = str(call.get("kind", "confirm"))
+    tool_name = str(call.get("tool_name", ""))
+    rules: list[str] = []
+    if kind == "confirm":
+        found = call.get("suggested_rules")
+        if isinstance(found, list):
+            rules = [str(r) for r in found]
+        elif isinstance(given, dict):
+            rules = suggest_rules(tool_name, given)
     return {
         "call_id": str(call.get("call_id", "")),
-        "tool_name": str(call.get("tool_name", "")),
-        "kind": str(call.get("kind", "confirm")),
+        "tool_name": tool_name,
+        "kind": kind,
         "rule": None if call.get("rule") is None else str(call.get("rule")),
-        "parameters": _clip(parameters, 1000),
+        "parameters": _clip(parameters, _PARAMETERS_CHARS),
+        "clipped": len(parameters) > _PARAMETERS_CHARS,
+        "suggested_rules": [_clip(r, 300) for r in rules[:5]],
     }
 
 

@@ -34,8 +34,8 @@ from fleetbus.errors import ConfigError
 from fleetbus.protocol import Event, FinalAnswer
 from fleetbus.tools_workers import Toolkit, ToolWorker
 from tests.helpers import ROOT, free_port, serving, stop
-from tests.integration import worker_tools
-from tests.integration.agent_specs import CommandModel
+from tests.integration import resume_specs, worker_tools
+from tests.integration.agent_specs import PID, CommandModel
 
 
 @dataclass
@@ -356,6 +356,112 @@ async def test_allow_resumes_a_paused_session(nats_server: EmbeddedServer, bus: 
         again = await board.client.post(path, json=body, headers=token)
         assert again.status_code == 409, again.text
         assert "Nothing is waiting for a confirmation" in again.json()["message"]
+
+
+async def paused_call(board: Dashboard, session_id: str) -> dict[str, Any]:
+    """The one call that ``session_id`` waits for, once the page shows it."""
+    snap = await board.until(
+        lambda s: any(x["session"] == session_id and x["pending"] for x in s["sessions"])
+    )
+    (session,) = [s for s in snap["sessions"] if s["session"] == session_id]
+    assert session["status"] == "paused"
+    (call,) = session["pending"]
+    assert isinstance(call, dict)
+    return call
+
+
+async def test_an_edited_input_is_allowed_and_a_suggested_rule_accepted(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    async with (
+        serving(nats_server.url, bus.prefix, echo_agent("careful", ask=["echo"])),
+        dashboard(bus) as board,
+    ):
+        remote = RemoteAgent(bus, "careful", session_id="e1")
+        paused = await remote.reply('tool echo {"text": "as the model wrote"}', timeout=20)
+        assert isinstance(paused, FinalAnswer)
+        assert paused.finished_reason == "paused"
+        call = await paused_call(board, "e1")
+        assert (call["tool_name"], call["kind"], call["clipped"]) == ("echo", "confirm", False)
+        assert json.loads(call["parameters"]) == {"text": "as the model wrote"}
+        assert call["suggested_rules"][-1] == "echo"  # the tool with any input, last
+
+        path = "/api/sessions/careful/e1/confirm"
+        token = {TOKEN_HEADER: board.token}
+        for wrong in (
+            {"edits": {call["call_id"]: "not an object"}},
+            {"edits": [call["call_id"]]},
+            {"allow": [call["call_id"]], "accept_rules": "echo"},
+            {"allow": [call["call_id"]], "accept_rules": ["echo(("]},
+        ):
+            refused = await board.client.post(path, json=wrong, headers=token)
+            assert refused.status_code == 400, (wrong, refused.text)
+        sent = await board.client.post(
+            path,
+            json={"edits": {call["call_id"]: {"text": "edited"}}, "accept_rules": ["echo"]},
+            headers=token,
+        )
+        assert sent.status_code == 200, sent.text
+        assert sent.json()["accepted"] is True
+        snap = await board.until(
+            lambda s: any(x["session"] == "e1" and x["status"] == "done" for x in s["sessions"])
+        )
+        (session,) = [s for s in snap["sessions"] if s["session"] == "e1"]
+        # The tool ran with the edited input (the model is told it was changed).
+        assert session["last_answer"].startswith("done echo=(The user changed the input")
+        assert session["last_answer"].endswith(f"edited from {PID}")
+
+        # The accepted rule stays with the agent: a later session's call is not asked.
+        later = RemoteAgent(bus, "careful", session_id="e2")
+        answer = await later.reply('tool echo {"text": "no question"}', timeout=20)
+        assert isinstance(answer, FinalAnswer)
+        assert answer.finished_reason == "completed", answer
+        assert str(answer.content).startswith("done echo=no question from")
+
+
+async def test_an_external_result_resumes_a_paused_session(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    async with (
+        serving(nats_server.url, bus.prefix, resume_specs.desk()),
+        dashboard(bus) as board,
+    ):
+        remote = RemoteAgent(bus, "desk", session_id="x1")
+        paused = await remote.reply('tool lookup {"query": "rows"}', timeout=20)
+        assert isinstance(paused, FinalAnswer)
+        assert paused.finished_reason == "paused"
+        call = await paused_call(board, "x1")
+        assert (call["tool_name"], call["kind"]) == ("lookup", "external")
+        assert call["suggested_rules"] == []
+
+        path = "/api/sessions/desk/x1/resume"
+        token = {TOKEN_HEADER: board.token}
+        assert (await board.client.post(path, json={"results": {}})).status_code == 403
+        malformed: list[dict[str, Any]] = [
+            {"results": []},
+            {"results": {}},
+            {"errors": {call["call_id"]: 3}},
+        ]
+        for wrong in malformed:
+            refused = await board.client.post(path, json=wrong, headers=token)
+            assert refused.status_code == 400, (wrong, refused.text)
+        sent = await board.client.post(
+            path, json={"results": {call["call_id"]: {"rows": 3}}}, headers=token
+        )
+        assert sent.status_code == 200, sent.text
+        assert sent.json()["accepted"] is True
+        snap = await board.until(
+            lambda s: any(x["session"] == "x1" and x["status"] == "done" for x in s["sessions"])
+        )
+        (session,) = [s for s in snap["sessions"] if s["session"] == "x1"]
+        assert session["last_answer"].startswith("done lookup={'rows': 3} from")
+        assert session["pending"] == []
+
+        again = await board.client.post(
+            path, json={"errors": {call["call_id"]: "too late"}}, headers=token
+        )
+        assert again.status_code == 409, again.text
+        assert "Nothing is waiting for an external result" in again.json()["message"]
 
 
 # -- the bus going away ------------------------------------------------------------------

@@ -109,55 +109,152 @@ function renderFleet(snap) {
   }
 }
 
+let pausedKey = null;
+
 function renderPaused(paused) {
   document.getElementById("paused-empty").hidden = paused.length > 0;
+  // Drawn again only when what waits changes: a person may be typing in a card.
+  const key = JSON.stringify(paused.map((s) => [s.agent, s.session, s.pending]));
+  if (key === pausedKey) return;
+  pausedKey = key;
   const cards = paused.map((s) => {
-    const always = el("input", { type: "checkbox" });
+    const always = el("input", { type: "checkbox", class: "always" });
     const card = el("div", { class: "pending", data: { agent: s.agent, session: s.session } },
       el("div", {}, el("strong", {}, s.agent), " · session ", el("strong", {}, s.session),
         " · step ", s.step),
       el("label", { class: "dim" }, always, " always (add a rule for these tools)"));
     for (const call of s.pending) {
-      const buttons = [];
-      const decide = (allow) => () => {
-        buttons.forEach((b) => { b.disabled = true; });
-        confirm(s.agent, s.session, call.call_id, allow, always.checked);
-      };
-      if (call.kind === "confirm") {
-        buttons.push(el("button", { class: "allow", data: { call: call.call_id },
-          onclick: decide(true) }, "Allow"));
-        buttons.push(el("button", { class: "deny", data: { call: call.call_id },
-          onclick: decide(false) }, "Deny"));
-      }
-      card.append(el("div", { class: "call" },
-        el("strong", {}, call.tool_name), el("code", {}, call.parameters),
-        el("span", { class: "dim" }, call.kind === "confirm"
-          ? `call ${call.call_id}` + (call.rule ? ` (rule ${call.rule})` : "")
-          : `call ${call.call_id}: to run outside the agent`),
-        ...buttons));
+      card.append(call.kind === "confirm"
+        ? confirmCall(s, call, always) : externalCall(s, call));
     }
     return card;
   });
   document.getElementById("paused").replaceChildren(...cards);
 }
 
-async function confirm(agent, session, callId, allow, always) {
-  const result = document.getElementById("confirm-result");
-  result.textContent = `${allow ? "allowing" : "denying"} ${callId}…`;
-  const path = `/api/sessions/${encodeURIComponent(agent)}/${encodeURIComponent(session)}/confirm`;
+function callHead(call, note) {
+  return [el("strong", {}, call.tool_name), el("code", {}, call.parameters),
+    el("span", { class: "dim" }, note)];
+}
+
+// A call to confirm: allow or deny it, or allow it with an edited input; allow
+// rules the agent suggests can be accepted with it.
+function confirmCall(s, call, always) {
+  const buttons = [];
+  const disable = () => buttons.forEach((b) => { b.disabled = true; });
+  const rules = (call.suggested_rules || []).map((rule) => {
+    const box = el("input", { type: "checkbox", class: "rule", data: { rule } });
+    return { rule, box, label: el("label", { class: "dim" }, box, " accept rule ", el("code", {}, rule)) };
+  });
+  const accepted = () => rules.filter((r) => r.box.checked).map((r) => r.rule);
+  const edit = el("textarea", { class: "edit-input", rows: 3, cols: 60, hidden: "",
+    "aria-label": `input of ${call.call_id}` });
+  edit.value = call.clipped ? "" : call.parameters;
+  if (call.clipped) edit.setAttribute("placeholder", "the input, as a JSON object");
+  const send = (decision) => () => {
+    disable();
+    confirm(s.agent, s.session, call.call_id, { ...decision, always: always.checked,
+      accept_rules: decision.deny ? [] : accepted() });
+  };
+  const allowEdited = el("button", { class: "allow-edited", data: { call: call.call_id },
+    hidden: "" }, "Allow edited");
+  allowEdited.addEventListener("click", () => {
+    let input;
+    try {
+      input = JSON.parse(edit.value);
+    } catch (error) {
+      report(`${s.session}: the edited input is not JSON (${error.message})`);
+      return;
+    }
+    if (input === null || typeof input !== "object" || Array.isArray(input)) {
+      report(`${s.session}: the edited input must be a JSON object`);
+      return;
+    }
+    send({ edits: { [call.call_id]: input } })();
+  });
+  const editButton = el("button", { class: "edit", data: { call: call.call_id } }, "Edit…");
+  editButton.addEventListener("click", () => {
+    edit.hidden = !edit.hidden;
+    allowEdited.hidden = edit.hidden;
+    if (!edit.hidden) edit.focus();
+  });
+  buttons.push(
+    el("button", { class: "allow", data: { call: call.call_id },
+      onclick: send({ allow: [call.call_id] }) }, "Allow"),
+    el("button", { class: "deny", data: { call: call.call_id },
+      onclick: send({ deny: [call.call_id] }) }, "Deny"),
+    editButton, allowEdited);
+  return el("div", { class: "call", data: { call: call.call_id } },
+    ...callHead(call, `call ${call.call_id}` + (call.rule ? ` (rule ${call.rule})` : "")),
+    ...buttons.slice(0, 3),
+    el("div", { class: "edit-form" }, edit, allowEdited),
+    ...rules.map((r) => el("div", {}, r.label)));
+}
+
+// A call to run outside the agent: its output (JSON) or why it failed.
+function externalCall(s, call) {
+  const output = el("textarea", { class: "result-input", rows: 2, cols: 60,
+    placeholder: "the output, as JSON (a text in quotes); or why the call failed",
+    "aria-label": `result of ${call.call_id}` });
+  const buttons = [];
+  const sendResult = el("button", { class: "send-result", data: { call: call.call_id } },
+    "Send result");
+  const sendError = el("button", { class: "send-error", data: { call: call.call_id } },
+    "Send as failed");
+  buttons.push(sendResult, sendError);
+  sendResult.addEventListener("click", () => {
+    let value;
+    try {
+      value = JSON.parse(output.value);
+    } catch (error) {
+      report(`${s.session}: the result is not JSON (${error.message}); put a text in quotes`);
+      return;
+    }
+    buttons.forEach((b) => { b.disabled = true; });
+    resume(s.agent, s.session, call.call_id, { results: { [call.call_id]: value } });
+  });
+  sendError.addEventListener("click", () => {
+    buttons.forEach((b) => { b.disabled = true; });
+    resume(s.agent, s.session, call.call_id,
+      { errors: { [call.call_id]: output.value || "the call failed" } });
+  });
+  return el("div", { class: "call", data: { call: call.call_id } },
+    ...callHead(call, `call ${call.call_id}: to run outside the agent`),
+    el("div", { class: "edit-form" }, output, ...buttons));
+}
+
+function report(text) {
+  document.getElementById("confirm-result").textContent = text;
+}
+
+async function post(session, action, agent, body) {
+  const path = `/api/sessions/${encodeURIComponent(agent)}/${encodeURIComponent(session)}/${action}`;
   try {
     const response = await fetch(path, {
       method: "POST",
       headers: { "content-type": "application/json", "x-fleetbus-token": token },
-      body: JSON.stringify({ allow: allow ? [callId] : [], deny: allow ? [] : [callId], always }),
+      body: JSON.stringify(body),
     });
     const answer = await response.json();
-    result.textContent = response.ok
+    report(response.ok
       ? `${session}: ${answer.message}`
-      : `${session}: not sent: ${answer.message || answer.error}`;
+      : `${session}: not sent: ${answer.message || answer.error}`);
   } catch (error) {
-    result.textContent = `${session}: the dashboard did not answer (${error})`;
+    report(`${session}: the dashboard did not answer (${error})`);
   }
+  pausedKey = null; // a refused answer leaves the call waiting: its buttons again
+  if (lastSnapshot) renderFleet(lastSnapshot);
+}
+
+async function confirm(agent, session, callId, decision) {
+  const verb = decision.edits ? "allowing (edited)" : decision.allow ? "allowing" : "denying";
+  report(`${verb} ${callId}…`);
+  await post(session, "confirm", agent, decision);
+}
+
+async function resume(agent, session, callId, results) {
+  report(`sending the result of ${callId}…`);
+  await post(session, "resume", agent, results);
 }
 
 // -- one session's events -------------------------------------------------------------
