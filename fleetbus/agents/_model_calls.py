@@ -22,11 +22,13 @@ from fleetbus import tracing
 from fleetbus._retry import Retry
 from fleetbus.agents import events as ev
 from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope
+from fleetbus.agents._tool_groups import active_groups, switch_spec
 from fleetbus.agents.compression import compress, summarize_with_model
 from fleetbus.agents.long_term_memory import STORE_TOOLS
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import StopReply
 from fleetbus.agents.offload import READ_OFFLOADED_SPEC
+from fleetbus.agents.tools import switchable
 from fleetbus.models.model import (
     ChatModel,
     ModelError,
@@ -52,6 +54,9 @@ class ModelFailedError(Exception):
 def tool_specs(scope: ReplyScope) -> list[ToolSpec]:
     """The tools offered to the model in this reply, the internal ones too.
 
+    With switchable tool groups: only the tools of the groups on in this
+    session, and the ``switch_tool_groups`` meta-tool.
+
     Never the memory worker's own tools (``STORE_TOOLS``, which ``fleetbus
     agent`` finds on the bus with the others): they reach any agent's and any
     user's memory; the model gets the long-term memory's tools instead, bound
@@ -63,7 +68,13 @@ def tool_specs(scope: ReplyScope) -> list[ToolSpec]:
     memory_specs = memory.tool_specs() if memory is not None else []
     hidden = STORE_TOOLS | {s.name for s in memory_specs}
     toolkit = settings.toolkit
-    specs = [s for s in toolkit.specs() if s.name not in hidden] if toolkit is not None else []
+    grouped = switchable(toolkit)
+    if grouped is not None:
+        offered = grouped.active_specs(active_groups(grouped, state))
+        specs = [s for s in offered if s.name not in hidden]
+        specs.append(switch_spec(grouped))
+    else:
+        specs = [s for s in toolkit.specs() if s.name not in hidden] if toolkit is not None else []
     if state.plan is not None:
         specs.extend(state.plan.tool_specs())
     if settings.offloader is not None:

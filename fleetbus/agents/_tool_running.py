@@ -26,11 +26,13 @@ from fleetbus import tracing
 from fleetbus.agents import events as ev
 from fleetbus.agents._model_calls import tool_specs
 from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope, tool_result
+from fleetbus.agents._tool_groups import SWITCH_TOOL, inactive_group, switch
 from fleetbus.agents.long_term_memory import STORE_TOOLS
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import StopReply
 from fleetbus.agents.offload import READ_OFFLOADED_SPEC, cut, read_offloaded
 from fleetbus.agents.state import PendingCall, RecentCall
+from fleetbus.agents.tools import switchable
 from fleetbus.errors import FleetbusError
 from fleetbus.models.model import FORMAT_ERROR_TOOL
 from fleetbus.protocol import (
@@ -173,6 +175,11 @@ class ToolRunner:
             return tool_result(
                 use, "error", f"unknown_tool: there is no tool {use.name!r}. Tools: {available}."
             )
+        grouped = switchable(toolkit)
+        if grouped is not None:
+            off = inactive_group(grouped, self.state, use.name)
+            if off is not None:
+                return tool_result(use, "error", off)
         decision = self.state.permissions.check(use.name, use.input)
         if decision.action == "deny":
             rule = f" by the rule {decision.rule}" if decision.rule else ""
@@ -198,6 +205,8 @@ class ToolRunner:
             return True
         memory = self.settings.long_term_memory
         if memory is not None and memory.handles(name):
+            return True
+        if name == SWITCH_TOOL and switchable(self.settings.toolkit) is not None:
             return True
         return name == READ_OFFLOADED_SPEC.name and self.settings.offloader is not None
 
@@ -249,6 +258,10 @@ class ToolRunner:
                 self.scope.ctx, use.name, use.input, record_id=self.call_id_of(use)
             )
             return tool_result(use, remembered, text)
+        grouped = switchable(settings.toolkit) if use.name == SWITCH_TOOL else None
+        if grouped is not None:
+            switched, text = switch(grouped, self.state, use.input)
+            return tool_result(use, "success" if switched else "error", text)
         offloader = settings.offloader
         if use.name == READ_OFFLOADED_SPEC.name and offloader is not None:
             # A read brings no more into the context than a tool result may.

@@ -1,7 +1,8 @@
 """Everything needed to continue an agent: its :class:`AgentState`.
 
 The state is one pydantic model that round-trips through JSON: memory with
-its marks, the compressed summary, the plan, the permission rules, and the
+its marks, the compressed summary, the plan, the permission rules, the tool
+groups the model switched on, and the
 reply in progress — its step, its usage so far, and the tool calls it waits
 for. An agent built from a restored state continues exactly where the other
 stopped, in this process or another.
@@ -112,6 +113,9 @@ class AgentState(BaseModel):
     """The structured summary standing for compressed older messages."""
     plan: PlanNotebook | None = None
     permissions: Permissions = Field(default_factory=Permissions)
+    active_groups: list[str] | None = None
+    """The switchable tool groups the model switched on (``switch_tool_groups``);
+    ``None`` until it first switches: the toolkit's defaults."""
     reply: ReplyState | None = None
 
     @property

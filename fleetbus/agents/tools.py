@@ -7,11 +7,12 @@ functions and tools served on the bus alike.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Protocol
 
 from fleetbus.protocol import ErrorDetail, ToolSpec
 
-__all__ = ["ToolOutcomeLike", "ToolSource"]
+__all__ = ["SwitchableToolSource", "ToolOutcomeLike", "ToolSource", "switchable"]
 
 
 class ToolOutcomeLike(Protocol):
@@ -60,3 +61,38 @@ class ToolSource(Protocol):
     ) -> ToolOutcomeLike:
         """Run a tool; never raises for what the tool does."""
         ...
+
+
+class SwitchableToolSource(ToolSource, Protocol):
+    """A :class:`ToolSource` whose groups the model switches on and off
+    (``fleetbus.Toolkit`` is one): what the agent needs besides to offer only
+    the active groups' tools and the ``switch_tool_groups`` meta-tool."""
+
+    @property
+    def group_descriptions(self) -> dict[str, str]:
+        """The switchable groups with their descriptions (empty: none)."""
+        ...
+
+    @property
+    def active_groups(self) -> list[str]:
+        """The switchable groups active at the start of a session."""
+        ...
+
+    def group_of(self, name: str) -> str | None:
+        """The group of the tool ``name`` (``None``: no such tool)."""
+        ...
+
+    def active_specs(self, active: Collection[str]) -> list[ToolSpec]:
+        """The tools offered when the switchable groups in ``active`` are on."""
+        ...
+
+
+def switchable(tools: ToolSource | None) -> SwitchableToolSource | None:
+    """``tools`` if it has groups the model may switch, else ``None``.
+
+    A source without the :class:`SwitchableToolSource` methods (an older or
+    hand-written one) has none: every tool is offered.
+    """
+    if tools is None or not getattr(tools, "group_descriptions", None):
+        return None
+    return tools  # type: ignore[return-value]  # checked above, as far as a Protocol can be

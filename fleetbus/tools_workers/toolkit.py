@@ -9,7 +9,7 @@ served by workers. An agent uses both the same way.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -18,7 +18,7 @@ from fleetbus.bus import ToolClient
 from fleetbus.errors import ToolDefinitionError, UnknownToolError
 from fleetbus.protocol import ToolSpec
 from fleetbus.tools_workers.remote import RemoteToolProxy
-from fleetbus.tools_workers.tool import Tool, ToolOutcome
+from fleetbus.tools_workers.tool import DEFAULT_GROUP, Tool, ToolOutcome
 
 if TYPE_CHECKING:
     from fleetbus.tools_workers.mcp import MCPTools
@@ -59,11 +59,28 @@ class Toolkit:
     """Tools by name, in groups: local functions and tools served on the bus,
     used the same way.
 
+    Groups the model switches on and off itself: a group given a description
+    (``groups=``, :meth:`add_group`) or marked inactive (``active_groups=``,
+    :meth:`set_active`) is *switchable*. An agent offers its model the tools
+    of the groups that are not switchable, those of the switchable groups
+    that are active, and the meta-tool ``switch_tool_groups`` listing every
+    switchable group with its description; the model calls it to switch
+    groups on and off, and a call of a tool whose group is off tells the
+    model to switch the group on first. What is set here is where each
+    session of the agent starts; what the model switches is kept in the
+    session's state (``AgentState.active_groups``).
+
     Args:
         tools: tools (plain functions are made tools; remote tools are added
             as they are) to add.
         skills: skill folders, or folders of them, offered through one
             ``load_skill`` tool (see :meth:`add_skills`).
+        groups: switchable groups, by name, with the description the model
+            is shown to choose them by.
+        active_groups: the groups active at the start of a session. Given,
+            every group of ``groups`` and of the tools given here (but the
+            ``default`` group) is switchable, and those not listed start
+            inactive. ``None``: the groups of ``groups`` start active.
 
     Raises:
         ConfigError: ``skills`` names a folder without skills or an invalid ``SKILL.md``.
@@ -74,13 +91,28 @@ class Toolkit:
         tools: Iterable[ToolLike | Callable[..., Any]] = (),
         *,
         skills: str | Path | Iterable[str | Path] | None = None,
+        groups: Mapping[str, str] | None = None,
+        active_groups: Iterable[str] | None = None,
     ) -> None:
         self._tools: dict[str, ToolLike] = {}
         self._groups: dict[str, str] = {}
+        self._switchable: dict[str, str] = {}
+        """Switchable group -> its description."""
+        self._inactive: set[str] = set()
+        """The switchable groups a session starts without."""
         for t in tools:
             self.add(t)
         if skills is not None:
             self.add_skills(skills)
+        described = dict(groups or {})
+        if active_groups is None:
+            for group, description in described.items():
+                self.add_group(group, description)
+        else:
+            active = list(active_groups)
+            named = [g for g in self._groups.values() if g != DEFAULT_GROUP]
+            for group in dict.fromkeys([*described, *named, *active]):
+                self.add_group(group, described.get(group, ""), active=group in active)
 
     def add_skills(
         self, skills: str | Path | Iterable[str | Path], *, name: str | None = None
@@ -173,6 +205,60 @@ class Toolkit:
         for tool_name, group in self._groups.items():
             result.setdefault(group, []).append(tool_name)
         return result
+
+    def add_group(self, name: str, description: str = "", *, active: bool = True) -> None:
+        """Make the group ``name`` switchable by the model, with the
+        ``description`` it chooses by, active at the start of a session or not.
+
+        Raises:
+            ToolDefinitionError: ``name`` is empty.
+        """
+        if not name:
+            raise ToolDefinitionError("a tool group needs a name")
+        self._switchable[name] = description or self._switchable.get(name, "")
+        self.set_active(name, active)
+
+    def set_active(self, group: str, active: bool) -> None:
+        """Whether the tools of ``group`` are offered at the start of a
+        session (the group becomes switchable by the model if it was not).
+
+        Raises:
+            ToolDefinitionError: ``group`` is empty.
+        """
+        if not group:
+            raise ToolDefinitionError("a tool group needs a name")
+        self._switchable.setdefault(group, "")
+        if active:
+            self._inactive.discard(group)
+        else:
+            self._inactive.add(group)
+
+    @property
+    def group_descriptions(self) -> dict[str, str]:
+        """The switchable groups with their descriptions (empty: the model is
+        offered every tool, and no meta-tool)."""
+        return dict(self._switchable)
+
+    @property
+    def active_groups(self) -> list[str]:
+        """The switchable groups active at the start of a session."""
+        return [g for g in self._switchable if g not in self._inactive]
+
+    def group_of(self, name: str) -> str | None:
+        """The group of the tool ``name`` (``None``: no such tool)."""
+        return self._groups.get(name)
+
+    def active_specs(self, active: Collection[str]) -> list[ToolSpec]:
+        """The specs of the tools offered when the switchable groups in
+        ``active`` are on: those of the groups that are not switchable, and
+        those of the active ones."""
+        switchable = self._switchable
+        groups = self._groups
+        return [
+            t.spec()
+            for t in self._tools.values()
+            if groups[t.name] not in switchable or groups[t.name] in active
+        ]
 
     def in_groups(self, *groups: str) -> list[ToolLike]:
         """The tools of the given groups (all tools when none is given)."""

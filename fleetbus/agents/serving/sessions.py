@@ -1411,6 +1411,7 @@ def _copy_state(state: AgentState) -> AgentState:
         summary=state.summary.model_copy(deep=True) if state.summary else None,
         plan=state.plan.model_copy(deep=True) if state.plan else None,
         permissions=state.permissions.model_copy(deep=True),
+        active_groups=list(state.active_groups) if state.active_groups is not None else None,
         reply=state.reply.model_copy(deep=True) if state.reply else None,
     )
     index = state.__dict__.get("_memory_index")
