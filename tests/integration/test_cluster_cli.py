@@ -119,3 +119,21 @@ async def test_the_dashboard_waits_for_the_new_leader_of_the_session_store(
         waited = [r.getMessage() for r in caplog.records if WAITING in r.getMessage()]
         assert len(waited) == 1, waited
         assert "(up to 30 s)" in waited[0]
+
+
+@pytest.mark.timeout(180)
+async def test_ask_is_answered_across_the_election(cluster: NatsCluster, cluster_bus: Bus) -> None:
+    """``ask`` reads no store itself: the agent it asks waits for the new
+    leader (``AgentHost.store_wait``, the same helper), and the reply comes."""
+    bus = cluster_bus
+    on_bus = ("--nats", ",".join(cluster.urls), "--prefix", bus.prefix)
+    agent = Agent("echo", "", CommandModel(), toolkit=Toolkit())
+    async with serving(cluster.urls, bus.prefix, agent, ready_timeout=30):
+        await RemoteAgent(bus, "echo", session_id="a0").reply("warm", timeout=30)
+        stream = f"KV_{bus.subjects.kv_bucket('sessions')}"
+        await wait_current_replicas(bus, stream, 3)
+        cluster.kill(await cluster.stream_leader(bus, stream))
+        code, out, err = await fleetbus("ask", "echo", "hello", *on_bus, "--session", "a1")
+    assert code == 0, out + err
+    assert "echo hello from" in out
+    assert "✓ completed (session a1)" in out
