@@ -10,6 +10,7 @@ count compression checks and the tool call ids come from the state's
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -36,6 +37,7 @@ from fleetbus.models.model import (
     ModelResponse,
     TextDelta,
     ThinkingDelta,
+    supports_required_tool_choice,
 )
 from fleetbus.protocol import ChatMessage, TextBlock, ToolSpec, ToolUseBlock, new_id
 
@@ -128,10 +130,13 @@ class ModelCalls:
         await self.scope.wait_for_reader()
 
         async def step() -> Msg:
+            # A structured reply ends only with a tool call: forced where the
+            # model can be forced, else asked for (and reminded, _reply.py).
+            required = self.scope.structured and supports_required_tool_choice(self.settings.model)
             request = ModelRequest(
                 messages=self.prompt(),
                 tools=tool_specs(self.scope),
-                tool_choice="auto",
+                tool_choice="required" if required else "auto",
                 options=dict(self.settings.model_config.options),
                 session_id=self.reply.session_id,
             )
@@ -165,8 +170,11 @@ class ModelCalls:
         failures: list[str] = []
         for model in models:
             numbers = itertools.count(1)
+            asked = request
+            if request.tool_choice == "required" and not supports_required_tool_choice(model):
+                asked = dataclasses.replace(request, tool_choice="auto")  # a fallback that cannot
             try:
-                return await retry.call(self._model_attempt, model, request, numbers, failures)
+                return await retry.call(self._model_attempt, model, asked, numbers, failures)
             except StopReply:
                 raise
             except Exception:  # logged and in failures: on to the fallback

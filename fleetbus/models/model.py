@@ -37,6 +37,7 @@ __all__ = [
     "TextDelta",
     "ThinkingDelta",
     "complete",
+    "supports_required_tool_choice",
 ]
 
 FINISH_TOOL = "generate_response"
@@ -141,6 +142,12 @@ class ChatModel(Protocol):
     one :class:`ModelResponse` holding the whole answer. It raises
     :class:`ModelError` (or ``TimeoutError``/``ConnectionError``) when the
     call fails.
+
+    A model may also have a ``supports_required_tool_choice`` attribute
+    (``True``: it honours ``tool_choice="required"``, a call of some tool
+    forced). Without it (or ``False``) the agent never asks for ``required``:
+    it asks for ``auto`` and reminds the model in words (see
+    :func:`supports_required_tool_choice`).
     """
 
     @property
@@ -151,6 +158,12 @@ class ChatModel(Protocol):
     def stream(self, request: ModelRequest) -> AsyncIterator[ModelStreamItem]:
         """Run the call, streaming."""
         ...
+
+
+def supports_required_tool_choice(model: ChatModel) -> bool:
+    """Whether ``model`` declares it honours ``tool_choice="required"``
+    (``False`` for a model that does not say)."""
+    return getattr(model, "supports_required_tool_choice", False) is True
 
 
 async def complete(model: ChatModel, request: ModelRequest) -> ModelResponse:

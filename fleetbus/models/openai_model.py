@@ -188,6 +188,10 @@ class OpenAIConfig(BaseModel):
     text_switch_after: int | None = Field(default=2, ge=1)
     """``auto``: once this many steps of a conversation called tools in their
     text and none natively, it continues in the text protocol (``None``: never)."""
+    required_tool_choice: bool = True
+    """The endpoint honours ``tool_choice="required"`` (OpenAI, vLLM and
+    llama.cpp do): the agent asks for it when a reply must end with a
+    structured answer. ``False``: it asks for ``auto`` and reminds the model."""
     structured_output: Literal["tool", "response_format"] = "tool"
     """How a structured answer is asked for when ``generate_response`` is the only tool."""
     format_retries: int = Field(default=2, ge=0)
@@ -306,6 +310,12 @@ class OpenAIChatModel:
     def name(self) -> str:
         """The model's name at the endpoint."""
         return self._model
+
+    @property
+    def supports_required_tool_choice(self) -> bool:
+        """Whether the agent may ask for ``tool_choice="required"``
+        (``OpenAIConfig.required_tool_choice``)."""
+        return self.config.required_tool_choice
 
     @property
     def base_url(self) -> str:
