@@ -29,7 +29,14 @@ from fleetbus.agents.serving.sessions import SessionStore, session_key
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
 from fleetbus.errors import RevisionMismatchError
 from fleetbus.models import ModelRequest, ModelResponse
-from fleetbus.protocol import AnyMessage, Cancel, ToolCall, ToolResultBlock, ToolUseBlock
+from fleetbus.protocol import (
+    AnyMessage,
+    Cancel,
+    ToolCall,
+    ToolResultBlock,
+    ToolUseBlock,
+    encode,
+)
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, ToolWorker, tool
 from tests.helpers import worker_running
@@ -49,6 +56,17 @@ class Gate:
     opened: asyncio.Event = field(default_factory=asyncio.Event)
     started: asyncio.Event = field(default_factory=asyncio.Event)
     runs: int = 0
+    ran: list[str] = field(default_factory=list)
+    """The tags of the runs, in order."""
+    by_tag: dict[str, asyncio.Event] = field(default_factory=dict)
+    """Gates of their own for some tags (the others wait for ``opened``)."""
+
+    async def until_started(self, count: int) -> None:
+        """Wait until ``count`` runs have started."""
+        async with asyncio.timeout(WAIT):
+            while len(self.ran) < count:
+                self.started.clear()
+                await self.started.wait()
 
 
 def gated_tools(gate: Gate) -> Toolkit:
@@ -61,8 +79,9 @@ def gated_tools(gate: Gate) -> Toolkit:
         """
         gate.runs += 1
         run = gate.runs
+        gate.ran.append(tag)
         gate.started.set()
-        await gate.opened.wait()
+        await gate.by_tag.get(tag, gate.opened).wait()
         return f"{tag}: run {run}"
 
     return Toolkit([gated])
@@ -88,17 +107,57 @@ def think(request: ModelRequest) -> ModelResponse:
     return ScriptedModel.call("gated", {"tag": "x"}, call_id=f"g{calls + 1}")
 
 
+def think_in_parallel(request: ModelRequest) -> ModelResponse:
+    """Call the tool twice at once (tags ``a`` and ``b``); call again each
+    whose result is not a success; answer with both results."""
+    results = {
+        block.id: block
+        for message in request.messages
+        for block in message.content
+        if isinstance(block, ToolResultBlock)
+    }
+    uses = [
+        block
+        for message in request.messages
+        for block in message.content
+        if isinstance(block, ToolUseBlock)
+    ]
+    done: dict[str, Any] = {}
+    for use in uses:
+        result = results.get(use.id)
+        if result is not None and result.state == "success":
+            done[use.input["tag"]] = result.output
+    if len(done) == 2:
+        return ScriptedModel.text(f"got {done['a']}, {done['b']}")
+    again = [tag for tag in ("a", "b") if tag not in done]
+    return ScriptedModel.calls(*(("gated", {"tag": tag}, f"{tag}{len(uses) + 1}") for tag in again))
+
+
 @asynccontextmanager
-async def replica(url: str, prefix: str, name: str, **options: Any) -> AsyncIterator[AgentHost]:
+async def replica(
+    url: str,
+    prefix: str,
+    name: str,
+    *,
+    turn: Callable[[ModelRequest], ModelResponse] = think,
+    parallel: bool = False,
+    **options: Any,
+) -> AsyncIterator[AgentHost]:
     """A host of the agent, with the ``gated`` tool from the bus, on a
-    connection of its own, until the block ends."""
+    connection of its own, until the block ends; its model plays ``turn``."""
     host_bus = await Bus.connect(url, prefix=prefix, name=f"host-{name}")
     options.setdefault("lease_ttl", LEASE_TTL)
     options.setdefault("drain_timeout", 5.0)
     try:
         toolkit = Toolkit()
         await toolkit.add_remote(ToolClient(host_bus, sender=SENDER, timeout=WAIT), ["gated"])
-        agent = Agent(AGENT, "", ScriptedModel([think], repeat_last=True), toolkit=toolkit)
+        agent = Agent(
+            AGENT,
+            "",
+            ScriptedModel([turn], repeat_last=True),
+            toolkit=toolkit,
+            parallel_tool_calls=parallel,
+        )
         host = AgentHost(host_bus, [agent], replica_id=name, **options)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(host.run())
@@ -173,10 +232,10 @@ def cancels(messages: list[AnyMessage]) -> list[Cancel]:
     return [m for m in messages if isinstance(m, Cancel)]
 
 
-async def assert_recorded_success(bus: Bus, call_id: str, content: str) -> None:
+async def assert_recorded_success(bus: Bus, call_id: str, content: str, tag: str = "x") -> None:
     """The worker's record of the call: a success (a retry is answered from it)."""
     replay = await ToolClient(bus, sender=SENDER, timeout=5, attempts=1).call(
-        "gated", {"tag": "x"}, call_id=call_id
+        "gated", {"tag": tag}, call_id=call_id
     )
     assert (replay.status, replay.content) == ("success", content)
 
@@ -293,3 +352,80 @@ async def test_a_users_cancel_of_a_served_reply_still_cancels_its_tool_call(
     assert replay.status == "cancelled"
     assert worker.cancelled == 1
     assert gate.runs == 1
+
+
+class _Heard(logging.Handler):
+    """Sets ``event`` when a log line containing ``text`` is emitted."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.event = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+async def test_a_replica_that_finds_its_session_taken_when_a_result_arrives_leaves_the_other_calls(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    # Two calls run at once; the session is taken over while they run, and
+    # the loser learns it when the first result arrives (its write of the
+    # result fails: the new owner fenced the head) before its lease renewal
+    # would tell it. The other call, cut short by that, is left running.
+    gate = Gate(by_tag={"a": asyncio.Event(), "b": asyncio.Event()})
+    url, prefix = nats_server.url, bus.prefix
+    worker = ToolWorker(bus, gated_tools(gate), worker_id="w1")
+    tools, control = bus.subjects.tool("gated"), bus.subjects.tool_control("gated")
+    lost = _Heard("session s4 was lost")
+    host_log = logging.getLogger("fleetbus.agents.serving.host")
+    host_log.addHandler(lost)
+    try:
+        async with (
+            worker_running(worker),
+            seen(bus, tools) as sent,
+            seen(bus, control) as controlled,
+            # A lease renewed every 20 s: the loss is found by the write.
+            replica(
+                url,
+                prefix,
+                "loser",
+                turn=think_in_parallel,
+                parallel=True,
+                lease_ttl=60,
+                recover_interval=3600,
+            ),
+        ):
+            remote = RemoteAgent(bus, AGENT, session_id="s4")
+            asking = asyncio.create_task(remote.reply("go", timeout=WAIT))
+            try:
+                await gate.until_started(2)
+                async with replica(
+                    url,
+                    prefix,
+                    "successor",
+                    turn=think_in_parallel,
+                    parallel=True,
+                    recover_interval=0.1,
+                ):
+                    await steal_lease(bus, "s4")
+                    await sent.until(lambda m: len(calls_of(m)) >= 4)  # both sent again
+                    gate.by_tag["b"].set()
+                    async with asyncio.timeout(WAIT):
+                        await lost.event.wait()
+                    # Any cancel the loser sent is at the worker before this check.
+                    first_a = next(c for c in calls_of(sent.messages) if c.parameters["tag"] == "a")
+                    await bus.nc.request(control, encode(first_a), timeout=WAIT)
+                    gate.by_tag["a"].set()
+                    answer = await asyncio.wait_for(asking, WAIT)
+            finally:
+                asking.cancel()
+            run_a = gate.ran.index("a") + 1
+            await assert_recorded_success(bus, first_a.call_id or "", f"a: run {run_a}", tag="a")
+    finally:
+        host_log.removeHandler(lost)
+    assert cancels(controlled.messages) == []
+    assert worker.cancelled == 0
+    assert sorted(gate.ran) == ["a", "b"]
+    assert answer.content in ("got a: run 1, b: run 2", "got a: run 2, b: run 1")
