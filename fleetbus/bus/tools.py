@@ -323,8 +323,9 @@ class ToolClient:
         bus: the connection.
         sender: the ``sender`` of the calls (the bus's client name by default).
         timeout: seconds to wait for a reply to a call that sets no
-            ``timeout`` of its own (the worker then applies the tool's own
-            timeout, or its default).
+            ``timeout`` of its own, of a tool that declares none (the worker
+            then applies its default). A call of a tool that declares a
+            timeout waits that one: see :meth:`declared_timeout`.
         attempts: how many times a call is sent at most.
         reply_grace: seconds added to the tool's timeout to wait for the reply
             (the worker needs a moment to answer a timeout itself).
@@ -341,6 +342,8 @@ class ToolClient:
             is sent again at once, not after its attempt's timeout. ``None``:
             never checked. Only an attempt with another after it is.
         check_timeout: seconds a check waits for a worker's receipt.
+        discovery_timeout: seconds the discovery that learns a tool's
+            declared timeout may take (:meth:`declared_timeout`).
     """
 
     def __init__(
@@ -356,6 +359,7 @@ class ToolClient:
         worker_wait: float = 10.0,
         check_after: float | None = 2.0,
         check_timeout: float = 1.0,
+        discovery_timeout: float = 0.5,
     ) -> None:
         if check_after is not None and not check_after > 0:
             raise ConfigError(f"check_after must be positive or None, got {check_after}")
@@ -376,6 +380,10 @@ class ToolClient:
         self.cancel_timeout = cancel_timeout
         self.worker_wait = worker_wait
         self.results = ResultStore(bus, timeout=store_timeout)
+        self.discovery_timeout = discovery_timeout
+        self._declared: dict[str, float | None] = {}
+        """The timeout each tool declares (``None``: none), as discovered."""
+        self._learning = asyncio.Lock()
 
     async def call(
         self,
@@ -396,7 +404,9 @@ class ToolClient:
 
         ``timeout`` is how long the tool may run (sent with the call); when
         ``None`` the worker applies the tool's own timeout, or its default,
-        and the reply is awaited for the client's ``timeout``.
+        and the reply is awaited as long as the tool may run: the timeout it
+        declares (:meth:`declared_timeout`), else the client's ``timeout``;
+        plus ``reply_grace`` either way.
 
         ``worker_wait``: seconds to wait for a worker when none serves the
         tool (its one worker restarting, say): the call is sent again, with
@@ -443,7 +453,16 @@ class ToolClient:
         if tries > 1 and not agent and self.check_after is not None:
             watch = partial(self._watch, call)
 
-        wait = (self.timeout if timeout is None else timeout) + self.reply_grace
+        if timeout is None and not agent:
+            declared = (
+                self._declared[tool_name]
+                if tool_name in self._declared
+                else await self.declared_timeout(tool_name)
+            )
+            timeout_of_call = self.timeout if declared is None else declared
+        else:
+            timeout_of_call = self.timeout if timeout is None else timeout
+        wait = timeout_of_call + self.reply_grace
         try:
             if worker_wait > 0:
 
@@ -594,11 +613,38 @@ class ToolClient:
                 extra={"call_id": call.call_id, "session_id": call.session_id},
             )
 
+    def learn(self, tool: RemoteTool) -> None:
+        """Remember the timeout ``tool`` declares (as :meth:`discover` does for
+        every tool it finds): calls of it that name no timeout wait that long."""
+        self._declared[tool.name] = tool.timeout
+
+    async def declared_timeout(self, tool_name: str) -> float | None:
+        """The timeout ``tool_name`` declares (``None``: it declares none, or
+        no worker said).
+
+        Known from a :meth:`discover` or :meth:`learn` of this client; for a
+        tool it has not seen, learned once by a discovery of at most
+        ``discovery_timeout`` seconds (concurrent calls share it). A
+        discovery that fails counts as one that found nothing: the call then
+        waits the client's ``timeout``.
+        """
+        if tool_name in self._declared:
+            return self._declared[tool_name]
+        async with self._learning:
+            if tool_name not in self._declared:
+                try:
+                    await self.discover(timeout=self.discovery_timeout)
+                except BusError as exc:
+                    logger.debug("cannot learn the timeout of %s: %s", tool_name, exc)
+                self._declared.setdefault(tool_name, None)
+        return self._declared[tool_name]
+
     async def discover(self, *, timeout: float = 0.5) -> dict[str, RemoteTool]:
         """The tools served in this fleet, by name, with their worker counts.
 
         Asks every fleetbus worker for its INFO (``$SRV.INFO.fleetbus``) and
-        keeps those of this bus's prefix.
+        keeps those of this bus's prefix. The client remembers the timeout
+        each declares (:meth:`declared_timeout`).
 
         Raises:
             BusError: the request could not be sent.
@@ -619,6 +665,8 @@ class ToolClient:
                         workers=known.workers + 1,
                         worker_ids=(*known.worker_ids, worker_id),
                     )
+        for tool in tools.values():
+            self.learn(tool)
         return dict(sorted(tools.items()))
 
 

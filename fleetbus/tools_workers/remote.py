@@ -21,7 +21,9 @@ class RemoteToolProxy:
     through, so a retry of the same call is answered from the worker's record.
     The tool was served when it was discovered: a call that finds no worker
     waits for one (a worker restarting) for the client's ``worker_wait``
-    seconds before it fails.
+    seconds before it fails. A call that names no timeout waits as long as
+    the tool may run: the timeout it declared when discovered, else the one
+    the client learns from its workers (:meth:`ToolClient.declared_timeout`).
 
     Args:
         remote: the tool as discovered.
