@@ -2,9 +2,10 @@
 
 A reply streams, in order: ``reply_start``; per reasoning step
 ``model_call_start``, ``thinking_delta``/``text_delta`` pieces,
-``model_call_end`` (with token usage); per tool call ``tool_call`` and
-``tool_result``; when it pauses ``require_user_confirm`` or
-``require_external_execution``; last ``reply_end`` with the
+``model_call_end`` (with token usage); per tool call ``tool_call``, the
+``tool_result_delta`` chunks of a streaming tool as it yields them
+(``call_id``, ``tool_name``, ``content``), and ``tool_result``; when it
+pauses ``require_user_confirm`` or ``require_external_execution``; last ``reply_end`` with the
 ``finished_reason``. Every event carries the reply's id as ``call_id`` and a
 ``seq`` from 0, so they can travel on the bus and be put back in order.
 """
@@ -27,6 +28,7 @@ __all__ = [
     "THINKING_DELTA",
     "TOOL_CALL",
     "TOOL_RESULT",
+    "TOOL_RESULT_DELTA",
     "EventFactory",
 ]
 
@@ -37,6 +39,7 @@ TEXT_DELTA: Final = "text_delta"
 THINKING_DELTA: Final = "thinking_delta"
 TOOL_CALL: Final = "tool_call"
 TOOL_RESULT: Final = "tool_result"
+TOOL_RESULT_DELTA: Final = "tool_result_delta"
 REQUIRE_USER_CONFIRM: Final = "require_user_confirm"
 REQUIRE_EXTERNAL_EXECUTION: Final = "require_external_execution"
 REPLY_END: Final = "reply_end"
@@ -48,6 +51,7 @@ EVENT_NAMES: Final = (
     TEXT_DELTA,
     THINKING_DELTA,
     TOOL_CALL,
+    TOOL_RESULT_DELTA,
     TOOL_RESULT,
     REQUIRE_USER_CONFIRM,
     REQUIRE_EXTERNAL_EXECUTION,

@@ -7,12 +7,19 @@ functions and tools served on the bus alike.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any, Protocol
 
 from fleetbus.protocol import ErrorDetail, ToolSpec
 
-__all__ = ["SwitchableToolSource", "ToolOutcomeLike", "ToolSource", "switchable"]
+__all__ = [
+    "StreamingToolSource",
+    "SwitchableToolSource",
+    "ToolOutcomeLike",
+    "ToolSource",
+    "streaming",
+    "switchable",
+]
 
 
 class ToolOutcomeLike(Protocol):
@@ -94,5 +101,36 @@ def switchable(tools: ToolSource | None) -> SwitchableToolSource | None:
     hand-written one) has none: every tool is offered.
     """
     if tools is None or not getattr(tools, "group_descriptions", None):
+        return None
+    return tools  # type: ignore[return-value]  # checked above, as far as a Protocol can be
+
+
+class StreamingToolSource(ToolSource, Protocol):
+    """A :class:`ToolSource` with tools that yield their results in chunks
+    (``fleetbus.Toolkit`` is one): the agent streams each chunk as a
+    ``tool_result_delta`` event."""
+
+    def is_streaming(self, name: str) -> bool:
+        """Whether the tool ``name`` yields its result in chunks."""
+        ...
+
+    async def run(
+        self,
+        name: str,
+        parameters: Any,
+        *,
+        timeout: float | None = None,
+        call_id: str | None = None,
+        session_id: str | None = None,
+        on_chunk: Callable[[Any], Awaitable[None]] | None = None,
+    ) -> ToolOutcomeLike:
+        """Run a tool, each chunk of a streaming one to ``on_chunk``."""
+        ...
+
+
+def streaming(tools: ToolSource, name: str) -> StreamingToolSource | None:
+    """``tools`` if its tool ``name`` streams its result, else ``None``."""
+    is_streaming = getattr(tools, "is_streaming", None)
+    if is_streaming is None or not is_streaming(name):
         return None
     return tools  # type: ignore[return-value]  # checked above, as far as a Protocol can be

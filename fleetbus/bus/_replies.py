@@ -14,6 +14,7 @@ import math
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import nats.errors
@@ -149,6 +150,9 @@ class Replies:
         self._timer_at = math.inf
         self._receipts: dict[str, bool] = {}
         """Requests that asked for a receipt, by token: whether it came."""
+        self._streams: dict[str, Callable[[Received], bool]] = {}
+        """Requests that take messages before their reply, by token: what
+        takes each (``True``: it was not the reply)."""
 
     async def request(
         self,
@@ -157,9 +161,16 @@ class Replies:
         timeout: float,
         headers: dict[str, str] | None = None,
         resend: float | None = None,
+        stream: Callable[[Received], bool] | None = None,
     ) -> Received:
         """Publish ``payload`` (with ``headers``) on ``subject`` and wait
         ``timeout`` seconds for the reply.
+
+        With ``stream``, every message that comes to the request's reply
+        subject is handed to it first, as it comes (from the connection's
+        read loop: it must not block nor raise); one it returns ``True`` for
+        is not the reply (a delta of a streamed tool result), and the wait
+        goes on.
 
         With ``resend``, the request asked for a receipt (an empty message on
         its reply subject once the responder has durably taken it): until one
@@ -188,6 +199,8 @@ class Replies:
         self._expect(loop.time() + timeout, token)
         if resend is not None:
             self._receipts[token] = False  # (before it is sent: the receipt may come at once)
+        if stream is not None:
+            self._streams[token] = stream
         try:
             nc = self._nc
             if headers is not None or not isinstance(nc, Client):
@@ -201,6 +214,8 @@ class Replies:
         finally:
             del self._waiting[token]
             self._receipts.pop(token, None)
+            if stream is not None:
+                del self._streams[token]
         if msg is None:
             raise nats.errors.TimeoutError
         if _no_responders(msg):
@@ -267,6 +282,10 @@ class Replies:
         if not msg.data and token in self._receipts and not msg.headers:
             self._receipts[token] = True  # a receipt, not the reply
             return True
+        if self._streams:
+            take = self._streams.get(token)
+            if take is not None and take(msg):
+                return True  # taken before the reply (a delta)
         entry = self._waiting.get(token)
         if entry is not None and not entry[0].done():
             entry[0].set_result(msg)

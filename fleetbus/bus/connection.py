@@ -248,6 +248,7 @@ class Bus:
         timeout: float,
         headers: dict[str, str] | None = None,
         watch: Callable[[Interruption], None] | None = None,
+        stream: Callable[[Received], bool] | None = None,
     ) -> Received:
         """One request; a reconnection while it waits ends it as unanswered.
 
@@ -269,7 +270,9 @@ class Bus:
         if watch is not None:
             watch(interruption)
         try:
-            return await self._replies.request(subject, data, timeout, headers=headers)
+            return await self._replies.request(
+                subject, data, timeout, headers=headers, stream=stream
+            )
         except asyncio.CancelledError:
             if interruption.interrupted:
                 interruption.interrupted = False
@@ -375,6 +378,7 @@ class Bus:
         retry_backoff: float = 0.05,
         resend: float | None = None,
         watch: Callable[[Interruption], None] | None = None,
+        stream: Callable[[Received], bool] | None = None,
     ) -> AnyMessage:
         """Send a request and wait for its reply, retrying what went unanswered.
 
@@ -404,6 +408,11 @@ class Bus:
                 :class:`Interruption` whose ``fire`` ends that attempt as
                 unanswered: the next goes out at once (what a reconnection
                 does; :class:`ToolClient` fires it for a call no worker holds).
+            stream: handed every message that comes to an attempt's reply
+                subject before it is taken as the reply; one it returns
+                ``True`` for is not the reply (a delta of a streamed tool
+                result). Called from the connection's read loop: it must
+                neither block nor raise.
 
         Returns:
             The decoded reply, which may be an ``error`` message.
@@ -446,9 +455,9 @@ class Bus:
                 data = encode(msgspec.structs.replace(message, attempt=sent))
             try:
                 if sent < attempts:  # an attempt is left to resend with
-                    return await self._await_reply(subject, data, timeout, headers, watch)
+                    return await self._await_reply(subject, data, timeout, headers, watch, stream)
                 return await self._replies.request(
-                    subject, data, timeout, headers=headers, resend=resend
+                    subject, data, timeout, headers=headers, resend=resend, stream=stream
                 )
             except _UNANSWERED as exc:
                 _log_unanswered(exc, subject, timeout, message, sent, attempts)
@@ -460,7 +469,7 @@ class Bus:
                 sent = 1
                 try:
                     reply = await self._replies.request(
-                        subject, payload, timeout, headers=headers, resend=resend
+                        subject, payload, timeout, headers=headers, resend=resend, stream=stream
                     )
                 except _UNANSWERED as exc:
                     _log_unanswered(exc, subject, timeout, message, 1, 1)

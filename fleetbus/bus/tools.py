@@ -28,6 +28,7 @@ import msgspec
 import nats.errors
 
 from fleetbus._retry import Retry
+from fleetbus.bus._client import Received
 from fleetbus.bus._replies import Interruption
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.micro import EndpointInfo, discover
@@ -53,6 +54,7 @@ from fleetbus.protocol import (
     ToolSpec,
     by_reference,
     content_reference,
+    decode,
     decode_content,
     encode_content,
     new_id,
@@ -396,8 +398,16 @@ class ToolClient:
         attempts: int | None = None,
         agent: bool = False,
         worker_wait: float = 0.0,
+        on_delta: Callable[[ToolResult], None] | None = None,
     ) -> ToolResult:
         """Call a tool and return its ``tool_result``.
+
+        ``on_delta``: handed, in order, each delta of a streamed result (a
+        ``tool_result`` with ``final`` false, one chunk the tool yielded) as
+        it comes, before the final result is returned; the call then asks
+        for them (``stream``). It runs in the connection's read loop: keep it
+        short (put the delta in a queue); what it raises is logged. A retry
+        answered from a worker's record gets the final result alone.
 
         With ``agent=True`` the "tool" is an agent: the call goes to its inbox
         (``<prefix>.agent.<tool_name>.inbox``) with ``{"request": "…"}``.
@@ -444,7 +454,9 @@ class ToolClient:
             tool_name=tool_name,
             parameters=parameters or {},
             timeout=timeout,
+            stream=on_delta is not None,
         )
+        stream = None if on_delta is None else _deltas(call, on_delta)
         subjects = self._bus.subjects
         subject = subjects.agent_inbox(tool_name) if agent else subjects.tool(tool_name)
 
@@ -468,7 +480,7 @@ class ToolClient:
 
                 async def send() -> AnyMessage:
                     return await self._bus.request(
-                        subject, call, timeout=wait, attempts=tries, watch=watch
+                        subject, call, timeout=wait, attempts=tries, watch=watch, stream=stream
                     )
 
                 reply = await Retry(
@@ -480,7 +492,7 @@ class ToolClient:
                 ).call(send)
             else:  # send(), without its frame: on every call
                 reply = await self._bus.request(
-                    subject, call, timeout=wait, attempts=tries, watch=watch
+                    subject, call, timeout=wait, attempts=tries, watch=watch, stream=stream
                 )
         except asyncio.CancelledError as exc:
             scope = _call_scope.get()
@@ -668,6 +680,30 @@ class ToolClient:
         for tool in tools.values():
             self.learn(tool)
         return dict(sorted(tools.items()))
+
+
+def _deltas(call: ToolCall, on_delta: Callable[[ToolResult], None]) -> Callable[[Received], bool]:
+    """Takes the deltas of ``call``'s streamed result to ``on_delta``, in the
+    read loop (see :meth:`Replies.request`): ``True`` for a delta."""
+
+    def take(msg: Received) -> bool:
+        try:
+            delta = decode(msg.data)
+        except ProtocolError:
+            return False  # the reply's to answer: it is read as one
+        if type(delta) is not ToolResult or delta.final or delta.call_id != call.call_id:
+            return False
+        try:
+            on_delta(delta)
+        except Exception:  # the caller's callback must not stop the read loop
+            logger.exception(
+                "on_delta of call %s failed",
+                call.call_id,
+                extra={"call_id": call.call_id, "session_id": call.session_id},
+            )
+        return True
+
+    return take
 
 
 def _nobody_serves(tool_name: str, wait: float, call: ToolCall) -> Callable[[Exception], bool]:

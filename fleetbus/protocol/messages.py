@@ -231,6 +231,10 @@ class ToolCall(Message, frozen=True, kw_only=True, tag="tool_call"):
     """Seconds the tool may run; the worker's default when absent."""
     attempt: Annotated[int, msgspec.Meta(ge=1)] = 1
     """1 for the first send, 2… for retries of the same ``call_id``."""
+    stream: bool = False
+    """``true``: the caller takes the deltas of a streamed result (``tool_result``
+    messages with ``final`` false) before the answer; without it a worker
+    sends the answer alone."""
 
 
 class ToolResult(Message, frozen=True, kw_only=True, tag="tool_result"):
@@ -247,6 +251,12 @@ class ToolResult(Message, frozen=True, kw_only=True, tag="tool_result"):
     """``content`` is a ``data`` block (``nats-object://bucket/name``) whose
     object holds the JSON of what the tool returned: the result was too large
     for one message."""
+    final: bool = True
+    """``false``: a *delta* of a streamed result, one chunk the tool yielded
+    (in ``content``, status ``success``), sent to the call's reply subject as
+    it comes to a call that asked for them (``stream``); more follow, and the
+    call's answer is the one ``tool_result`` with ``final`` true, last, whose
+    ``content`` is the whole result."""
 
     @property
     def ok(self) -> bool:

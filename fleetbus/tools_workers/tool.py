@@ -17,16 +17,29 @@ the type hints (pydantic), and validation of the parameters it is called with::
 Running a tool never raises for what the tool does: :meth:`Tool.run` returns a
 :class:`ToolOutcome` whose ``status`` says how it ended. Toolkits are in
 :mod:`fleetbus.tools_workers.toolkit`.
+
+A generator function (sync or async) is a *streaming* tool: each chunk it
+yields is handed, as it comes, to the ``on_chunk`` of :meth:`Tool.run` (an
+agent streams it as a ``tool_result_delta`` event, a worker sends it as a
+``tool_result`` delta), and the result is the whole: the chunks joined when
+all are strings, else their list::
+
+    @tool
+    async def tail(path: str) -> AsyncIterator[str]:
+        \"\"\"Lines of a log, as they are read.\"\"\"
+        async for line in read_lines(path):
+            yield line
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
 import types
-from collections.abc import Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -89,6 +102,7 @@ class Tool:
             the reply pauses until the result comes from outside
             (``external_result``).
         group: the toolkit group it joins by default.
+        streams: the function is a generator: it yields its result in chunks.
     """
 
     def __init__(
@@ -120,6 +134,7 @@ class Tool:
         self.external = external
         self.group = group
         self.is_async = inspect.iscoroutinefunction(fn)
+        self.streams = inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn)
         self._model = _parameters_model(
             fn, self.name, {p.arg_name: p.description for p in doc.params}
         )
@@ -155,6 +170,7 @@ class Tool:
         timeout: float | None = None,
         call_id: str | None = None,
         session_id: str | None = None,
+        on_chunk: Callable[[Any], Awaitable[None]] | None = None,
     ) -> ToolOutcome:
         """Validate the parameters, run the function, and say how it ended.
 
@@ -163,6 +179,9 @@ class Tool:
 
         A sync function runs in a worker thread; on timeout its result is
         abandoned (a thread cannot be stopped), an async one is cancelled.
+        A streaming tool (:attr:`streams`) hands each chunk, made JSON, to
+        ``on_chunk`` as it comes (awaited before the next is asked for), and
+        ends with the whole result.
         Never raises, except ``CancelledError`` when the caller is cancelled.
         """
         try:
@@ -173,7 +192,10 @@ class Tool:
             )
         limit = self.timeout if timeout is None else timeout
         try:
-            result = await self._call(kwargs, limit)
+            if self.streams:
+                result = await self._stream(kwargs, limit, on_chunk)
+            else:
+                result = await self._call(kwargs, limit)
         except _DeadlineError:
             return ToolOutcome.failure(
                 "timeout", "timeout", f"{self.name} did not finish within {limit:g}s"
@@ -196,6 +218,57 @@ class Tool:
                 f"which is not JSON-serializable: {exc}",
             )
         return ToolOutcome(status="success", content=content)
+
+    async def _stream(
+        self,
+        kwargs: dict[str, Any],
+        limit: float | None,
+        on_chunk: Callable[[Any], Awaitable[None]] | None,
+    ) -> Any:
+        """Run a generator function to its end within ``limit`` seconds
+        (:class:`_DeadlineError` after), each chunk to ``on_chunk``; the
+        chunks joined when all are strings, else their list."""
+        chunks: list[Any] = []
+
+        async def take(chunk: Any) -> None:
+            if chunk is not None and type(chunk) not in _JSON_SCALARS:
+                chunk = pydantic_core.to_jsonable_python(chunk)
+            chunks.append(chunk)
+            if on_chunk is not None:
+                await on_chunk(chunk)
+
+        async def drain() -> None:
+            made = self.fn(**kwargs)
+            if inspect.isasyncgen(made):
+                try:
+                    async for chunk in made:
+                        await take(chunk)
+                finally:
+                    await made.aclose()
+                return
+            end = object()
+            try:
+                # Each step in a thread, as a sync tool runs: it may block.
+                while (chunk := await asyncio.to_thread(next, made, end)) is not end:
+                    await take(chunk)
+            finally:
+                with contextlib.suppress(ValueError):  # a step still running in its thread
+                    made.close()
+
+        if limit is None:
+            await drain()
+        else:
+            deadline = asyncio.timeout(limit)
+            try:
+                async with deadline:
+                    await drain()
+            except TimeoutError as exc:
+                if deadline.expired():
+                    raise _DeadlineError from exc
+                raise
+        if all(isinstance(c, str) for c in chunks):
+            return "".join(chunks)
+        return chunks
 
     async def _call(self, kwargs: dict[str, Any], limit: float | None) -> Any:
         """Call the function; :class:`_DeadlineError` after ``limit`` seconds

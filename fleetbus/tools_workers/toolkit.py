@@ -273,6 +273,12 @@ class Toolkit:
         found = self._tools.get(name)
         return found is not None and found.concurrency_safe
 
+    def is_streaming(self, name: str) -> bool:
+        """Whether the tool yields its result in chunks (``False`` if unknown,
+        or served on the bus)."""
+        found = self._tools.get(name)
+        return isinstance(found, Tool) and found.streams
+
     def is_external(self, name: str) -> bool:
         """Whether the tool is run outside the agent (``False`` if unknown)."""
         found = self._tools.get(name)
@@ -286,15 +292,25 @@ class Toolkit:
         timeout: float | None = None,
         call_id: str | None = None,
         session_id: str | None = None,
+        on_chunk: Callable[[Any], Awaitable[None]] | None = None,
     ) -> ToolOutcome:
         """Run a tool by name; an unknown name is an ``unknown_tool`` outcome.
 
+        A streaming tool (:meth:`is_streaming`) hands each chunk to ``on_chunk``.
         Never raises for what the tool does, except ``CancelledError``.
         """
         found = self._tools.get(name)
         if found is None:
             message = str(UnknownToolError(name, list(self._tools)))
             return ToolOutcome.failure("error", "unknown_tool", message)
+        if on_chunk is not None and isinstance(found, Tool) and found.streams:
+            return await found.run(
+                parameters,
+                timeout=timeout,
+                call_id=call_id,
+                session_id=session_id,
+                on_chunk=on_chunk,
+            )
         return await found.run(parameters, timeout=timeout, call_id=call_id, session_id=session_id)
 
     async def add_remote(

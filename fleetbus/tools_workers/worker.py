@@ -22,6 +22,10 @@ Guarantees:
   every slot taken sends a receipt, and no worker runs it;
 - a result too large for one message goes to the fleet's object store, and
   the answer refers to it (see :class:`~fleetbus.bus.tools.ResultStore`);
+- a streaming tool's chunks go, as it yields them, to the reply subject of a
+  call that asked for them (``stream``), each a ``tool_result`` with
+  ``final`` false, before the answer (a delta that cannot be sent is
+  dropped: the answer holds the whole result);
 - on stop (SIGTERM/SIGINT in the CLI) the worker takes no new calls, finishes
   those in flight, and returns.
 """
@@ -35,7 +39,9 @@ import os
 import socket
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 from fleetbus._version import __version__
 from fleetbus.bus import (
@@ -60,7 +66,7 @@ from fleetbus.protocol import (
     new_id,
 )
 from fleetbus.protocol.codec import clip
-from fleetbus.tools_workers.tool import ToolOutcome
+from fleetbus.tools_workers.tool import Tool, ToolOutcome
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike
 
 __all__ = ["ToolWorker"]
@@ -268,10 +274,11 @@ class ToolWorker(Lifecycle):
 
     def _handler(self, served: ToolLike) -> Handler:
         stats = self.service.stats[served.name]
+        streams = isinstance(served, Tool) and served.streams
 
         async def handle(request: Request) -> Message:
             started = time.perf_counter_ns()
-            reply = await self._answer(served, request)
+            reply = await self._answer(served, request, streams)
             error = None
             if type(reply) is ToolResult:
                 if reply.error_detail is not None:
@@ -341,7 +348,7 @@ class ToolWorker(Lifecycle):
         running.cancel_reason = reason
         running.task.cancel()
 
-    async def _answer(self, served: ToolLike, request: Request) -> Message:
+    async def _answer(self, served: ToolLike, request: Request, streams: bool = False) -> Message:
         call = request.message
         if not isinstance(call, ToolCall):
             return error_reply(
@@ -400,7 +407,12 @@ class ToolWorker(Lifecycle):
         self._running[key] = current
         try:
             result, record, size = await self._execute(
-                served, call, min(timeout, self.max_timeout), current, max_payload
+                served,
+                call,
+                min(timeout, self.max_timeout),
+                current,
+                max_payload,
+                request.reply if streams and call.stream else "",
             )
         except BaseException as exc:
             current.finish(exc)
@@ -421,13 +433,20 @@ class ToolWorker(Lifecycle):
         timeout: float,
         running: _Running,
         max_payload: int,
+        deltas_to: str = "",
     ) -> tuple[ToolResult, bool, int | None]:
         """Run the tool; the result as it can travel (by reference when too
         large for one message, ``max_payload`` the server's limit), whether
-        a retry should get it, and its encoded size when known."""
+        a retry should get it, and its encoded size when known. A streaming
+        tool's chunks go to ``deltas_to`` (when given) as it yields them."""
         self.executed += 1
         try:
-            outcome = await served.run(call.parameters, timeout=timeout)
+            if deltas_to:
+                outcome = await cast(Tool, served).run(
+                    call.parameters, timeout=timeout, on_chunk=self._deltas(call, deltas_to)
+                )
+            else:
+                outcome = await served.run(call.parameters, timeout=timeout)
         except asyncio.CancelledError:
             if running.cancel_reason is not None and _uncancel(running.task) == 0:
                 # Only the caller's cancel: it is the call's answer.
@@ -465,6 +484,32 @@ class ToolWorker(Lifecycle):
             # error result too large.
             return result, True, size
         return await self._offload(call, result, size, limit)
+
+    def _deltas(self, call: ToolCall, reply: str) -> Callable[[Any], Awaitable[None]]:
+        """Sends each chunk of ``call``'s streamed result to ``reply``."""
+
+        async def send(chunk: Any) -> None:
+            delta = ToolResult(
+                id=new_id(),
+                sender=self.worker_id,
+                session_id=call.session_id,
+                call_id=call.call_id,
+                tool_name=call.tool_name,
+                status="success",
+                content=chunk,
+                final=False,
+            )
+            try:
+                await self.bus.publish(reply, delta)
+            except (BusError, ProtocolError) as exc:  # too large, or the bus closing
+                logger.debug(
+                    "a delta of call %s not sent: %s",
+                    clip(call.call_id or "", _LOGGED_CHARS),
+                    exc,
+                    extra={"call_id": call.call_id, "session_id": call.session_id},
+                )
+
+        return send
 
     def _cancelled(self, call: ToolCall, reason: str) -> ToolResult:
         return self._result(
