@@ -5,9 +5,10 @@ This is the client side of the tool protocol; the serving side is
 reach tools the same way: a ``tool_call`` request on ``<prefix>.tool.<name>``.
 
 Two things cross from the caller to the worker besides the call itself: a
-``cancel`` on ``<prefix>.tool.<name>.control`` when the caller stops waiting,
-and results too large for one message, which travel through the fleet's
-object store (:class:`ResultStore`).
+``cancel`` on ``<prefix>.tool.<name>.control`` when the caller stops waiting
+(not when it abandons the call to another replica: :class:`CallScope`), and
+results too large for one message, which travel through the fleet's object
+store (:class:`ResultStore`).
 """
 
 from __future__ import annotations
