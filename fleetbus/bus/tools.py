@@ -166,6 +166,11 @@ class CallScope:
         are left running (call it before cancelling them)."""
         self._abandoned = True
 
+    @staticmethod
+    def current() -> CallScope | None:
+        """The scope the calls made here are in (``None``: none entered)."""
+        return _call_scope.get()
+
     def __enter__(self) -> CallScope:
         self._token = _call_scope.set(self)
         return self
@@ -496,7 +501,7 @@ class ToolClient:
                     subject, call, timeout=wait, attempts=tries, watch=watch, stream=stream
                 )
         except asyncio.CancelledError as exc:
-            scope = _call_scope.get()
+            scope = CallScope.current()
             if scope is not None and scope.abandoned:
                 logger.debug(
                     "stopped waiting for call %s of %s; it is left to run for the "
