@@ -15,7 +15,8 @@ tracing off, then on (an OpenTelemetry SDK provider with an in-memory
 exporter in this process and in the worker).
 
 Prints one JSON line. Targets: fleetbus throughput >= 0.8x raw,
-p50 <= 1.3x raw, tracing on >= 0.9x off.
+p50 <= 1.3x raw. (Tracing every no-op call is reported, not targeted:
+``bench/tracing.py`` measures tracing against its targets.)
 """
 
 from __future__ import annotations
@@ -410,9 +411,6 @@ def main() -> None:
         ),
         "p50_le_1.3x_raw": targets["sequential"]["p50_ratio"] <= 1.3,
     }
-    if "tracing_uvloop_in_flight_64" in report:
-        traced = report["tracing_uvloop_in_flight_64"]["on_vs_off"]
-        report["targets_met"]["tracing_costs_le_10_percent"] = traced >= 0.9
     print(json.dumps(report, separators=(",", ":")))
 
 

@@ -14,10 +14,11 @@ which follows the standard ``OTEL_*`` environment variables when the
 ``fleetbus[otel]`` extra is installed (``OTEL_TRACES_EXPORTER``, else
 ``OTEL_EXPORTER_OTLP_ENDPOINT``/``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``).
 Without a provider, every helper here returns at once: tracing costs nothing
-when it is off. With the SDK's provider, fleetbus makes its spans itself, at
-a third of the SDK's cost, and hands them to the provider's processors as
-the SDK's spans are (:mod:`fleetbus._spans`); any other provider makes its
-own.
+measurable when it is off. Spans are made by the provider's own tracer,
+through the OpenTelemetry API only; in a trace that the provider's
+parent-based sampler does not sample, no span is made at all (the parent's
+context is carried on), so sampling at the root saves the spans' cost in
+every process (docs/observability.md has the figures).
 
 Spans (all named ``fleetbus …``), with their attributes:
 
@@ -39,20 +40,18 @@ import logging
 import os
 import re
 from collections.abc import Mapping
+from importlib import metadata
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from fleetbus import _version
-
-if TYPE_CHECKING:
-    from fleetbus._spans import Pipeline
 
 __all__ = [
     "SpanKind",
@@ -74,23 +73,73 @@ _TRACESTATE = "tracestate"
 _BAGGAGE = "baggage"
 
 
+# The one seam into opentelemetry-api's private names, written for
+# opentelemetry-api 1.25 to 1.45 (tests/unit/test_tracing_seam.py checks
+# what it reads, against the installed version). It reads two:
+# - ``opentelemetry.trace._TRACER_PROVIDER``, the global provider (None
+#   until one is set): "off" in one global read. The public
+#   ``get_tracer_provider()`` asks ``os.environ`` on every call while none
+#   is set, 0.61 us against 0.07 us, and a request asks twice.
+# - ``CompositePropagator._propagators``, what the global propagator is made
+#   of: when it is OpenTelemetry's default, a plain ``traceparent`` is read
+#   here, 1.7 us against the propagator's 3.3 us a request received, and
+#   written here too.
+# Checked once, at import: when either is missing, one warning, and fleetbus
+# goes through the public API.
+
+
+def _check_seam() -> bool:
+    """Whether the private names the seam reads are there (else warn once)."""
+    provider_there = hasattr(trace, "_TRACER_PROVIDER")
+    parts = getattr(CompositePropagator([]), "_propagators", None)
+    if provider_there and isinstance(parts, list | tuple):
+        return True
+    try:
+        version = metadata.version("opentelemetry-api")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    logger.warning(
+        "opentelemetry-api %s lacks what fleetbus's tracing reads to be cheap "
+        "(written for 1.25 to 1.45): going through its public API",
+        version,
+    )
+    return False
+
+
+_SEAM = _check_seam()
+_DIRECT = _SEAM and "OTEL_PYTHON_TRACER_PROVIDER" not in os.environ
+"""Whether the global provider is read directly (a provider named in the
+environment is loaded by the API's ``get_tracer_provider()`` on first use:
+then only that asks)."""
+
+
+def _provider() -> trace.TracerProvider | None:
+    """The global tracer provider (``None``, or the API's proxy, until one is set)."""
+    return trace._TRACER_PROVIDER if _DIRECT else trace.get_tracer_provider()
+
+
+def _propagator_parts(textmap: object) -> list[object] | None:
+    """The propagators a composite propagator is made of (``None``: not known)."""
+    parts = getattr(textmap, "_propagators", None) if _SEAM else None
+    return list(parts) if isinstance(parts, list | tuple) else None
+
+
 _UNKNOWN = object()
 
 
 def enabled() -> bool:
     """Whether spans are recorded (a tracer provider is installed)."""
-    # Asked several times on every request: the API's own lookup
-    # (get_tracer_provider) took 0.8 us, and telling its proxy from a provider
-    # (an ABC's isinstance) 0.5 us; the answer kept for the provider it was
-    # found for, 0.1 us.
+    # Asked several times on every request: telling the API's proxy from a
+    # provider (an ABC's isinstance) took 0.5 us; the answer kept for the
+    # provider it was found for, 0.1 us.
     global _enabled_for
-    provider = _provider()
+    provider = trace._TRACER_PROVIDER if _DIRECT else trace.get_tracer_provider()
     if provider is None:  # never set: off, at the cost of one global read
         return False
     cached = _enabled_for
     if cached[0] is provider:
         return cached[1]
-    on = provider is not None and not isinstance(provider, trace.ProxyTracerProvider)
+    on = not isinstance(provider, trace.ProxyTracerProvider)
     _enabled_for = (provider, on)
     return on
 
@@ -99,24 +148,26 @@ _enabled_for: tuple[object, bool] = (_UNKNOWN, False)
 """The last provider :func:`enabled` saw, and its answer."""
 
 
-def _provider() -> trace.TracerProvider | None:
-    """The global tracer provider (``None``, or the API's proxy, until one is set)."""
-    provider = getattr(trace, "_TRACER_PROVIDER", _UNKNOWN)
-    if provider is _UNKNOWN:
-        provider = trace.get_tracer_provider()
-    return provider  # type: ignore[return-value]
-
-
 def inject(headers: dict[str, str] | None = None) -> dict[str, str] | None:
     """``headers`` with the current span's ``traceparent`` (and
     ``tracestate``) added, when tracing is on and a span is current; else
     ``headers`` as given."""
-    if not enabled():
+    # The first test alone when tracing is off: a function call less on
+    # every request.
+    if (_DIRECT and trace._TRACER_PROVIDER is None) or not enabled():
         return headers
     current = trace.get_current_span().get_span_context()
     if not current.is_valid:
         return headers
     carrier: dict[str, str] = dict(headers or {})
+    if _w3c_only() and not baggage.get_all():
+        # What the default propagator writes, in half its time (it asks the
+        # context for the span again, and the baggage propagator for none).
+        flags = current.trace_flags
+        carrier[_TRACEPARENT] = f"00-{current.trace_id:032x}-{current.span_id:016x}-{flags:02x}"
+        if current.trace_state:
+            carrier[_TRACESTATE] = current.trace_state.to_header()
+        return carrier
     propagate.inject(carrier)
     return carrier
 
@@ -147,15 +198,14 @@ _w3c_textmap: tuple[object, bool] | None = None
 def _w3c_only() -> bool:
     """Whether the global propagator is OpenTelemetry's default (W3C trace
     context and baggage): then :func:`extract` reads a plain ``traceparent``
-    itself. (:func:`inject` always writes through the propagator: doing it
-    by hand saved 0.4 of 7.7 us.)"""
+    itself."""
     global _w3c_textmap
     textmap = propagate.get_global_textmap()
     cached = _w3c_textmap
     if cached is not None and cached[0] is textmap:
         return cached[1]
-    parts = getattr(textmap, "_propagators", None)  # no API says what a composite holds
-    kinds = [type(part) for part in parts] if isinstance(parts, (list, tuple)) else []
+    parts = _propagator_parts(textmap)
+    kinds = [type(part) for part in parts] if parts is not None else []
     plain = isinstance(textmap, CompositePropagator) and TraceContextTextMapPropagator in kinds
     plain = plain and all(k in (TraceContextTextMapPropagator, W3CBaggagePropagator) for k in kinds)
     _w3c_textmap = (textmap, plain)
@@ -181,7 +231,17 @@ class _Block:
         self._attributes = attributes
 
     def __enter__(self) -> trace.Span:
-        started = _start(self._name, self._kind, self._parent, self._attributes)
+        parent = self._parent
+        unsampled = _unsampled_parent(parent)
+        if unsampled is not None:
+            # No span: the parent's context stays current (made current, if
+            # it came from a request), and the block gets a span that records
+            # nothing.
+            self._span = unsampled
+            self._token = otel_context.attach(parent) if parent is not None else None
+            return unsampled
+        clean = _clean(self._attributes)
+        started = _tracer().start_span(self._name, parent, self._kind, clean)
         self._span = started
         self._token = otel_context.attach(trace.set_span_in_context(started))
         return started
@@ -193,12 +253,16 @@ class _Block:
         tb: TracebackType | None,
     ) -> None:
         started = self._span
+        token = self._token
+        if token is not None:
+            otel_context.detach(token)
+        if isinstance(started, trace.NonRecordingSpan):
+            return
         # What start_as_current_span does: an escaping exception recorded with
         # an error status, made current no more, ended.
         if exc is not None and started.is_recording():
             started.record_exception(exc)
             started.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-        otel_context.detach(self._token)
         started.end()
 
 
@@ -215,7 +279,12 @@ def span(
     """A span named ``name`` around the block (a child of ``parent``, a context
     from :func:`extract`, else of the current span); yields the span to add
     attributes to, or ``None`` when tracing is off. An exception escaping the
-    block is recorded on the span, which ends with an error status."""
+    block is recorded on the span, which ends with an error status.
+
+    In a trace that is not sampled, under a parent-based sampler (the SDK's
+    default, and ``parentbased_traceidratio``), no span is made: the block
+    gets a span that records nothing, and the parent's context stays the
+    current one, so the requests made in the block carry it on."""
     if not enabled():
         return _OFF
     return _Block(name, kind, parent, attributes)
@@ -232,7 +301,10 @@ def begin(
     parent of what a block starts with :func:`current`."""
     if not enabled():
         return None
-    return _start(name, kind, None, attributes)
+    unsampled = _unsampled_parent(None)
+    if unsampled is not None:
+        return unsampled
+    return _tracer().start_span(name, None, kind, _clean(attributes))
 
 
 def current(span: trace.Span | None) -> contextlib.AbstractContextManager[Any]:
@@ -243,49 +315,80 @@ def current(span: trace.Span | None) -> contextlib.AbstractContextManager[Any]:
     return trace.use_span(span, end_on_exit=False)
 
 
-def _start(
-    name: str,
-    kind: trace.SpanKind,
-    parent: otel_context.Context | None,
-    attributes: Mapping[str, Any] | None,
-) -> trace.Span:
-    """A span started through the global provider: fleetbus's own spans for
-    the SDK's provider (a third of the SDK's cost, the same spans exported:
-    :mod:`fleetbus._spans`), the provider's tracer's for any other."""
-    tracer, pipeline = _tracer()
-    if pipeline is not None:
-        if pipeline.enabled():
-            return pipeline.start(name, parent, kind, attributes)
-        return trace.NonRecordingSpan(trace.get_current_span(parent).get_span_context())
-    clean = {k: v for k, v in (attributes or {}).items() if v is not None}
-    return tracer.start_span(name, context=parent, kind=kind, attributes=clean)
+def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``attributes`` without those that are ``None`` (OpenTelemetry warns of them)."""
+    if not attributes:
+        return None
+    return {k: v for k, v in attributes.items() if v is not None}
 
 
-_cached_tracer: tuple[object, trace.Tracer, Pipeline | None] | None = None
-"""The tracer of the provider it was made from, with its pipeline when it is
-the SDK's."""
+_PARENT_DECIDES = (
+    ",remoteParentSampled:AlwaysOnSampler,remoteParentNotSampled:AlwaysOffSampler,"
+    "localParentSampled:AlwaysOnSampler,localParentNotSampled:AlwaysOffSampler}"
+)
+"""How the SDK describes a parent-based sampler that follows the parent's
+decision (whatever it decides for a root): the default one, and those
+``OTEL_TRACES_SAMPLER=parentbased_*`` configures."""
 
 
-def _tracer() -> tuple[trace.Tracer, Pipeline | None]:
+def _unsampled_parent(parent: otel_context.Context | None) -> trace.Span | None:
+    """A span that records nothing, in the context of the span current in
+    ``parent`` (else in the current context), when that span is of a trace
+    not sampled and the provider's sampler follows the parent: its child
+    would not be sampled either, and the SDK would make a span that records
+    nothing. ``None`` otherwise."""
+    current = trace.get_current_span(parent)
+    context = current.get_span_context()
+    if context.trace_flags.sampled or not context.is_valid or not _follows_parent():
+        return None
+    return (
+        current if isinstance(current, trace.NonRecordingSpan) else trace.NonRecordingSpan(context)
+    )
+
+
+_follows_parent_for: tuple[object, bool] = (_UNKNOWN, False)
+"""The provider :func:`_follows_parent` last answered for, and its answer."""
+
+
+def _follows_parent() -> bool:
+    """Whether the provider's sampler is the SDK's parent-based one, never
+    sampling a child of a parent not sampled (read through the SDK's public
+    ``TracerProvider.sampler`` and the sampler's description)."""
+    global _follows_parent_for
+    provider = _provider()
+    cached = _follows_parent_for
+    if cached[0] is provider:
+        return cached[1]
+    sampler = getattr(provider, "sampler", None)
+    follows = False
+    if sampler is not None:
+        try:
+            from opentelemetry.sdk.trace.sampling import ParentBased
+        except ImportError:  # a sampler that is not the SDK's: asked for every span
+            pass
+        else:
+            if isinstance(sampler, ParentBased):
+                description: str = sampler.get_description()  # type: ignore[no-untyped-call]
+                follows = description.endswith(_PARENT_DECIDES)
+    _follows_parent_for = (provider, follows)
+    return follows
+
+
+_cached_tracer: tuple[object, trace.Tracer] | None = None
+"""The tracer of the provider it was made from."""
+
+
+def _tracer() -> trace.Tracer:
     """fleetbus's tracer of the global provider, made once per provider (an SDK
-    provider makes a new tracer at every ``get_tracer``), and the pipeline
-    fleetbus's spans go through when the provider is the SDK's."""
+    provider makes a new tracer at every ``get_tracer``)."""
     global _cached_tracer
     provider = _provider() or trace.get_tracer_provider()
     cached = _cached_tracer
     if cached is not None and cached[0] is provider:
-        return cached[1], cached[2]
+        return cached[1]
     tracer = provider.get_tracer("fleetbus", _version.__version__)
-    pipeline = None
-    if type(tracer).__module__.startswith("opentelemetry.sdk."):
-        from fleetbus._spans import Pipeline
-
-        try:
-            pipeline = Pipeline(tracer)  # type: ignore[arg-type]
-        except AttributeError as exc:  # an SDK this does not know: its own spans
-            logger.debug("fleetbus spans go through the SDK's tracer: %s", exc)
-    _cached_tracer = (provider, tracer, pipeline)
-    return tracer, pipeline
+    _cached_tracer = (provider, tracer)
+    return tracer
 
 
 def setup_from_env() -> bool:

@@ -1,7 +1,9 @@
-"""fleetbus's own spans for the SDK's provider (``fleetbus._spans``) export
-what the SDK's spans export, follow the provider's sampler, limits and
-processors, and the W3C headers fleetbus writes and reads itself are the
-propagator's."""
+"""fleetbus's spans are the provider's own (made through the OpenTelemetry
+API only): what fleetbus's blocks record is what the SDK's
+``start_as_current_span`` records; the provider's sampler, limits and
+processors apply; no span is made in a trace that a parent-based sampler
+does not sample; and the W3C headers fleetbus reads itself are read as the
+propagator reads them."""
 
 from __future__ import annotations
 
@@ -14,18 +16,14 @@ from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import (
-    ConcurrentMultiSpanProcessor,
-    ReadableSpan,
-    SpanLimits,
-    SpanProcessor,
-    TracerProvider,
-)
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
     Decision,
+    ParentBased,
     Sampler,
     SamplingResult,
     TraceIdRatioBased,
@@ -33,7 +31,7 @@ from opentelemetry.sdk.trace.sampling import (
 from opentelemetry.trace import Link, SpanContext, StatusCode, TraceFlags, TraceState
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from fleetbus import _spans, tracing
+from fleetbus import tracing
 from tests.helpers import reset_tracer_provider
 
 
@@ -127,23 +125,31 @@ def test_fleetbus_spans_export_what_the_sdk_spans_export() -> None:
 def test_attributes_follow_the_providers_limits_and_types(caplog: pytest.LogCaptureFixture) -> None:
     limits = SpanLimits(max_span_attributes=3, max_span_attribute_length=4, max_events=1)
     exporter = install(span_limits=limits)
-    attributes = {"a": "abcdefgh", "b": ["long-one", "x"]}
-    with (
-        caplog.at_level(logging.WARNING, logger="fleetbus.tracing"),
-        tracing.span("limited", attributes=attributes) as span,
-    ):
+    sdk_tracer = trace.get_tracer_provider().get_tracer("fleetbus", "0.1.0")
+
+    def fill(span: Any) -> None:
         span.set_attribute("bad", {"a": "dict"})
         span.set_attribute("mixed", [1, "a"])
         span.set_attribute("c", 1)
         span.set_attribute("d", 2)  # the fourth: over the limit
-        span.set_attribute("a", "replaced")  # a known key is still set
+        span.set_attribute("a", "replaced")
         span.add_event("first")
         span.add_event("second")  # over the limit of events
-    (finished,) = exporter.get_finished_spans()
-    assert dict(finished.attributes or {}) == {"a": "repl", "b": ("long", "x"), "c": 1}
-    assert [e.name for e in finished.events] == ["first"]
-    assert "Invalid type dict for attribute 'bad'" in caplog.text
-    assert "'mixed'" in caplog.text
+
+    attributes = {"a": "abcdefgh", "b": ["long-one", "x"], "none": None}
+    with caplog.at_level(logging.WARNING), tracing.span("limited", attributes=attributes) as ours:
+        fill(ours)
+    del attributes["none"]  # fleetbus leaves None out, which the SDK warns of
+    with sdk_tracer.start_as_current_span("limited", attributes=attributes) as theirs:
+        fill(theirs)
+    mine, reference = exporter.get_finished_spans()
+    assert dict(mine.attributes or {}) == dict(reference.attributes or {})
+    assert len(mine.attributes or {}) == 3
+    assert (mine.attributes or {})["a"] == "repl"
+    assert [e.name for e in mine.events] == [e.name for e in reference.events]
+    assert len(mine.events) == 1
+    assert "bad" not in (mine.attributes or {})
+    assert "None" not in caplog.text
 
 
 def test_an_ended_span_takes_nothing_more_and_ends_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -153,7 +159,7 @@ def test_an_ended_span_takes_nothing_more_and_ends_once(caplog: pytest.LogCaptur
     assert span.is_recording()
     span.end()
     assert not span.is_recording()
-    with caplog.at_level(logging.WARNING, logger="fleetbus.tracing"):
+    with caplog.at_level(logging.WARNING):
         span.set_attribute("late", 1)
         span.end()
     (finished,) = exporter.get_finished_spans()
@@ -208,7 +214,7 @@ class Tagging(Sampler):
             return SamplingResult(Decision.DROP)
         return SamplingResult(
             Decision.RECORD_AND_SAMPLE,
-            {"sampled.by": "tagging"},
+            {**(attributes or {}), "sampled.by": "tagging"},  # what the span keeps
             TraceState([("vendor", "v1")]),
         )
 
@@ -268,62 +274,6 @@ def test_the_providers_processors_see_the_span_start() -> None:
     ]
 
 
-class Hooked(SpanProcessor):
-    """Records which of its hooks a span calls, in order."""
-
-    def __init__(self, calls: list[str], name: str) -> None:
-        self.calls = calls
-        self.name = name
-
-    def on_start(self, span: Any, parent_context: otel_context.Context | None = None) -> None:
-        self.calls.append(f"{self.name} start {span.name}")
-
-    def _on_ending(self, span: Any) -> None:
-        self.calls.append(f"{self.name} ending {span.name} {span.end_time}")
-
-    def on_end(self, span: ReadableSpan) -> None:
-        self.calls.append(f"{self.name} end {span.name} {span.end_time is not None}")
-
-
-def test_every_processor_hook_is_called_in_order_and_one_added_later_too() -> None:
-    reset_tracer_provider()
-    calls: list[str] = []
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(Hooked(calls, "a"))
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    with tracing.span("first"):
-        pass
-    provider.add_span_processor(Hooked(calls, "b"))  # after fleetbus read the processors
-    with tracing.span("second"):
-        pass
-    assert calls == [
-        "a start first",
-        "a ending first None",
-        "a end first True",
-        "a start second",
-        "b start second",
-        "a ending second None",
-        "b ending second None",
-        "a end second True",
-        "b end second True",
-    ]
-    assert [s.name for s in exporter.get_finished_spans()] == ["first", "second"]
-
-
-def test_a_concurrent_multi_processor_is_called_itself() -> None:
-    reset_tracer_provider()
-    calls: list[str] = []
-    multi = ConcurrentMultiSpanProcessor(num_threads=2)
-    multi.add_span_processor(Hooked(calls, "c"))
-    trace.set_tracer_provider(TracerProvider(active_span_processor=multi, shutdown_on_exit=False))
-    with tracing.span("parallel"):
-        pass
-    assert calls == ["c start parallel", "c ending parallel None", "c end parallel True"]
-    multi.shutdown()
-
-
 def test_the_span_processors_are_given_does_not_change_after_its_end(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -331,7 +281,7 @@ def test_the_span_processors_are_given_does_not_change_after_its_end(
     with tracing.span("kept", attributes={"k": "v"}) as span:
         span.add_event("e")
     (finished,) = exporter.get_finished_spans()
-    with caplog.at_level(logging.WARNING, logger="fleetbus.tracing"):
+    with caplog.at_level(logging.WARNING):
         span.set_status(StatusCode.ERROR, "too late")
         span.set_attribute("late", 1)
         span.add_event("late")
@@ -433,13 +383,6 @@ def test_another_propagator_is_used_as_configured() -> None:
         propagate.set_global_textmap(previous)
 
 
-def test_the_sdk_pipeline_is_read_from_the_tracer() -> None:
-    install()
-    tracer, pipeline = tracing._tracer()
-    assert isinstance(pipeline, _spans.Pipeline)
-    assert pipeline.tracer is tracer
-
-
 def test_the_exporters_encode_fleetbus_spans_as_the_sdks() -> None:
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
@@ -467,3 +410,96 @@ def test_the_exporters_encode_fleetbus_spans_as_the_sdks() -> None:
         span.ClearField("end_time_unix_nano")
         expected_span.ClearField("end_time_unix_nano")
         assert span == expected_span
+
+
+def test_fleetbus_spans_are_the_providers_own() -> None:
+    exporter = install()
+    with tracing.span("own", attributes={"k": "v"}) as span:
+        assert isinstance(span, SdkSpan)  # the SDK's, made through the API
+        assert trace.get_current_span() is span
+    began = tracing.begin("begun")
+    assert isinstance(began, SdkSpan)
+    began.end()
+    assert [s.name for s in exporter.get_finished_spans()] == ["own", "begun"]
+
+
+def test_no_span_is_made_in_a_trace_that_is_not_sampled() -> None:
+    exporter = install(sampler=ParentBased(TraceIdRatioBased(0.0)))
+    with tracing.span("root") as root:
+        assert not root.is_recording()
+        root_context = root.get_span_context()
+        assert root_context.is_valid
+        with tracing.span("child", attributes={"k": "v"}) as child:
+            # No span of its own: the root's context stays current and travels.
+            assert not child.is_recording()
+            assert child.get_span_context() == root_context
+            assert trace.get_current_span().get_span_context() == root_context
+            headers = tracing.inject(None)
+        with pytest.raises(KeyError), tracing.span("failing"):
+            raise KeyError("gone")
+        assert trace.get_current_span() is root
+    assert tracing.begin("begun") is not None
+    assert exporter.get_finished_spans() == ()
+    flags = int(root_context.trace_flags)
+    assert not flags & TraceFlags.SAMPLED
+    assert headers == {
+        "traceparent": f"00-{root_context.trace_id:032x}-{root_context.span_id:016x}-{flags:02x}"
+    }
+
+
+def test_a_request_in_a_trace_not_sampled_carries_its_context_on() -> None:
+    exporter = install()  # the default sampler: parent-based, always on for a root
+    remote = f"00-{'5' * 32}-{'6' * 16}-00"
+    with tracing.span(
+        "run", kind=trace.SpanKind.SERVER, parent=tracing.extract({"traceparent": remote})
+    ) as run:
+        assert not run.is_recording()
+        assert tracing.inject(None) == {"traceparent": remote}
+    assert not trace.get_current_span().get_span_context().is_valid  # detached again
+    assert exporter.get_finished_spans() == ()
+
+
+class RecordOnly(Sampler):
+    """Records the spans named ``recorded …`` without sampling them; drops the rest."""
+
+    def should_sample(
+        self,
+        parent_context: otel_context.Context | None,
+        trace_id: int,
+        name: str,
+        kind: trace.SpanKind | None = None,
+        attributes: Any = None,
+        links: Sequence[Link] | None = None,
+        trace_state: TraceState | None = None,
+    ) -> SamplingResult:
+        decision = Decision.RECORD_ONLY if name.startswith("recorded") else Decision.DROP
+        return SamplingResult(decision, attributes)
+
+    def get_description(self) -> str:
+        return "RecordOnly"
+
+
+def test_a_recording_parent_not_sampled_is_left_as_it_is() -> None:
+    install(sampler=ParentBased(RecordOnly()))
+    with tracing.span("recorded parent", attributes={"p": 1}) as parent:
+        assert parent.is_recording()
+        assert not parent.get_span_context().trace_flags.sampled
+        with tracing.span("child") as child:
+            assert child is not parent
+            assert not child.is_recording()
+            child.set_attribute("into", "nothing")
+            assert child.get_span_context() == parent.get_span_context()
+        assert parent.is_recording()  # the child's block did not end it
+    assert dict(parent.attributes or {}) == {"p": 1}
+
+
+def test_a_sampler_that_does_not_follow_the_parent_is_asked_for_every_span() -> None:
+    exporter = install(sampler=Tagging())
+    with tracing.span("dropped root") as root:
+        assert not root.is_recording()
+        with tracing.span("keep the child"):
+            pass
+    (kept,) = exporter.get_finished_spans()
+    assert kept.name == "keep the child"
+    assert kept.parent is not None
+    assert kept.parent.span_id == root.get_span_context().span_id
