@@ -234,11 +234,15 @@ class _Block:
         parent = self._parent
         unsampled = _unsampled_parent(parent)
         if unsampled is not None:
-            # No span: the parent's context stays current (made current, if
-            # it came from a request), and the block gets a span that records
-            # nothing.
+            # No span: the parent's span stays current (made current, if it
+            # came from a request, as a started span is), and the block gets
+            # a span that records nothing.
             self._span = unsampled
-            self._token = otel_context.attach(parent) if parent is not None else None
+            self._token = (
+                otel_context.attach(trace.set_span_in_context(unsampled))
+                if parent is not None
+                else None
+            )
             return unsampled
         clean = _clean(self._attributes)
         started = _tracer().start_span(self._name, parent, self._kind, clean)
