@@ -376,17 +376,45 @@ async def _prepare_models(bus: Bus, agents: list[Agent]) -> None:
     """Bind ``bus:NAME`` models (fallbacks too) to ``bus``, then check that
     each agent's own model can be reached: stop now rather than fail every reply.
 
+    Each model is checked once, however many agents have it or one like it
+    (the same model string: a factory's agents each built with their own).
+
     Raises:
         ConfigError: a model cannot be reached.
     """
-    checked: set[int] = set()
+    checked: set[str] = set()
     for agent in agents:
         for model in (agent.model, agent.model_config.fallback):
             if isinstance(model, BusModelRef) and model.bus is None:
                 model.bind(bus)
-        if id(agent.model) not in checked:
-            checked.add(id(agent.model))
+        described = describe_model(agent.model)
+        if described not in checked:
+            checked.add(described)
             await check_model(agent.model, timeout=MODEL_WAIT)
+
+
+LISTED = 20
+"""Most agents ``fleetbus agent`` names one by one at start; more are counted."""
+
+
+def _print_models(served: list[Agent] | PopulationSpec, sample: list[Agent]) -> None:
+    """One line per agent's model (per distinct model for many agents)."""
+    lines: dict[str, list[str]] = {}
+    for agent in sample:
+        fallback = agent.model_config.fallback
+        also = f", fallback {describe_model(fallback)}" if fallback is not None else ""
+        who = agent.name if isinstance(served, list) else f"population {served.name}"
+        lines.setdefault(f"model {describe_model(agent.model)}{also}", []).append(who)
+    for line, who in lines.items():
+        if len(sample) <= LISTED:
+            for name in who:
+                console.print(f"{name}: {line}", highlight=False, soft_wrap=True)
+        else:
+            console.print(
+                f"{len(who)} agents ({who[0]} … {who[-1]}): {line}",
+                highlight=False,
+                soft_wrap=True,
+            )
 
 
 async def _serve_agents(args: argparse.Namespace, served: list[Agent] | PopulationSpec) -> int:
@@ -394,21 +422,13 @@ async def _serve_agents(args: argparse.Namespace, served: list[Agent] | Populati
     try:
         sample = _to_check(served)
         await _prepare_models(bus, sample)
-        for agent in sample:
-            fallback = agent.model_config.fallback
-            also = f", fallback {describe_model(fallback)}" if fallback is not None else ""
-            who = agent.name if isinstance(served, list) else f"population {served.name}"
-            console.print(
-                f"{who}: model {describe_model(agent.model)}{also}",
-                highlight=False,
-                soft_wrap=True,
-            )
-        if not args.no_remote_tools:
-            await _add_remote_tools(bus, served)
+        _print_models(served, sample)
         group = args.group or (None if isinstance(served, list) else served.name)
         label = group or (
             served[0].name if isinstance(served, list) and len(served) == 1 else "host"
         )
+        if not args.no_remote_tools:
+            await _add_remote_tools(bus, served, label)
         host = AgentHost(
             bus,
             served,
@@ -426,7 +446,9 @@ async def _serve_agents(args: argparse.Namespace, served: list[Agent] | Populati
         async with asyncio.TaskGroup() as tg:
             tg.create_task(host.run())
             await host.wait_ready(30)
-            if isinstance(served, list):
+            if isinstance(served, list) and len(served) > LISTED:
+                names = f"{len(served)} agents ({served[0].name} … {served[-1].name})"
+            elif isinstance(served, list):
                 names = ", ".join(a.name for a in served)
             else:
                 names = f"population {served.name} (group {group})"
@@ -437,7 +459,12 @@ async def _serve_agents(args: argparse.Namespace, served: list[Agent] | Populati
     return 0
 
 
-async def _add_remote_tools(bus: Bus, served: list[Agent] | PopulationSpec) -> None:
+async def _add_remote_tools(bus: Bus, served: list[Agent] | PopulationSpec, label: str) -> None:
+    """Give the served agents the tools served on the bus, found by one
+    discovery and called through one :class:`ToolClient` for the process
+    (however many agents it serves: a discovery each made a factory of
+    10,000 agents start at ten a second). The calls' ``sender`` is
+    ``agent.<name>`` for one agent, else ``host.<label>``."""
     if isinstance(served, PopulationSpec):
         client = ToolClient(bus, sender=f"host.{served.name}")
         try:
@@ -448,21 +475,37 @@ async def _add_remote_tools(bus: Bus, served: list[Agent] | PopulationSpec) -> N
         if added:
             console.print(f"population {served.name}: remote tools {', '.join(added)}")
         return
+    sender = f"agent.{served[0].name}" if len(served) == 1 else f"host.{label}"
+    client = ToolClient(bus, sender=sender)
+    try:
+        found = await client.discover(timeout=1.0)
+    except FleetbusError as exc:
+        err_console.print(f"[yellow]no remote tools for {label}: {exc}[/]")
+        return
+    # Not the memory worker's own tools: they reach any agent's memory, and
+    # the model never gets them (it gets the long-term memory's). One proxy
+    # of each tool, in the toolkit of every agent.
+    proxies = [RemoteToolProxy(t, client) for name, t in found.items() if name not in STORE_TOOLS]
+    given: dict[tuple[str, ...], list[str]] = {}
     for agent in served:
         if agent.toolkit is None:
             agent.toolkit = Toolkit()
         if not isinstance(agent.toolkit, Toolkit):
             continue
-        client = ToolClient(bus, sender=f"agent.{agent.name}")
-        try:
-            # Not the memory worker's own tools: they reach any agent's memory,
-            # and the model never gets them (it gets the long-term memory's).
-            added = await agent.toolkit.add_remote(client, timeout=1.0, exclude=STORE_TOOLS)
-        except FleetbusError as exc:
-            err_console.print(f"[yellow]no remote tools for {agent.name}: {exc}[/]")
-            continue
+        added = []
+        for proxy in proxies:
+            if proxy.name not in agent.toolkit:  # its own tools win
+                agent.toolkit.add(proxy, group="remote")
+                added.append(proxy.name)
         if added:
-            console.print(f"{agent.name}: remote tools {', '.join(added)}")
+            given.setdefault(tuple(added), []).append(agent.name)
+    for added_names, names in given.items():
+        tools = ", ".join(added_names)
+        if len(served) <= LISTED:
+            for name in names:
+                console.print(f"{name}: remote tools {tools}")
+        else:
+            console.print(f"{len(names)} agents ({names[0]} … {names[-1]}): remote tools {tools}")
 
 
 def _supervise(args: argparse.Namespace) -> int:
