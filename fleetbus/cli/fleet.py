@@ -405,13 +405,13 @@ def _print_models(served: list[Agent] | PopulationSpec, sample: list[Agent]) -> 
         also = f", fallback {describe_model(fallback)}" if fallback is not None else ""
         who = agent.name if isinstance(served, list) else f"population {served.name}"
         lines.setdefault(f"model {describe_model(agent.model)}{also}", []).append(who)
-    for line, who in lines.items():
+    for line, names in lines.items():
         if len(sample) <= LISTED:
-            for name in who:
+            for name in names:
                 console.print(f"{name}: {line}", highlight=False, soft_wrap=True)
         else:
             console.print(
-                f"{len(who)} agents ({who[0]} … {who[-1]}): {line}",
+                f"{len(names)} agents ({names[0]} … {names[-1]}): {line}",
                 highlight=False,
                 soft_wrap=True,
             )

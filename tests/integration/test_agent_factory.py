@@ -9,6 +9,7 @@ The agents: ``tests.integration.factory_specs:agents``.
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 
 import pytest
@@ -23,9 +24,10 @@ WAIT = 60.0
 """Seconds a step may take: generous, CI shares a loaded machine."""
 
 
-async def serving_line(proc: object, timeout: float) -> str:
+async def serving_line(proc: subprocess.Popen[bytes], timeout: float) -> str:
     """The ``serving …`` line the agent process prints once it serves."""
-    stdout = getattr(proc, "stdout")  # noqa: B009 (a Popen's pipe)
+    stdout = proc.stdout
+    assert stdout is not None
     loop = asyncio.get_running_loop()
     seen: list[str] = []
     deadline = time.monotonic() + timeout
