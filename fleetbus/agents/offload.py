@@ -5,6 +5,11 @@ its beginning and a note; the full text goes to an :class:`Offloader` (a
 directory, or a JetStream object store) under a reference the model can read
 further with the tool ``read_offloaded`` (:data:`READ_OFFLOADED_SPEC`,
 answered by :func:`read_offloaded`).
+
+An agent served on the bus by ``fleetbus agent`` offloads to the fleet's
+object store by default (:meth:`ObjectStoreOffloader.open`), so it can read
+a long result of any tool, local or remote, as an agent given an offloader
+in-process does.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleetbus.bus import ObjectStore
+from fleetbus.bus import Bus, ObjectStore, object_store
 from fleetbus.errors import ConfigError, KeyNotFoundError
 from fleetbus.protocol import ToolSpec
 
 __all__ = [
+    "OFFLOAD_STORE",
+    "OFFLOAD_TTL",
     "READ_OFFLOADED_SPEC",
     "DirectoryOffloader",
     "ObjectStoreOffloader",
@@ -39,6 +46,15 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_READ_LIMIT = 20_000
 MAX_READ_LIMIT = 100_000
+
+OFFLOAD_STORE = "offload"
+"""The object store served agents offload to (the bucket is
+``<prefix with _ for .>_offload``)."""
+
+OFFLOAD_TTL = 7 * 24 * 3600.0
+"""Seconds an offloaded result is kept in :data:`OFFLOAD_STORE` when
+:meth:`ObjectStoreOffloader.open` creates it: a reference older than that
+reads as gone, and the model is told so."""
 
 
 @runtime_checkable
@@ -156,6 +172,18 @@ class ObjectStoreOffloader:
 
     def __init__(self, store: ObjectStore) -> None:
         self._store = store
+
+    @classmethod
+    async def open(
+        cls, bus: Bus, *, name: str = OFFLOAD_STORE, ttl: float | None = OFFLOAD_TTL
+    ) -> ObjectStoreOffloader:
+        """An offloader to the fleet's object store ``name``, created if
+        missing with objects kept ``ttl`` seconds (for ever: ``None``).
+
+        Raises:
+            StoreError: JetStream is off, or the store cannot be opened or made.
+        """
+        return cls(await object_store(bus, name, ttl=ttl))
 
     async def store(self, key: str, data: str) -> str:
         """Put ``data`` as an object named after ``key``; return its URL.

@@ -25,6 +25,7 @@ from fleetbus import logs
 from fleetbus._imports import import_named
 from fleetbus.agents import Agent, Permissions
 from fleetbus.agents.long_term_memory import STORE_TOOLS
+from fleetbus.agents.offload import ObjectStoreOffloader, Offloader
 from fleetbus.agents.permissions import checked_confirmation, suggest_rules
 from fleetbus.agents.serving.host import AgentHost, AgentSource
 from fleetbus.agents.serving.remote import RemoteAgent
@@ -207,6 +208,8 @@ class PopulationSpec:
         self._cli = dict(cli)
         self._remote: list[RemoteToolProxy] = []
         self._remote_toolkit: Toolkit | None = None
+        self.offloader: Offloader | None = None
+        """Given to every agent built without an offloader of its own."""
 
     def __contains__(self, name: object) -> bool:
         return name in self.source
@@ -219,6 +222,8 @@ class PopulationSpec:
     def agent(self, name: str) -> Agent:
         agent = self.source.agent(name)
         _apply_model(agent, self._model, self._cli)
+        if agent.offloader is None:
+            agent.offloader = self.offloader
         if self._remote:
             if agent.toolkit is None:
                 # One toolkit of the remote tools for every agent built without
@@ -423,6 +428,7 @@ async def _serve_agents(args: argparse.Namespace, served: list[Agent] | Populati
         sample = _to_check(served)
         await _prepare_models(bus, sample)
         _print_models(served, sample)
+        await _add_offloader(bus, served)
         group = args.group or (None if isinstance(served, list) else served.name)
         label = group or (
             served[0].name if isinstance(served, list) and len(served) == 1 else "host"
@@ -457,6 +463,24 @@ async def _serve_agents(args: argparse.Namespace, served: list[Agent] | Populati
     finally:
         await bus.close()
     return 0
+
+
+async def _add_offloader(bus: Bus, served: list[Agent] | PopulationSpec) -> None:
+    """Give the served agents that have no offloader the fleet's object store
+    (one for the process): a tool result cut in the context is kept whole
+    there, and the model reads the rest with ``read_offloaded``. Without
+    JetStream, the rest of a cut result is dropped, as a warning says."""
+    try:
+        offloader = await ObjectStoreOffloader.open(bus)
+    except StoreError as exc:
+        err_console.print(f"[yellow]long tool results will be cut, not offloaded: {exc}[/]")
+        return
+    if isinstance(served, PopulationSpec):
+        served.offloader = offloader
+        return
+    for agent in served:
+        if agent.offloader is None:
+            agent.offloader = offloader
 
 
 async def _add_remote_tools(bus: Bus, served: list[Agent] | PopulationSpec, label: str) -> None:
