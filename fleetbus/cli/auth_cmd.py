@@ -17,8 +17,9 @@ agent         serve ``P.agent.*.inbox`` / ``.control`` (or only its own with
               call tools, models and agents, publish events and topics,
               discover tools and models; answer any inbox of the fleet (a
               replica that takes a session over answers the request another
-              received); the session buckets, durable topic streams, and
-              reading ``B_tool_results``
+              received); the session buckets, durable topic streams, the
+              ``B_offload`` object store (long tool results kept whole),
+              and reading ``B_tool_results``
 model-worker  serve ``P.model.*``, answer ``$SRV`` discovery
               (``fleetbus-models``), stream the deltas of an answer to the
               request's inbox (``allow_responses``, 10 minutes)
@@ -78,6 +79,7 @@ MODEL_REPLY_MESSAGES = 100_000
 _SESSION_KV = ("sessions", "session_chunks", "session_leases")
 _SESSION_OBJECTS = ("session_blobs",)
 _RESULTS = "tool_results"
+_OFFLOAD = "offload"
 _SRV_VERBS = ("PING", "INFO", "STATS")
 _ENV_NAME = re.compile(r"[^A-Z0-9]")
 
@@ -224,6 +226,7 @@ def role_permissions(
         agent = "*" if name is None else check_name(name, what="agent name")
         stores = [s for kv in _SESSION_KV for s in _kv(fleet, kv)]
         stores += [s for obj in _SESSION_OBJECTS for s in _objects(fleet, obj, write=True)]
+        stores += _objects(fleet, _OFFLOAD, write=True)
         stores += _objects(fleet, _RESULTS, write=False)
         durable = [s for t in topics for s in _durable_topic(fleet, check_name(t, what="topic"))]
         return RolePermissions(

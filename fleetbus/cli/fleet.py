@@ -469,10 +469,11 @@ async def _add_offloader(bus: Bus, served: list[Agent] | PopulationSpec) -> None
     """Give the served agents that have no offloader the fleet's object store
     (one for the process): a tool result cut in the context is kept whole
     there, and the model reads the rest with ``read_offloaded``. Without
-    JetStream, the rest of a cut result is dropped, as a warning says."""
+    the store (no JetStream, or not allowed), the rest of a cut result is
+    dropped, as a warning says."""
     try:
         offloader = await ObjectStoreOffloader.open(bus)
-    except StoreError as exc:
+    except FleetbusError as exc:  # no JetStream, or a role without the store
         err_console.print(f"[yellow]long tool results will be cut, not offloaded: {exc}[/]")
         return
     if isinstance(served, PopulationSpec):

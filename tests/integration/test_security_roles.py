@@ -17,6 +17,7 @@ import pytest
 from rich.console import Console
 
 from fleetbus.agents import Agent, AgentService, RemoteAgent
+from fleetbus.agents.offload import ObjectStoreOffloader
 from fleetbus.bus import (
     Bus,
     ConnectOptions,
@@ -158,6 +159,10 @@ async def _scenario(
     try:
         toolkit = Toolkit()
         assert await toolkit.add_remote(ToolClient(agent_bus, timeout=5.0)) == ["add"]
+        # It keeps long tool results whole in the offload store (as served).
+        offloader = await ObjectStoreOffloader.open(agent_bus)
+        ref = await offloader.store("call-1", "a long result")
+        assert await offloader.load(ref, offset=7) == "result"
         agent = Agent(name="a1", model=BusChatModel(agent_bus, "scripted"), toolkit=toolkit)
         service = AgentService(agent_bus, agent, lease_ttl=2.0, drain_timeout=5.0)
         async with asyncio.TaskGroup() as tg:
