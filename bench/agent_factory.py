@@ -5,7 +5,9 @@ served on the bus (one tool worker serving a no-op tool).
 
 Measured from starting the process: ``serving_s``, until it prints its
 ``serving`` line; ``answer_s``, until the last agent of the list answers a
-request. Bounded: the run fails after ``--deadline`` seconds.
+request. Bounded: the run fails after ``--deadline`` seconds. With
+``--group G`` the agents are served in a host group (a constant number of
+wildcard subscriptions) instead of each on its own subjects.
 
 Prints one JSON line. Target (2 cores): 10,000 agents ready (answering)
 in <= 10 s, as a population is (``bench/simulation.py``).
@@ -75,6 +77,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         where = ["--nats", url, "--prefix", prefix]
         worker = start([*fleet, "worker", "bench._noop_tools", *where])
         procs = [worker]
+        group = ["--group", args.group] if args.group else []
         try:
             # The tool worker is up before the agents look for tools.
             while True:
@@ -87,7 +90,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     await asyncio.sleep(0.1)
             started = time.perf_counter()
             host = start(
-                [*fleet, "agent", "bench._factory_agents:agents", *where],
+                [*fleet, "agent", "bench._factory_agents:agents", *where, *group],
                 env={"FACTORY_AGENTS": str(n)},
             )
             procs.append(host)
@@ -115,6 +118,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "bench": "agent_factory",
         "agents": n,
+        "group": args.group,
         "serving_s": round(serving_s, 2),
         "answer_s": round(answer_s, 2),
         "agents_per_s": round(n / answer_s),
@@ -126,6 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=10_000)
     parser.add_argument("--deadline", type=float, default=120.0, help="seconds the run may take")
+    parser.add_argument("--group", help="serve the agents in this host group (default: none)")
     args = parser.parse_args()
     print(json.dumps(asyncio.run(measure(args))), flush=True)
 
