@@ -80,14 +80,15 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         group = ["--group", args.group] if args.group else []
         try:
             # The tool worker is up before the agents look for tools.
-            while True:
-                try:
-                    await bus.nc.request(f"{prefix}.tool.noop", b"{}", timeout=0.5)
-                    break
-                except Exception:
-                    if worker.poll() is not None:
-                        raise RuntimeError("the tool worker exited") from None
-                    await asyncio.sleep(0.1)
+            async with asyncio.timeout(args.deadline):
+                while True:
+                    try:
+                        await bus.nc.request(f"{prefix}.tool.noop", b"{}", timeout=0.5)
+                        break
+                    except Exception:
+                        if worker.poll() is not None:
+                            raise RuntimeError("the tool worker exited") from None
+                        await asyncio.sleep(0.1)
             started = time.perf_counter()
             host = start(
                 [*fleet, "agent", "bench._factory_agents:agents", *where, *group],
