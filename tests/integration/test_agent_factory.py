@@ -84,7 +84,9 @@ async def test_a_factory_of_many_agents_discovers_the_tools_once() -> None:
                     await sub.unsubscribe()
         finally:
             await bus.close()
-    assert answers == [f"many-{i:05d} heard echo,record" for i in range(AGENTS)]
+    # Each has the worker's tools (and the offload store's reader).
+    tools = "echo,read_offloaded,record"
+    assert answers == [f"many-{i:05d} heard {tools}" for i in range(AGENTS)]
     # One discovery for the process, shared by its 300 agents.
     assert asked == ["$SRV.INFO.fleetbus"], asked
     # Many agents are counted, not named one by one.
