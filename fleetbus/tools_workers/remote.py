@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from fleetbus.bus import RemoteTool, ToolClient
 from fleetbus.errors import BusError, FleetbusError
-from fleetbus.protocol import AGENT_TOOL_PARAMETERS, ToolSpec
+from fleetbus.protocol import AGENT_TOOL_PARAMETERS, ToolResult, ToolSpec
 from fleetbus.tools_workers.tool import ToolOutcome
 
 __all__ = ["AgentTool", "RemoteToolProxy"]
@@ -39,6 +42,8 @@ class RemoteToolProxy:
         self.parameters: dict[str, Any] = remote.parameters
         self.timeout: float | None = remote.timeout
         self.concurrency_safe = remote.metadata.get("concurrency_safe", "true") == "true"
+        self.streams = remote.metadata.get("streams") == "true"
+        """Its workers send its result in chunks before the final one."""
         self.external = False
         self.group = group
 
@@ -56,21 +61,31 @@ class RemoteToolProxy:
         timeout: float | None = None,
         call_id: str | None = None,
         session_id: str | None = None,
+        on_chunk: Callable[[Any], Awaitable[None]] | None = None,
     ) -> ToolOutcome:
-        """Call the tool on the bus and say how it ended."""
+        """Call the tool on the bus and say how it ended.
+
+        A tool that :attr:`streams` hands each chunk of its result to
+        ``on_chunk``, in order, before the call returns.
+        """
         if not isinstance(parameters, dict):
             return ToolOutcome.failure(
                 "error", "invalid_parameters", "parameters must be a JSON object"
             )
+        call = partial(
+            self.client.call,
+            self.name,
+            parameters,
+            call_id=call_id,
+            session_id=session_id,
+            timeout=timeout if timeout is not None else self.timeout,
+            worker_wait=self.client.worker_wait,
+        )
         try:
-            result = await self.client.call(
-                self.name,
-                parameters,
-                call_id=call_id,
-                session_id=session_id,
-                timeout=timeout if timeout is not None else self.timeout,
-                worker_wait=self.client.worker_wait,
-            )
+            if on_chunk is not None and self.streams:
+                result = await _streamed(call, on_chunk)
+            else:
+                result = await call()
         except BusError as exc:
             message = f"{self.name} could not be called: {exc}"
             if isinstance(exc, TimeoutError):
@@ -81,6 +96,27 @@ class RemoteToolProxy:
         return ToolOutcome(
             status=result.status, content=result.content, error_detail=result.error_detail
         )
+
+
+async def _streamed(
+    call: Callable[..., Awaitable[ToolResult]], on_chunk: Callable[[Any], Awaitable[None]]
+) -> ToolResult:
+    """``call``'s final result, its deltas handed to ``on_chunk`` in order
+    meanwhile (they arrive in the connection's read loop, which must not
+    wait: a queue hands them over)."""
+    chunks: asyncio.Queue[tuple[Any] | None] = asyncio.Queue()
+
+    async def hand_over() -> None:
+        while (item := await chunks.get()) is not None:
+            await on_chunk(item[0])
+
+    async with asyncio.TaskGroup() as tg:
+        handing = tg.create_task(hand_over())
+        try:
+            return await call(on_delta=lambda delta: chunks.put_nowait((delta.content,)))
+        finally:
+            chunks.put_nowait(None)  # the chunks that came are all handed over first
+            await asyncio.wait([handing])
 
 
 class AgentTool:

@@ -274,10 +274,11 @@ class Toolkit:
         return found is not None and found.concurrency_safe
 
     def is_streaming(self, name: str) -> bool:
-        """Whether the tool yields its result in chunks (``False`` if unknown,
-        or served on the bus)."""
+        """Whether the tool yields its result in chunks (``False`` if unknown):
+        a local generator tool, or one served on the bus whose workers say
+        it streams."""
         found = self._tools.get(name)
-        return isinstance(found, Tool) and found.streams
+        return isinstance(found, Tool | RemoteToolProxy) and found.streams
 
     def is_external(self, name: str) -> bool:
         """Whether the tool is run outside the agent (``False`` if unknown)."""
@@ -303,7 +304,7 @@ class Toolkit:
         if found is None:
             message = str(UnknownToolError(name, list(self._tools)))
             return ToolOutcome.failure("error", "unknown_tool", message)
-        if on_chunk is not None and isinstance(found, Tool) and found.streams:
+        if on_chunk is not None and isinstance(found, Tool | RemoteToolProxy) and found.streams:
             return await found.run(
                 parameters,
                 timeout=timeout,

@@ -212,6 +212,8 @@ class ToolWorker(Lifecycle):
         }
         if t.timeout is not None:
             metadata["timeout"] = repr(t.timeout)
+        if isinstance(t, Tool) and t.streams:
+            metadata["streams"] = "true"
         return EndpointInfo(
             name=t.name,
             subject=self.bus.subjects.tool(t.name),

@@ -10,8 +10,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from fleetbus.agents import Agent
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
-from fleetbus.protocol import ToolResult
+from fleetbus.protocol import Event, FinalAnswer, ToolResult, ToolResultBlock
+from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, ToolWorker, tool
 
 runs: dict[str, int] = {}
@@ -122,3 +124,30 @@ async def test_a_failing_on_delta_does_not_lose_the_result(
     result = await client.call("lines", {"key": "broken", "n": 2}, on_delta=broken)
 
     assert result.content == "line 0\nline 1\n"
+
+
+async def test_an_agent_streams_the_chunks_of_a_tool_served_on_the_bus(
+    worker: ToolWorker, client: ToolClient
+) -> None:
+    toolkit = Toolkit()
+    await toolkit.add_remote(client, ["lines", "plain"])
+    assert toolkit.is_streaming("lines")  # its workers say so when discovered
+    assert not toolkit.is_streaming("plain")
+    model = ScriptedModel(
+        [ScriptedModel.call("lines", {"key": "agent", "n": 3}, call_id="c1"), "Three lines."]
+    )
+    agent = Agent("reader", "You read.", model, toolkit=toolkit)
+
+    items = [item async for item in agent.reply_stream("Three lines, please")]
+
+    assert isinstance(items[-1], FinalAnswer)
+    events = [i for i in items if isinstance(i, Event)]
+    names = [e.event for e in events]
+    deltas = [e for e in events if e.event == "tool_result_delta"]
+    assert [e.data["content"] for e in deltas] == ["line 0\n", "line 1\n", "line 2\n"]
+    assert names.index("tool_call") < names.index("tool_result_delta")
+    assert names.index("tool_result") > names.index("tool_result_delta") + 2
+    sent = [b for m in model.requests[1].messages for b in m.content]
+    (block,) = [b for b in sent if isinstance(b, ToolResultBlock)]
+    assert block.output == "line 0\nline 1\nline 2\n"  # the model sees the whole result
+    assert runs["agent"] == 1
