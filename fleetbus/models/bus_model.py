@@ -129,6 +129,11 @@ class BusChatModel:
         self.attempts = attempts
         self.retry_backoff = retry_backoff
 
+    supports_required_tool_choice = True
+    """A structured reply may ask for ``tool_choice="required"``: the model
+    worker passes it to a model that honours it and asks one that does not
+    for ``auto`` (the agent's reminder in words then does the rest)."""
+
     @property
     def name(self) -> str:
         """The model's name on the bus."""

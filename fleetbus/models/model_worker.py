@@ -50,6 +50,7 @@ from fleetbus.models.model import (
     ModelResponse,
     TextDelta,
     ThinkingDelta,
+    supports_required_tool_choice,
 )
 from fleetbus.protocol import (
     ErrorCode,
@@ -295,10 +296,13 @@ class ModelWorker(Lifecycle):
             self._running -= 1
 
     async def _call(self, prompt: LlmPrompt, reply: str, spent: _Spent) -> Message:
+        choice = prompt.tool_choice
+        if choice == "required" and not supports_required_tool_choice(self.model):
+            choice = "auto"  # the caller's loop reminds a model it cannot force
         request = ModelRequest(
             messages=list(prompt.messages),
             tools=list(prompt.tools),
-            tool_choice=prompt.tool_choice,
+            tool_choice=choice,
             options=dict(prompt.options),
             session_id=prompt.session_id,
         )

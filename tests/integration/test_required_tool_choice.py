@@ -12,8 +12,11 @@ import pytest
 from pydantic import BaseModel
 
 from fleetbus.agents import Agent
+from fleetbus.bus import Bus
 from fleetbus.models import ModelConfig, ModelError
+from fleetbus.models.bus_model import BusChatModel
 from fleetbus.models.model import ModelRequest, ModelStreamItem, supports_required_tool_choice
+from fleetbus.models.model_worker import ModelWorker
 from fleetbus.models.openai_model import OpenAIChatModel, OpenAIConfig
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
@@ -121,3 +124,34 @@ async def test_a_fallback_that_cannot_be_forced_is_asked_for_auto(
     assert final.structured == {"city": "Oslo", "celsius": 3.5}
     assert primary.requests[0].tool_choice == "required"
     assert server.bodies[0]["tool_choice"] == "auto"
+
+
+@pytest.mark.parametrize("declared", [True, False])
+async def test_a_model_on_the_bus_is_forced_where_its_worker_s_model_can_be(
+    server: FakeOpenAIServer, bus: Bus, declared: bool
+) -> None:
+    """Through a model worker: the worker passes ``required`` on to a model
+    that honours it, and asks one that does not for ``auto`` (the agent's
+    reminder then brings the structured answer)."""
+    if not declared:
+        server.add(sse(text_chunks("It is cold in Oslo.")))
+    server.add(_finish_call())
+    async with OpenAIChatModel("fake-model", base_url=server.url, config=FAST) as adapter:
+        served = adapter if declared else Undeclared(adapter)
+        worker = ModelWorker(bus, served, name="forecaster")
+        async with asyncio.TaskGroup() as tg:
+            task = tg.create_task(worker.run())
+            await worker.wait_ready()
+            try:
+                model = BusChatModel(bus, "forecaster", timeout=20)
+                assert supports_required_tool_choice(model)
+                agent = Agent("weather", "You forecast.", model, model_config=NO_RETRY)
+                final = await asyncio.wait_for(agent.reply("Oslo?", structured_model=Forecast), 30)
+            finally:
+                worker.stop()
+                await task
+
+    assert final.structured == {"city": "Oslo", "celsius": 3.5}
+    expected = "required" if declared else "auto"
+    assert [body["tool_choice"] for body in server.bodies] == [expected] * len(server.bodies)
+    assert len(server.bodies) == (1 if declared else 2)
