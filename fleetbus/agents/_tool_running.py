@@ -16,7 +16,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, NamedTuple, cast
 
 import msgspec
@@ -32,7 +33,7 @@ from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import StopReply
 from fleetbus.agents.offload import READ_OFFLOADED_SPEC, cut, read_offloaded
 from fleetbus.agents.state import PendingCall, RecentCall
-from fleetbus.agents.tools import streaming, switchable
+from fleetbus.agents.tools import ToolOutcomeLike, streaming, switchable
 from fleetbus.errors import FleetbusError
 from fleetbus.models.model import FORMAT_ERROR_TOOL
 from fleetbus.protocol import (
@@ -275,6 +276,7 @@ class ToolRunner:
                 return tool_result(use, "error", f"read_offloaded failed: {_brief(exc)}")
         toolkit = settings.toolkit
         assert toolkit is not None  # _check let only known tools through
+        run: Callable[..., Awaitable[ToolOutcomeLike]] = toolkit.run
         streamed = streaming(toolkit, use.name)
         if streamed is not None:
             scope = self.scope
@@ -284,22 +286,14 @@ class ToolRunner:
                     ev.TOOL_RESULT_DELTA, call_id=use.id, tool_name=use.name, content=content
                 )
 
-            outcome = await streamed.run(
-                use.name,
-                use.input,
-                timeout=settings.tool_timeout,
-                call_id=self.call_id_of(use),
-                session_id=self.reply.session_id,
-                on_chunk=chunk,
-            )
-        else:
-            outcome = await toolkit.run(
-                use.name,
-                use.input,
-                timeout=settings.tool_timeout,
-                call_id=self.call_id_of(use),
-                session_id=self.reply.session_id,
-            )
+            run = partial(streamed.run, on_chunk=chunk)
+        outcome = await run(
+            use.name,
+            use.input,
+            timeout=settings.tool_timeout,
+            call_id=self.call_id_of(use),
+            session_id=self.reply.session_id,
+        )
         status = outcome.status if outcome.status in TOOL_STATUSES else "error"
         if status != "success":
             detail = outcome.error_detail

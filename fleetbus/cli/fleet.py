@@ -904,16 +904,7 @@ def cmd_confirm(args: argparse.Namespace) -> int:
         accept_rules=args.accept_rules,
         sender="cli",
     )
-
-    async def main() -> int:
-        bus = await connect(args.nats, args.prefix)
-        try:
-            agent = await _find_agent(bus, args.session, args.agent, args.store_wait)
-        finally:
-            await bus.close()
-        return await _converse(args, agent, args.session, message)
-
-    return run(main())
+    return _resume_with(args, message)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -930,6 +921,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
         errors=args.error,
         sender="cli",
     )
+    return _resume_with(args, message)
+
+
+def _resume_with(args: argparse.Namespace, message: ConfirmResult | ExternalResult) -> int:
+    """Send a paused session's resume input to the agent that serves it
+    (found in the session store unless ``--agent`` names it), then stream
+    the resumed reply."""
 
     async def main() -> int:
         bus = await connect(args.nats, args.prefix)
