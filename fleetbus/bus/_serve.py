@@ -404,12 +404,17 @@ class ServeLoop:
                 try:
                     request = Request(message, msg.subject, len(msg.data), msg.reply)
                     headers = msg.headers
-                    parent = tracing.extract(headers) if headers else None
-                    if parent is None and not tracing.enabled():
-                        # Positional arguments: a quarter cheaper than keywords.
+                    if headers and tracing.carry_unsampled(headers):
+                        # A trace not sampled: its context is this task's
+                        # now, and no span is made (nor its attributes).
                         reply = await self._handler(request)
                     else:
-                        reply = await self._traced(request, parent)
+                        parent = tracing.extract(headers) if headers else None
+                        if parent is None and not tracing.enabled():
+                            # Positional arguments: a quarter cheaper than keywords.
+                            reply = await self._handler(request)
+                        else:
+                            reply = await self._traced(request, parent)
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
