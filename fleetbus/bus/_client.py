@@ -1,7 +1,7 @@
 """nats-py's client as the bus uses it: headers parsed in half the CPU,
 messages handed to the bus's own receivers from the read loop itself, and
-publishes queued without nats-py's coroutines while the connection is up
-(:meth:`Client.publish_now`). What each step saved, measured:
+publishes (with a traced request's headers too) queued without nats-py's
+coroutines while the connection is up (:meth:`Client.publish_now`). What each step saved, measured:
 docs/performance.md, "the bus's own message path".
 
 nats-py delivers each message of a subscription with a callback through an
@@ -39,6 +39,30 @@ refuses the same)."""
 
 _HEADER_SPACE = " \t\n\r\x0b\x0c"
 """What ``bytes.strip`` strips: around a header's name and value."""
+
+
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+"""A header name ``publish`` writes as it is (an RFC 9110 token)."""
+
+_HEADER_BREAK = re.compile(r"[\r\n]")
+
+
+def _header_block(headers: dict[str, str]) -> bytes | None:
+    """The header block ``publish`` writes for ``headers`` (``NATS/1.0``, a
+    ``name: value`` line each, an empty line), when each is plain: a token
+    for a name, a value without a line break or whitespace around it (what
+    ``publish`` would change or refuse). ``None`` otherwise."""
+    lines = ["NATS/1.0\r\n"]
+    for name, value in headers.items():
+        if (
+            _HEADER_NAME.fullmatch(name) is None
+            or _HEADER_BREAK.search(value) is not None
+            or value != value.strip()
+        ):
+            return None
+        lines.append(f"{name}: {value}\r\n")
+    lines.append("\r\n")
+    return "".join(lines).encode()
 
 
 class Delivered(msgspec.Struct, gc=False):
@@ -111,17 +135,26 @@ class Client(NATS):
         # Declined (and made again there: only while a receiver is full).
         await super()._process_msg(sid, subject, reply, data, headers)
 
-    def publish_now(self, subject: str, payload: bytes, reply: str = "") -> bool:
-        """Queue a publish of ``payload`` on ``subject`` (without headers)
+    def publish_now(
+        self,
+        subject: str,
+        payload: bytes,
+        reply: str = "",
+        headers: dict[str, str] | None = None,
+    ) -> bool:
+        """Queue a publish of ``payload`` on ``subject`` (with ``headers``)
         for the flusher, as ``publish`` does on a connection that is up,
         without its three coroutines, its subject regular expression and the
         future it makes to wake the flusher: 1.7 us a publish through
         ``publish``, a fifth of a tool worker's CPU a call. Whether it did:
         ``False`` when the connection is not plainly up (connecting,
         reconnecting, draining, closed), the payload is larger than the
-        server takes, the pending buffer would pass its limit, or the
-        subject is empty or has whitespace: then ``publish`` does what it
-        does (buffers, waits, or raises).
+        server takes, the pending buffer would pass its limit, the subject is
+        empty or has whitespace, or a header is not plain (a name that is not
+        a token, a value with a line break or whitespace around it): then
+        ``publish`` does what it does (buffers, waits, raises, or cleans the
+        header). Headers are written as ``publish`` writes plain ones: a
+        traced request (its ``traceparent``) is queued here too.
         """
         size = len(payload)
         pending = self._pending_data_size
@@ -135,7 +168,14 @@ class Client(NATS):
             or (reply and _UNSAFE.search(reply) is not None)
         ):
             return False
-        command = f"PUB {subject} {reply} {size}\r\n".encode() + payload + b"\r\n"
+        if headers is None:
+            command = f"PUB {subject} {reply} {size}\r\n".encode() + payload + b"\r\n"
+        else:
+            block = _header_block(headers)
+            if block is None:
+                return False
+            start = f"HPUB {subject} {reply} {len(block)} {len(block) + size}\r\n".encode()
+            command = start + block + payload + b"\r\n"
         pending += len(command)
         if self._max_pending_size > 0 and pending > self._max_pending_size:
             return False  # publish flushes first, and waits for it

@@ -203,10 +203,10 @@ class Replies:
             self._streams[token] = stream
         try:
             nc = self._nc
-            if headers is not None or not isinstance(nc, Client):
+            if not isinstance(nc, Client) or not nc.publish_now(
+                subject, payload, self._inbox + token, headers
+            ):
                 await nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
-            elif not nc.publish_now(subject, payload, self._inbox + token):
-                await nc.publish(subject, payload, reply=self._inbox + token)
             if resend is None:
                 msg = await reply
             else:
