@@ -2,9 +2,10 @@
 ``BENCH_TRACE`` says (:mod:`bench._traced`).
 
 Usage: ``_trace_client.py URL PREFIX IN_FLIGHT``. It prints ``ready`` once
-the no-op tool answers, then for each line ``N`` read from its input makes
-``N`` calls with ``IN_FLIGHT`` in flight, each under a client span as an
-agent's tool call is, and prints the calls per second and its CPU seconds.
+the tool answers (``BENCH_TOOL``, else the no-op tool), then for each line
+``N`` read from its input makes ``N`` calls with ``IN_FLIGHT`` in flight,
+each under a client span as an agent's tool call is, and prints the calls
+per second and its CPU seconds.
 With ``BENCH_CALLS_PER_TRACE=K``, each ``K`` calls of a caller are made in
 one root span, as the tool calls of an agent's reply are; else each call is
 a trace of its own.
@@ -26,6 +27,10 @@ from fleetbus.bus import Bus, ToolClient
 importlib.import_module("bench._traced")  # tracing as BENCH_TRACE says, before any request
 
 
+TOOL = os.environ.get("BENCH_TOOL", "noop")
+"""The tool called (one of ``bench/_traced_tools.py``'s)."""
+
+
 async def main(url: str, prefix: str, in_flight: int) -> None:
     bus = await Bus.connect(url, prefix=prefix)
     client = ToolClient(bus, attempts=1)
@@ -34,11 +39,11 @@ async def main(url: str, prefix: str, in_flight: int) -> None:
     async def call() -> None:
         nonlocal count
         count += 1
-        attributes = {"fleetbus.tool": "noop", "fleetbus.call_id": f"bench-{count}"}
+        attributes = {"fleetbus.tool": TOOL, "fleetbus.call_id": f"bench-{count}"}
         with tracing.span(
             "fleetbus tool call", kind=tracing.SpanKind.CLIENT, attributes=attributes
         ) as span:
-            result = await client.call("noop", {})
+            result = await client.call(TOOL, {})
             if span is not None:
                 span.set_attribute("fleetbus.tool_status", result.status)
         if not result.ok:
@@ -57,9 +62,9 @@ async def main(url: str, prefix: str, in_flight: int) -> None:
                     await call()
 
     deadline = time.monotonic() + 60
-    while "noop" not in await client.discover(timeout=0.3):
+    while TOOL not in await client.discover(timeout=0.3):
         if time.monotonic() > deadline:
-            raise SystemExit("no noop tool")
+            raise SystemExit(f"no {TOOL} tool")
     await asyncio.gather(*(caller(20) for _ in range(in_flight)))  # warm up
     print("ready", flush=True)
     loop = asyncio.get_running_loop()

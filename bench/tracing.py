@@ -33,6 +33,14 @@
    to ``off``. Targets: sampled / off >= 0.90; off / disabled: nothing
    measurable (within the runs' noise).
 
+3. **Tool traffic that does work, sampled** (``real_tools_in_flight_64``):
+   the same client and worker, 64 in flight, calling a tool that does
+   about 1 ms of CPU a call (``cpu_1ms``: JSON round trips and a hash, a
+   sync tool, run in a thread as fleetbus runs one) or one that awaits
+   5 ms (``io_5ms``, a tool waiting on I/O), each ``off`` and ``sampled``
+   (``parentbased_traceidratio`` at 0.1), their runs taking turns.
+   Reported as for the no-op tool; target: sampled / off >= 0.90.
+
 Every traced process exports through the SDK's batch span processor to an
 exporter that encodes the spans as OTLP and drops them (``bench/_traced.py``).
 Prints one JSON line.
@@ -74,6 +82,16 @@ TOOL_MODES: dict[str, dict[str, str]] = {
     },
     "disabled": {"BENCH_TRACE": "disabled"},
 }
+
+REAL_MODES: dict[str, dict[str, str]] = {
+    "off": {"BENCH_TRACE": "off"},
+    "sampled": {"BENCH_TRACE": "on", **SAMPLED},
+}
+"""The modes a tool that does work is measured in."""
+
+REAL_TOOLS = {"cpu_1ms": "work", "io_5ms": "wait"}
+"""Tools that do work (``bench/_traced_tools.py``): ~1 ms of CPU (JSON and
+a hash, a sync tool), and an await of 5 ms (a tool waiting on I/O)."""
 
 
 SPANS_FILE = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-tracing-{os.getpid()}.spans"
@@ -232,10 +250,16 @@ def _line(stream: IO[str] | None, timeout: float = 120.0) -> str:
 
 
 async def measure_tools(
-    url: str, server_pid: int, calls: int, in_flight: int, repeats: int, modes_wanted: list[str]
+    url: str,
+    server_pid: int,
+    calls: int,
+    in_flight: int,
+    repeats: int,
+    modes: dict[str, dict[str, str]],
+    label: str = "",
 ) -> dict[str, Any]:
-    """Tool calls with ``in_flight`` in flight in each mode of :data:`TOOL_MODES`."""
-    modes = {mode: TOOL_MODES[mode] for mode in modes_wanted}
+    """Tool calls with ``in_flight`` in flight in each of ``modes`` (the
+    environment of its processes), their runs taking turns."""
     rates: dict[str, list[float]] = {mode: [] for mode in modes}
     server_us: dict[str, list[float]] = {mode: [] for mode in modes}
     client_us: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -244,7 +268,7 @@ async def measure_tools(
         clients: dict[str, subprocess.Popen[str]] = {}
         workers: dict[str, int] = {}
         for mode, env in modes.items():
-            prefix = f"benchtools{mode}"
+            prefix = f"benchtools{label}{mode}"
             env = {**env, "OTEL_SERVICE_NAME": f"bench-{mode}"}
             served = stack.enter_context(
                 process(worker(url, prefix, "bench._traced_tools", in_flight), env)
@@ -283,6 +307,7 @@ async def measure_tools(
 
     return {
         "calls_per_run": per,
+        "in_flight": in_flight,
         "runs": repeats,
         "spans_exported": {mode: spans.get(mode, 0) for mode in modes},
         "calls_per_s": {mode: round(value, 1) for mode, value in median.items()},
@@ -309,7 +334,9 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=8000, help="tool calls a run")
     parser.add_argument("--in-flight", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7, help="tool-call runs of each mode")
-    parser.add_argument("--parts", default="reply,tools", help="what to measure")
+    parser.add_argument("--real-calls", type=int, default=2000, help="calls a run of a real tool")
+    parser.add_argument("--real-repeats", type=int, default=5, help="runs of each real tool mode")
+    parser.add_argument("--parts", default="reply,tools,real", help="what to measure")
     parser.add_argument("--modes", default=",".join(TOOL_MODES), help="tool-call modes")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -336,13 +363,30 @@ def main() -> None:
                     args.calls,
                     args.in_flight,
                     args.repeats,
-                    args.modes.split(","),
+                    {mode: TOOL_MODES[mode] for mode in args.modes.split(",")},
                 )
             )
             report["tool_calls_in_flight_64"] = tools
             sampled = tools["vs_off"].get("sampled")
             if sampled is not None:
                 targets["sampled_0.1_ge_0.90x"] = sampled >= 0.90
+        if "real" in parts:
+            assert server.pid is not None
+            real: dict[str, Any] = {}
+            for name, tool in REAL_TOOLS.items():
+                real[name] = asyncio.run(
+                    measure_tools(
+                        server.url,
+                        server.pid,
+                        args.real_calls,
+                        args.in_flight,
+                        args.real_repeats,
+                        {mode: {**env, "BENCH_TOOL": tool} for mode, env in REAL_MODES.items()},
+                        label=name.replace("_", ""),
+                    )
+                )
+                targets[f"{name}_sampled_0.1_ge_0.90x"] = real[name]["vs_off"]["sampled"] >= 0.90
+            report["real_tools_in_flight_64"] = real
     report["targets_met"] = targets
     print(json.dumps(report, separators=(",", ":")))
 
