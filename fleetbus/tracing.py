@@ -426,10 +426,13 @@ def current(span: trace.Span | None) -> contextlib.AbstractContextManager[Any]:
     return trace.use_span(span, end_on_exit=False)
 
 
-def _clean(attributes: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """``attributes`` without those that are ``None`` (OpenTelemetry warns of them)."""
+def _clean(attributes: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """``attributes`` without those that are ``None`` (OpenTelemetry warns of
+    them): as given when none is (the SDK copies what a span keeps)."""
     if not attributes:
         return None
+    if None not in attributes.values():
+        return attributes
     return {k: v for k, v in attributes.items() if v is not None}
 
 

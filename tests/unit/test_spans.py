@@ -503,3 +503,16 @@ def test_a_sampler_that_does_not_follow_the_parent_is_asked_for_every_span() -> 
     assert kept.name == "keep the child"
     assert kept.parent is not None
     assert kept.parent.span_id == root.get_span_context().span_id
+
+
+def test_a_spans_attributes_are_its_own_without_those_that_are_none() -> None:
+    exporter = install()
+    given: dict[str, Any] = {"a": 1, "l": ["x"]}
+    with tracing.span("plain", attributes=given):
+        given["a"] = 2  # changed while the span runs, and after
+    given["b"] = 3
+    with tracing.span("with none", attributes={"a": 1, "gone": None}):
+        pass
+    plain, with_none = exporter.get_finished_spans()
+    assert dict(plain.attributes or {}) == {"a": 1, "l": ("x",)}
+    assert dict(with_none.attributes or {}) == {"a": 1}
