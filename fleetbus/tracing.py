@@ -18,7 +18,9 @@ measurable when it is off. Spans are made by the provider's own tracer,
 through the OpenTelemetry API only; in a trace that the provider's
 parent-based sampler does not sample, no span is made at all (the parent's
 context is carried on), so sampling at the root saves the spans' cost in
-every process (docs/observability.md has the figures).
+every process (docs/observability.md has the figures). A serve loop
+decides it once per request, from the sampled bit of the ``traceparent``
+flags (:func:`carry_unsampled`), and makes no span block at all.
 
 Spans (all named ``fleetbus …``), with their attributes:
 
