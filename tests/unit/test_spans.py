@@ -516,3 +516,19 @@ def test_a_spans_attributes_are_its_own_without_those_that_are_none() -> None:
     plain, with_none = exporter.get_finished_spans()
     assert dict(plain.attributes or {}) == {"a": 1, "l": ("x",)}
     assert dict(with_none.attributes or {}) == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    ("trace_id", "span_id", "flags"),
+    [(1, 1, 0), (0xABC, 0xDEF, 1), (2**128 - 1, 2**64 - 1, 0xFF), (2**100 + 5, 7, 2)],
+)
+def test_a_traceparent_is_written_as_the_propagator_writes_it(
+    trace_id: int, span_id: int, flags: int
+) -> None:
+    install()
+    context = SpanContext(trace_id, span_id, False, TraceFlags(flags))
+    with trace.use_span(trace.NonRecordingSpan(context)):
+        ours = tracing.inject(None)
+        reference: dict[str, str] = {}
+        TraceContextTextMapPropagator().inject(reference)
+    assert ours == reference
