@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -209,7 +209,12 @@ def create_app(
 
         return _stream(body())
 
-    async def confirm(request: Request) -> Response:
+    async def _resuming(
+        request: Request, send: Callable[[str, str, bytes], Awaitable[ConfirmOutcome]]
+    ) -> Response:
+        """A paused session's resume input, from the request's body: refused
+        without the page's secret, 413 past the size, 400 when it cannot be
+        read, else the outcome of ``send(agent, session, body)``."""
         refused = _refuse(request, secret)
         if refused is not None:
             return refused
@@ -218,34 +223,32 @@ def create_app(
         if len(body) > _MAX_BODY:
             return _json({"error": "the request is too large"}, 413)
         try:
-            decision = _decisions(body)
-            outcome = await fleet.confirm(
-                agent,
-                session,
-                allow=decision.allow,
-                deny=decision.deny,
-                always=decision.always,
-                edits=decision.edits,
-                accept_rules=decision.accept_rules,
-            )
+            outcome = await send(agent, session, body)
         except ConfigError as exc:
             return _json({"error": str(exc)}, 400)
         return _outcome(outcome)
 
+    async def send_confirm(agent: str, session: str, body: bytes) -> ConfirmOutcome:
+        decision = _decisions(body)
+        return await fleet.confirm(
+            agent,
+            session,
+            allow=decision.allow,
+            deny=decision.deny,
+            always=decision.always,
+            edits=decision.edits,
+            accept_rules=decision.accept_rules,
+        )
+
+    async def send_resume(agent: str, session: str, body: bytes) -> ConfirmOutcome:
+        results, errors = _external_results(body)
+        return await fleet.resume(agent, session, results=results, errors=errors)
+
+    async def confirm(request: Request) -> Response:
+        return await _resuming(request, send_confirm)
+
     async def resume(request: Request) -> Response:
-        refused = _refuse(request, secret)
-        if refused is not None:
-            return refused
-        agent, session = _names(request)
-        body = await request.body()
-        if len(body) > _MAX_BODY:
-            return _json({"error": "the request is too large"}, 413)
-        try:
-            results, errors = _external_results(body)
-            outcome = await fleet.resume(agent, session, results=results, errors=errors)
-        except ConfigError as exc:
-            return _json({"error": str(exc)}, 400)
-        return _outcome(outcome)
+        return await _resuming(request, send_resume)
 
     def _outcome(outcome: ConfirmOutcome) -> Response:
         status = {"refused": 409, "unserved": 503, "failed": 502}.get(outcome.state, 200)
