@@ -16,10 +16,19 @@ from typing import Any
 from fleetbus.bus.store import STORE_WAIT
 from fleetbus.cli._common import add_model_options
 
-__all__ = ["FLEET_COMMANDS", "add_fleet_commands", "add_model_worker_parser", "add_sim_parser"]
+__all__ = [
+    "FLEET_COMMANDS",
+    "SESSION_SUBCOMMANDS",
+    "add_fleet_commands",
+    "add_model_worker_parser",
+    "add_sim_parser",
+]
 
 FLEET_COMMANDS = ("agent", "ask", "sessions", "confirm", "resume", "cancel", "watch")
 """The commands of :mod:`fleetbus.cli.fleet`."""
+
+SESSION_SUBCOMMANDS = ("history", "fork", "migrate")
+"""The first words of ``fleetbus sessions`` that are not an agent's name."""
 
 
 def add_fleet_commands(sub: Any, bus_options: Any) -> None:
@@ -97,11 +106,39 @@ def add_fleet_commands(sub: Any, bus_options: Any) -> None:
     )
     bus_options(p)
 
-    p = sub.add_parser("sessions", help="list agent sessions with their status")
-    p.add_argument("agent", metavar="AGENT", nargs="?")
+    p = sub.add_parser(
+        "sessions",
+        help="list agent sessions; a session's history, a fork of it; migrate old sessions",
+        usage="%(prog)s [AGENT | --agent AGENT] [--json] [options]\n"
+        "       %(prog)s history AGENT SESSION [--json] [options]\n"
+        "       %(prog)s fork AGENT SESSION --at N [--as NEW] [--json] [options]\n"
+        "       %(prog)s migrate [--drop] [--json] [options]",
+        description="Without a subcommand, list the sessions (of AGENT) with their status. "
+        "history: the facts of a session's journal, oldest first. fork: a new session "
+        "made of a session's first N facts (as history numbers them). migrate: carry the "
+        "sessions of the layout before journals into the journal. The words history, "
+        "fork and migrate come first; list the sessions of an agent so named with --agent.",
+    )
+    p.add_argument(
+        "words",
+        metavar="AGENT",
+        nargs="*",
+        help="the agent whose sessions to list, or a subcommand and its arguments",
+    )
+    p.add_argument("--agent", dest="agent_option", metavar="AGENT", help="list this agent's")
+    p.add_argument("--at", type=int, metavar="N", help="fork: the last fact the fork keeps")
+    p.add_argument(
+        "--as", dest="new_session", metavar="NEW", help="fork: the new session's id (default: new)"
+    )
+    p.add_argument(
+        "--drop",
+        action="store_true",
+        help="migrate: then remove the old buckets and the objects they referenced",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _store_wait_option(p)
     bus_options(p)
+    p.set_defaults(sessions_usage=p.format_usage())
 
     p = sub.add_parser("confirm", help="allow or deny the tool calls a paused session waits for")
     p.add_argument("session", metavar="SESSION")
