@@ -1,45 +1,75 @@
-"""Durable sessions: what a step writes to JetStream, what idle recovery costs,
-and what ``sync_interval: always`` costs, in one run.
+"""Durable sessions: what a reply writes to JetStream and what it costs, next
+to the previous design in the same run; what idle recovery costs; what
+``sync_interval: always`` costs.
 
-1. **Bytes and time per step against conversation length.** One session is
-   driven through 10, 100 and 1,000 ReAct steps with ``SessionStore`` directly,
-   saving the way the reply loop does (``_reply.py``, ``_tool_running.py``):
-   the assistant message with one tool call goes into memory and is saved
-   (write-ahead), the tool result goes into ``reply.arrived`` and is saved,
-   then it moves into memory (its ``call_id`` into ``reply.answered``, kept
-   per step) and
-   the end of the step is saved: 3 saves a step, each message 300-500 bytes
-   of JSON. Every KV and object-store write of the fleet's session buckets
-   is counted by a plain core subscription to ``$KV.<bucket>.>`` and
-   ``$O.<bucket>.>`` (``len(msg.data)``; headers not counted). Reported over
-   the last 10 steps of each run, next to what the previous design wrote: the
-   whole state JSON at every save (measured over the same saves, outside the
-   timed part). Two series: each run **one reply** (the worst case, a
-   ``max_iters`` as long as the conversation), and the same lengths as
-   **replies of 10 steps** (the default ``max_iters``; the 10-step run is the
-   same in both).
+1. **Writes and time per reply against conversation length.** One agent is
+   served by a real ``AgentService`` on an embedded server, in a child
+   process (``bench/_sessions_replies.py``, which says how): a
+   ``ScriptedModel`` answers each request with a thought and one call of a
+   local tool, then with a text (4 messages a reply, ~1.5 KB of JSON). For
+   each of 10, 100 and 1,000 prior messages, sessions are seeded through the
+   service by earlier replies of the same shape (``N // 4`` of them, and a
+   reply without a tool call for ``N % 4``), so that the store holds what a
+   conversation of that length leaves (the journal's snapshots included),
+   then ``--replies`` replies are measured, spread over as many such
+   sessions as keep each within 40 % of its length. Counted on the server: the
+   session streams' ``last_seq`` (writes stored: appends to the journal,
+   lease writes), every write published to their subjects (a plain core
+   subscription: data + subject + headers; a snapshot is known by its
+   ``Nats-Rollup`` header), and the session's fold (``SessionStore.get``,
+   its state as JSON) before and after, whose growth is what the replies
+   add. The journal stream's own ``bytes`` is not used: a rollup removes
+   what it replaces. Figures per length:
+
+   - ``appends_per_reply``: journal appends (every fact, snapshots
+     included); ``facts_per_reply`` says which (the journal's writes as
+     ``SessionStore.history`` names them), ``snapshots_per_reply`` the
+     rollups; ``lease_writes_per_reply`` (take and release);
+   - ``ratio``: bytes written (journal, leases, blobs) over bytes added, in
+     the measured window; ``ratio_between_snapshots`` without the snapshots
+     written in it; ``ratio_amortized``, the steady state at that length: a
+     snapshot of the session (about its fold at that length, ``S``) every
+     time the facts since the last one pass ``max(SNAPSHOT_BYTES, 2 S)``,
+     as the store does, i.e. ``S * f / max(SNAPSHOT_BYTES, 2 S)`` bytes
+     more a reply for ``f`` bytes of facts a reply (the measured window
+     holds a snapshot or none by chance); ``lifetime_ratio``, everything
+     written while seeding the sessions from empty over their folds then;
+   - ``ms_per_step``: median reply time (request to final answer, from the
+     client) over its 2 model steps.
+
+   The previous design (commit ``4557175``: a head rewritten at every write
+   plus chunks, three KV buckets) is measured the same way in the same run:
+   the commit's ``fleetbus`` is exported (``git archive``) to a temporary
+   directory, removed at the end (``--old-tree`` names a checkout instead,
+   e.g. ``git worktree add /tmp/bench-old 4557175``), and the same driver
+   runs with ``PYTHONPATH`` on it, counting its buckets ``<prefix>_sessions``,
+   ``<prefix>_session_chunks`` and ``<prefix>_session_leases`` alike. The
+   designs take turns, ``--rounds`` runs each; figures pool the rounds.
 2. **Idle recovery with 1,000 sessions.** 1,000 sessions are created and
-   released (``idle`` / ``done``), then 4 ``AgentService`` replicas of their
-   agent run in one child process (``bench/_sessions_child.py``) with the
-   default ``recover_interval``, idle for ``--idle`` seconds (the default
-   covers one ``resync_interval`` of 30 s, the only periodic work that grows
-   with the number of sessions). Reported: the child's CPU as a percentage of
-   one core, the consumers on the server (``consumer_count`` over
-   ``streams_info``) before the services and while they idle, and the
+   released (``idle`` / ``done``) through ``SessionStore``, then 4
+   ``AgentService`` replicas of their agent run in one child process
+   (``bench/_sessions_child.py``) with the default ``recover_interval``,
+   idle for ``--idle`` seconds (the default covers one ``resync_interval``
+   of 30 s, the only periodic work that grows with the number of sessions
+   held: here, none holds a lease). Reported: the child's CPU as a
+   percentage of one core, the consumers on the server (``consumer_count``
+   over ``streams_info``) before the services and while they idle, and the
    server's ``subscriptions`` (monitoring endpoint ``/varz``).
-3. **``sync_interval: always`` against a flush every 120 s.** The 100-step
-   run of (1) on two servers, alternating (``--rounds`` each), median ms a
-   step of each.
+3. **``sync_interval: always`` against a flush every 120 s.** The replies of
+   (1) at 100 prior messages, in this process, on two servers taking turns
+   (``--sync-rounds`` each), median ms a step of each.
 
-Prints one JSON line. Targets: bytes a step at 1,000 steps within 2x of
-that at 10 steps (each series; the whole state grows ~170x); idle recovery
-under 2 % of a core; no consumer added.
+Prints one JSON line. Targets (this tree): at most 4 journal appends a reply
+besides snapshots, ``ratio_amortized`` at most 3, both flat (largest over
+smallest across the lengths at most 1.25); idle recovery under 2 % of a
+core; no consumer added.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import platform
@@ -47,212 +77,177 @@ import signal
 import statistics
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
 
 from _ports import free_port
+from _sessions_replies import SNAPSHOTS, STEPS, measure
 
 from fleetbus.agents.messages import Msg
-from fleetbus.agents.serving.sessions import Lease, SessionStore
-from fleetbus.agents.state import AgentState, ReplyState
+from fleetbus.agents.serving.sessions import SNAPSHOT_BYTES, Lease, SessionStore
+from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus, EmbeddedServer
-from fleetbus.protocol import TextBlock, ToolResultBlock, ToolUseBlock, new_id
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 AGENT = "bench"
+OLD_COMMIT = "4557175"
+"""The last commit of the previous session store (heads and chunks in KV)."""
 LENGTHS = (10, 100, 1000)
-WINDOW = 10
-"""Steps at the end of each run the bytes are reported over."""
+SYNC_LENGTH = 100
 SESSIONS = 1000
 REPLICAS = 4
-TARGET_BYTES_RATIO = 2.0
+TARGET_APPENDS = 4.0
+TARGET_RATIO = 3.0
+TARGET_FLAT = 1.25
 TARGET_IDLE_CPU_PERCENT = 2.0
 
-THOUGHT = (
-    "The user wants the quarterly figures for the northern region. The last search "
-    "returned the January report only; I will search again for February and March "
-    "and then compare the three months before answering."
-)
-RESULT = (
-    "Found 3 documents. 1) 'Northern region, February sales report' (2024-03-04): "
-    "revenue 1.92M EUR, up 4.1% on January; 2) 'Northern region, March sales report' "
-    "(2024-04-02): revenue 2.07M EUR, up 7.8% on February; 3) 'Q1 summary draft' "
-    "(2024-04-10): quarter total 5.83M EUR, margin 18.2%, two open questions on returns."
-)
+
+# -- writes and time per reply ----------------------------------------------------------
 
 
-# -- the steps -------------------------------------------------------------------------
+@contextmanager
+def old_tree(given: str | None) -> Iterator[Path | None]:
+    """A tree holding the previous design's ``fleetbus``: ``given``, or the
+    commit exported to a temporary directory (``None`` when git cannot)."""
+    if given:
+        yield Path(given)
+        return
+    try:
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", OLD_COMMIT, "fleetbus"],
+            capture_output=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="bench-old-") as tmp:
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tmp, filter="data")
+        yield Path(tmp)
 
 
-def assistant_message(step: int) -> tuple[Msg, ToolUseBlock]:
-    """A model turn with a thought and one tool call (about 450 bytes of JSON)."""
-    use = ToolUseBlock(
-        id=new_id(),
-        name="search",
-        input={"query": f"northern region sales report, step {step}", "limit": 5},
+def drive(url: str, prefix: str, tree: Path, replies: int) -> dict[str, Any]:
+    """One run of the driver in a child process importing ``tree``'s ``fleetbus``."""
+    lengths = ",".join(str(n) for n in LENGTHS)
+    done = subprocess.run(
+        [sys.executable, str(HERE / "_sessions_replies.py"), url, prefix, lengths, str(replies)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    return Msg(role="assistant", name=AGENT, content=[TextBlock(text=THOUGHT), use]), use
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the driver failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    report: dict[str, Any] = json.loads(lines[-1])
+    if Path(report["tree"]).resolve() != tree.resolve():
+        raise RuntimeError(f"the driver ran {report['tree']}, not {tree}")
+    return report
 
 
-def tool_message(use: ToolUseBlock) -> Msg:
-    """The tool's result (about 500 bytes of JSON)."""
-    return Msg(
-        role="tool",
-        name=use.name,
-        content=[ToolResultBlock(id=use.id, name=use.name, output=RESULT)],
-    )
+def pooled(runs: list[dict[str, Any]], length: str) -> dict[str, Any]:
+    """The rounds of one length, added up (times listed together)."""
+    total: dict[str, Any] = {"seconds": [], "replies": 0, "added": 0, "fold_before": 0}
+    counters: dict[str, Counter[str]] = {}
+    seed = Counter[str]()
+    for run in runs:
+        figures = run["lengths"][length]
+        total["seconds"] += figures["seconds"]
+        total["replies"] += figures["replies"]
+        total["added"] += figures["fold_after"] - figures["fold_before"]
+        total["fold_before"] += figures["fold_before"]
+        total["sessions"] = total.get("sessions", 0) + figures["sessions"]
+        for what in ("facts", "writes", "bytes", "last_seq", "messages"):
+            counters.setdefault(what, Counter()).update(figures[what])
+        seed.update(figures["seed"])
+        total.setdefault("history", Counter()).update(figures.get("history") or {})
+    total.update(counters)
+    total["seed"] = seed
+    total["rounds"] = len(runs)
+    return total
 
 
-def new_reply(state: AgentState, session_id: str) -> None:
-    state.memory.append(Msg.text_message("user", "How did the northern region do in Q1?"))
-    state.reply = ReplyState(reply_id=new_id(), session_id=session_id)
-
-
-class WriteCounter:
-    """Bytes of every write to the fleet's session buckets, as the server
-    forwards them to a plain core subscription."""
-
-    def __init__(self, bus: Bus) -> None:
-        self.bus = bus
-        self.bytes = 0
-        self.writes = 0
-        self._subs: list[Any] = []
-
-    async def start(self) -> None:
-        kv = self.bus.subjects.kv_bucket
-
-        async def count(msg: Any) -> None:
-            self.bytes += len(msg.data)
-            self.writes += 1
-
-        subjects = [f"$KV.{kv(b)}.>" for b in ("sessions", "session_chunks", "session_leases")]
-        subjects.append(f"$O.{kv('session_blobs')}.>")
-        for subject in subjects:
-            self._subs.append(await self.bus.nc.subscribe(subject, cb=count))
-        await self.bus.flush()
-
-    async def settle(self) -> tuple[int, int]:
-        """The counts once every write published so far has been delivered."""
-        await self.bus.flush()
-        await asyncio.sleep(0.02)  # let the subscription callbacks run
-        return self.bytes, self.writes
-
-    async def close(self) -> None:
-        for sub in self._subs:
-            await sub.unsubscribe()
-
-
-@dataclass
-class Window:
-    """The figures of the last :data:`WINDOW` steps."""
-
-    bytes: int = 0
-    writes: int = 0
-    whole_state_bytes: int = 0
-    saves: int = 0
-    seconds: float = 0.0
-
-
-async def drive(
-    store: SessionStore,
-    counter: WriteCounter,
-    session_id: str,
-    steps: int,
-    *,
-    reply_steps: int | None = None,
-) -> dict[str, Any]:
-    """One session through ``steps`` ReAct steps (3 saves each); a new reply
-    every ``reply_steps`` steps (one reply for all when ``None``)."""
-    lease = await store.acquire(AGENT, session_id, fresh=AgentState(agent_name=AGENT))
-    state = lease.record.state
-    window = Window()
-    total_seconds = 0.0
-    run_bytes, run_writes = before = await counter.settle()
-
-    async def save(measure: bool) -> None:
-        nonlocal total_seconds
-        started = time.perf_counter()
-        await store.save(lease, state=state, status="running")
-        elapsed = time.perf_counter() - started
-        total_seconds += elapsed
-        if measure:
-            window.seconds += elapsed
-            # What the previous design wrote: the whole state, every save.
-            window.whole_state_bytes += len(state.model_dump_json().encode())
-            window.saves += 1
-
-    for step in range(steps):
-        measure = step >= steps - WINDOW
-        if measure and step == steps - WINDOW:
-            before = await counter.settle()
-        if step == 0 or (reply_steps is not None and step % reply_steps == 0):
-            new_reply(state, session_id)
-        reply = state.reply
-        assert reply is not None
-        started = time.perf_counter()
-        message, use = assistant_message(step)
-        state.memory.append(message)
-        reply.iteration += 1
-        reply.answered.clear()  # as the loop does: kept per step
-        total_seconds += time.perf_counter() - started
-        await save(measure)  # write-ahead: the call is durable before it is sent
-        reply.arrived.append(tool_message(use))
-        await save(measure)  # the result, as it arrives
-        reply.arrived = []
-        state.memory.append(tool_message(use))
-        reply.answered.append(use.id)
-        await save(measure)  # the end of the step
-    after = await counter.settle()
-    window.bytes, window.writes = after[0] - before[0], after[1] - before[1]
-    head = await store.heads.get_or_none(f"{AGENT}.{session_id}")
-    await store.save(lease, state=state, status="idle", release=True)
-    return {
-        "bytes_per_step": round(window.bytes / WINDOW),
-        "writes_per_step": round(window.writes / WINDOW, 1),
-        "whole_state_bytes_per_save": round(window.whole_state_bytes / window.saves),
-        "whole_state_bytes_per_step": round(window.whole_state_bytes / WINDOW),
-        "ms_per_step": round(total_seconds / steps * 1e3, 3),
-        "ms_per_step_last": round(window.seconds / WINDOW * 1e3, 3),
-        "run_bytes_per_step": round((after[0] - run_bytes) / steps),
-        "run_writes": after[1] - run_writes,
-        "head_bytes": len(head.value) if head is not None else None,
-        "answered_bytes": len(json.dumps(state.reply.answered if state.reply else [])),
-        "messages": len(state.memory),
+def figures(runs: list[dict[str, Any]], length: str, snapshot_min: int | None) -> dict[str, Any]:
+    """The figures of one design at one length, over its rounds."""
+    p = pooled(runs, length)
+    n = p["replies"]
+    writes, stored, written = p["writes"], p["last_seq"], p["bytes"]
+    session = [r for r in stored if r != "leases"]
+    appends = sum(stored[r] for r in session)
+    snapshots = writes.get(SNAPSHOTS, 0)
+    total = sum(v for r, v in written.items() if r != SNAPSHOTS)
+    added = p["added"]
+    between = total - written.get(SNAPSHOTS, 0)
+    result: dict[str, Any] = {
+        "replies": n,
+        "appends_per_reply": round(appends / n, 2),
+        "appends_besides_snapshots_per_reply": round((appends - snapshots) / n, 2),
+        "snapshots_per_reply": round(snapshots / n, 3),
+        "stored_per_reply": {r: round(stored[r] / n, 2) for r in sorted(stored)},
+        "removed_per_reply": {
+            r: round((stored[r] - p["messages"][r]) / n, 2)
+            for r in sorted(stored)
+            if stored[r] != p["messages"][r]
+        },
+        "lease_writes_per_reply": round(stored.get("leases", 0) / n, 2),
+        "bytes_written_per_reply": round(total / n),
+        "bytes_by_stream_per_reply": {
+            r: round(v / n) for r, v in sorted(written.items()) if r != SNAPSHOTS
+        },
+        "bytes_added_per_reply": round(added / n),
+        "ratio": round(total / added, 2),
+        "ratio_between_snapshots": round(between / added, 2),
     }
+    if snapshot_min is not None:
+        # The steady state: a snapshot of the whole session (about its fold)
+        # each time the facts since the last pass max(SNAPSHOT_BYTES, 2 S).
+        size = p["fold_before"] / p["sessions"]
+        facts = (between - written.get("leases", 0)) / n
+        every = max(snapshot_min, 2 * size) / facts
+        result["snapshot_every_replies"] = round(every, 1)
+        result["ratio_amortized"] = round((between / n + size / every) / (added / n), 2)
+        result["fold_bytes"] = round(size)
+        if snapshots:
+            result["snapshot_bytes_seen"] = round(written[SNAPSHOTS] / snapshots)
+        result["facts_per_reply"] = {k: round(v / n, 3) for k, v in sorted(p["facts"].items()) if v}
+        result["history_kinds_per_reply"] = {
+            k: round(v / n, 3) if v else v for k, v in sorted(p["history"].items())
+        }
+    else:
+        result["ratio_amortized"] = result["ratio"]  # nothing is rolled up
+    seed = p["seed"]
+    result["lifetime_ratio"] = round(seed["bytes"] / seed["fold"], 2)
+    result["ms_per_step"] = round(statistics.median(p["seconds"]) / STEPS * 1e3, 3)
+    result["ms_per_reply"] = round(statistics.median(p["seconds"]) * 1e3, 3)
+    return result
 
 
-async def conversation_lengths(url: str, prefix: str) -> dict[str, Any]:
-    bus = await Bus.connect(url, prefix=prefix, name="bench-sessions")
-    counter = WriteCounter(bus)
-    try:
-        store = await SessionStore.open(bus, owner="bench@steps")
-        await counter.start()
-        runs = {str(n): await drive(store, counter, f"len{n}", n) for n in LENGTHS}
-        short = {str(LENGTHS[0]): runs[str(LENGTHS[0])]}
-        for n in LENGTHS[1:]:
-            short[str(n)] = await drive(store, counter, f"chat{n}", n, reply_steps=10)
-    finally:
-        await counter.close()
-        await bus.close()
-    return {"runs": runs, "replies_of_10": short}
-
-
-async def step_times(url: str, prefix: str, steps: int, session_id: str) -> float:
-    """Milliseconds a step of one ``steps``-long session (no byte counting)."""
-    bus = await Bus.connect(url, prefix=prefix, name="bench-sync")
-    counter = WriteCounter(bus)  # not started: counts nothing
-    try:
-        store = await SessionStore.open(bus, owner="bench@sync")
-        result = await drive(store, counter, session_id, steps)
-    finally:
-        await bus.close()
-    return float(result["ms_per_step"])
+def compare(url: str, old: Path | None, replies: int, rounds: int) -> dict[str, Any]:
+    """Both designs, taking turns, ``rounds`` runs each."""
+    runs: dict[str, list[dict[str, Any]]] = {"new": [], "old": []}
+    for n in range(rounds):
+        trees = [("new", ROOT)] + ([("old", old)] if old is not None else [])
+        for name, tree in trees if n % 2 == 0 else trees[::-1]:
+            runs[name].append(drive(url, f"bench{name}{n}", tree, replies))
+    report: dict[str, Any] = {}
+    for name, done in runs.items():
+        if done:
+            snapshot_min = done[0]["snapshot_bytes_min"]
+            report[name] = {str(n): figures(done, str(n), snapshot_min) for n in LENGTHS}
+            report[name]["design"] = done[0]["design"]
+    return report
 
 
 # -- idle recovery -----------------------------------------------------------------------
@@ -386,17 +381,21 @@ def idle_recovery(server: EmbeddedServer, monitor_port: int, idle: float) -> dic
 # -- sync_interval ---------------------------------------------------------------------
 
 
-def sync_cost(always_url: str, periodic_url: str, steps: int, rounds: int) -> dict[str, Any]:
-    """Median ms a step of ``rounds`` runs on each server, alternating."""
+def sync_cost(always_url: str, periodic_url: str, replies: int, rounds: int) -> dict[str, Any]:
+    """Median ms a step of the replies at :data:`SYNC_LENGTH` prior messages,
+    ``rounds`` runs on each server, taking turns."""
     always: list[float] = []
     periodic: list[float] = []
     for n in range(rounds):
         runs = [(always_url, always), (periodic_url, periodic)]
         for url, times in runs if n % 2 == 0 else runs[::-1]:
-            times.append(asyncio.run(step_times(url, "benchsync", steps, f"sync{n}")))
-    always_ms, periodic_ms = statistics.median(always), statistics.median(periodic)
+            report = asyncio.run(measure(url, f"benchsync{n}", [SYNC_LENGTH], replies))
+            times += report["lengths"][str(SYNC_LENGTH)]["seconds"]
+    always_ms = statistics.median(always) / STEPS * 1e3
+    periodic_ms = statistics.median(periodic) / STEPS * 1e3
     return {
-        "steps": steps,
+        "messages": SYNC_LENGTH,
+        "replies": replies,
         "rounds": rounds,
         "always_ms_per_step": round(always_ms, 3),
         "periodic_120s_ms_per_step": round(periodic_ms, 3),
@@ -407,13 +406,25 @@ def sync_cost(always_url: str, periodic_url: str, steps: int, rounds: int) -> di
 # -- main ------------------------------------------------------------------------------
 
 
+def per_length(report: dict[str, Any], key: str) -> dict[str, Any]:
+    return {str(n): report[str(n)].get(key) for n in LENGTHS}
+
+
+def flat(values: dict[str, Any]) -> float:
+    numbers = [float(v) for v in values.values()]
+    return round(max(numbers) / min(numbers), 2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--replies", type=int, default=40, help="replies measured a length")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each design")
+    parser.add_argument("--old-tree", help=f"a checkout of {OLD_COMMIT} (default: exported)")
     parser.add_argument("--idle", type=float, default=34.0, help="seconds the services idle")
-    parser.add_argument("--rounds", type=int, default=5, help="100-step runs per sync setting")
+    parser.add_argument("--sync-rounds", type=int, default=3, help="runs per sync setting")
     args = parser.parse_args()
     # SIGTERM (a CI timeout) unwinds like Ctrl-C, so the servers and the
-    # child are stopped on the way out.
+    # children are stopped on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     started = time.perf_counter()
     monitor_port = free_port()
@@ -421,56 +432,72 @@ def main() -> None:
         EmbeddedServer(extra_args=["-m", str(monitor_port)]) as always,
         EmbeddedServer(sync_interval=120) as periodic,
     ):
-        lengths = asyncio.run(conversation_lengths(always.url, "benchsteps"))
-        sync = sync_cost(always.url, periodic.url, 100, args.rounds)
+        with old_tree(args.old_tree) as old:
+            designs = compare(always.url, old, args.replies, args.rounds)
+        sync = sync_cost(always.url, periodic.url, args.replies, args.sync_rounds)
         idle = idle_recovery(always, monitor_port, args.idle)
-    runs: dict[str, dict[str, Any]] = lengths["runs"]
-    short: dict[str, dict[str, Any]] = lengths["replies_of_10"]
-    first, last = str(LENGTHS[0]), str(LENGTHS[-1])
-
-    def per_length(key: str, series: dict[str, dict[str, Any]] = runs) -> dict[str, Any]:
-        return {n: run[key] for n, run in series.items()}
-
-    def ratio(key: str, series: dict[str, dict[str, Any]] = runs) -> float:
-        return float(series[last][key] / series[first][key])
-
-    bytes_ratio, short_ratio = ratio("bytes_per_step"), ratio("bytes_per_step", short)
+    new = designs["new"]
     report: dict[str, Any] = {
         "bench": "sessions",
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
-        "window_steps": WINDOW,
-        "bytes_per_step": per_length("bytes_per_step"),
-        "bytes_ratio_1000_vs_10": round(bytes_ratio, 2),
-        "whole_state_bytes_per_save": per_length("whole_state_bytes_per_save"),
-        "whole_state_bytes_per_step": per_length("whole_state_bytes_per_step"),
-        "whole_state_ratio_1000_vs_10": round(ratio("whole_state_bytes_per_save"), 1),
-        "writes_per_step": per_length("writes_per_step"),
-        "run_bytes_per_step": per_length("run_bytes_per_step"),
-        "head_bytes_at_end": per_length("head_bytes"),
-        "answered_bytes_at_end": per_length("answered_bytes"),
-        "ms_per_step": per_length("ms_per_step"),
-        "ms_per_step_last": per_length("ms_per_step_last"),
-        "ms_ratio_1000_vs_10": round(ratio("ms_per_step"), 2),
-        "replies_of_10_steps": {
-            "bytes_per_step": per_length("bytes_per_step", short),
-            "bytes_ratio_1000_vs_10": round(short_ratio, 2),
-            "run_bytes_per_step": per_length("run_bytes_per_step", short),
-            "head_bytes_at_end": per_length("head_bytes", short),
-            "whole_state_bytes_per_save": per_length("whole_state_bytes_per_save", short),
-            "ms_per_step": per_length("ms_per_step", short),
-            "ms_ratio_1000_vs_10": round(ratio("ms_per_step", short), 2),
-        },
-        "idle_recovery": idle,
-        "idle_recovery_cpu_percent": idle["cpu_percent"],
-        "consumers_before": idle["consumers_before"],
-        "consumers_after": idle["consumers_after"],
-        "sync": sync,
-        "sync_always_vs_periodic_ms_ratio": sync["ratio"],
+        "replies_per_length": args.replies * args.rounds,
+        "snapshot_bytes_min": SNAPSHOT_BYTES,
+        "appends_per_reply": per_length(new, "appends_per_reply"),
+        "appends_besides_snapshots_per_reply": per_length(
+            new, "appends_besides_snapshots_per_reply"
+        ),
+        "facts_per_reply": per_length(new, "facts_per_reply"),
+        "lease_writes_per_reply": per_length(new, "lease_writes_per_reply"),
+        "bytes_written_per_reply": per_length(new, "bytes_written_per_reply"),
+        "bytes_added_per_reply": per_length(new, "bytes_added_per_reply"),
+        "ratio": per_length(new, "ratio"),
+        "ratio_between_snapshots": per_length(new, "ratio_between_snapshots"),
+        "ratio_amortized": per_length(new, "ratio_amortized"),
+        "lifetime_ratio": per_length(new, "lifetime_ratio"),
+        "ms_per_step": per_length(new, "ms_per_step"),
     }
+    old_figures = designs.get("old")
+    if old_figures is not None:
+        report["old"] = {
+            "commit": OLD_COMMIT,
+            "appends_per_reply": per_length(old_figures, "appends_per_reply"),
+            "lease_writes_per_reply": per_length(old_figures, "lease_writes_per_reply"),
+            "bytes_written_per_reply": per_length(old_figures, "bytes_written_per_reply"),
+            "bytes_added_per_reply": per_length(old_figures, "bytes_added_per_reply"),
+            "ratio": per_length(old_figures, "ratio"),
+            "lifetime_ratio": per_length(old_figures, "lifetime_ratio"),
+            "ms_per_step": per_length(old_figures, "ms_per_step"),
+        }
+        report["new_vs_old"] = {
+            str(n): {
+                "ms_per_step": round(
+                    new[str(n)]["ms_per_step"] / old_figures[str(n)]["ms_per_step"], 2
+                ),
+                "bytes_written": round(
+                    new[str(n)]["bytes_written_per_reply"]
+                    / old_figures[str(n)]["bytes_written_per_reply"],
+                    3,
+                ),
+            }
+            for n in LENGTHS
+        }
+    else:
+        report["old"] = None  # git could not export the commit
+    report["designs"] = designs
+    report["idle_recovery"] = idle
+    report["idle_recovery_cpu_percent"] = idle["cpu_percent"]
+    report["consumers_before"] = idle["consumers_before"]
+    report["consumers_after"] = idle["consumers_after"]
+    report["sync"] = sync
+    report["sync_always_vs_periodic_ms_ratio"] = sync["ratio"]
+    appends = per_length(new, "appends_besides_snapshots_per_reply")
+    ratios = per_length(new, "ratio_amortized")
     report["targets_met"] = {
-        "bytes_per_step_1000_within_2x_of_10_one_reply": bytes_ratio <= TARGET_BYTES_RATIO,
-        "bytes_per_step_1000_within_2x_of_10_replies_of_10": short_ratio <= TARGET_BYTES_RATIO,
+        "appends_at_most_4_besides_snapshots": max(appends.values()) <= TARGET_APPENDS,
+        "ratio_amortized_at_most_3": max(ratios.values()) <= TARGET_RATIO,
+        "appends_flat": flat(appends) <= TARGET_FLAT,
+        "ratio_flat": flat(ratios) <= TARGET_FLAT,
         "idle_recovery_under_2pct_core": idle["cpu_percent"] < TARGET_IDLE_CPU_PERCENT,
         "no_consumers_added": idle["consumers_after"] <= idle["consumers_before"],
     }
