@@ -524,24 +524,27 @@ class Bus:
         """
         self._check_open()
         mark = self.denials.count
+        observation = Observation()
         try:
-            sub = await self._nc.subscribe(subject, queue=queue or "")
+            observation._sub = await self._nc.subscribe(
+                subject, queue=queue or "", cb=observation._take
+            )
         except nats.errors.Error as exc:
             raise _translate(exc, f"subscribe to {subject}") from exc
         try:
             # A refusal comes back before the answer to the PING that follows.
             await settle(self._nc, timeout)
         except nats.errors.TimeoutError as exc:
-            await Observation(sub).close()
+            await observation.close()
             raise CallTimeoutError(f"subscribe to {subject}: timed out", subject=subject) from exc
         except nats.errors.Error as exc:
-            await Observation(sub).close()
+            await observation.close()
             raise _translate(exc, f"subscribe to {subject}") from exc
         denial = self.denials.since(mark, "subscription", subject)
         if denial is not None:
-            await Observation(sub).close()
+            await observation.close()
             raise denial
-        return Observation(sub)
+        return observation
 
     async def serve(
         self,
@@ -694,27 +697,59 @@ class Bus:
         await self.close()
 
 
-class Observation:
-    """Messages arriving on an observed subject, decoded, as an async iterator."""
+_OBSERVED_KEPT = 65_536
+"""Messages an observation holds unread at most (then it drops, and says so)."""
 
-    def __init__(self, sub: Subscription) -> None:
-        self._sub = sub
+
+class Observation:
+    """Messages arriving on an observed subject, decoded, as an async iterator.
+
+    The subscription hands each message over as it is read from the
+    connection (a callback, no task in between): once the server has
+    answered a round trip, every message it sent before is here, and
+    :meth:`received` hands out what is not read yet.
+    """
+
+    def __init__(self) -> None:
+        self._sub: Subscription | None = None
+        self._queue: asyncio.Queue[AnyMessage] = asyncio.Queue()
         self.skipped = 0
-        """How many payloads could not be decoded and were skipped."""
+        """How many payloads could not be decoded (or found the queue full) and were skipped."""
+
+    async def _take(self, msg: Msg) -> None:
+        try:
+            message = decode(msg.data)
+        except ProtocolError as exc:
+            self.skipped += 1
+            logger.warning("skipped a bad message on %s: %s", msg.subject, exc)
+            return
+        if self._queue.qsize() >= _OBSERVED_KEPT:
+            self.skipped += 1
+            logger.warning("an observer of %s is too slow: a message was dropped", msg.subject)
+            return
+        self._queue.put_nowait(message)
 
     def __aiter__(self) -> AsyncIterator[AnyMessage]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[AnyMessage]:
-        async for msg in self._sub.messages:
-            try:
-                yield decode(msg.data)
-            except ProtocolError as exc:
-                self.skipped += 1
-                logger.warning("skipped a bad message on %s: %s", msg.subject, exc)
+        while True:
+            yield await self._queue.get()
+
+    async def received(self) -> list[AnyMessage]:
+        """The messages already received and not yet read, without waiting
+        for more."""
+        while self._sub is not None and self._sub.pending_msgs > 0:  # noqa: ASYNC110
+            await asyncio.sleep(0)  # the callback takes each over as it is read
+        got: list[AnyMessage] = []
+        while not self._queue.empty():
+            got.append(self._queue.get_nowait())
+        return got
 
     async def close(self) -> None:
         """Stop observing (pending messages are discarded)."""
+        if self._sub is None:
+            return
         try:
             await self._sub.unsubscribe()
         except nats.errors.Error:

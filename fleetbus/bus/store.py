@@ -55,6 +55,7 @@ __all__ = [
     "KeyValueStore",
     "ObjectStore",
     "ObjectSummary",
+    "delete_key_value",
     "key_value",
     "object_store",
     "transient",
@@ -241,6 +242,20 @@ async def key_value(
     store.expiring_markers = markers
     store.republished = bus.subjects.kv_writes(name, "") if republished else None
     return store
+
+
+async def delete_key_value(bus: Bus, bucket: str) -> bool:
+    """Delete KV bucket ``bucket`` (its full name); ``False`` when it does not exist.
+
+    Raises:
+        StoreError: JetStream is off or the deletion failed.
+    """
+    try:
+        return bool(await bus.nc.jetstream(timeout=ADMIN_TIMEOUT).delete_key_value(bucket))
+    except nats.js.errors.NotFoundError:
+        return False
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise _store_error(exc, f"deleting KV bucket {bucket}") from exc
 
 
 async def _allow_msg_ttl(js: JetStreamContext, stream: str, what: str) -> bool:

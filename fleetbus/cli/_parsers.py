@@ -58,7 +58,8 @@ def add_fleet_commands(sub: Any, bus_options: Any) -> None:
         "--events",
         choices=("all", "final", "none"),
         default="all",
-        help="what of each reply is published on its events subject (default all)",
+        help="what of each reply is published on its events subject (default all; final "
+        "and none publish no event: the answer is in the session's journal)",
     )
     p.add_argument(
         "--concurrency",

@@ -17,7 +17,8 @@ agent         serve ``P.agent.*.inbox`` / ``.control`` (or only its own with
               call tools, models and agents, publish events and topics,
               discover tools and models; answer any inbox of the fleet (a
               replica that takes a session over answers the request another
-              received); the session buckets, durable topic streams, the
+              received); the session journals (stream ``B_session``,
+              its own ``P.session.<name>.*``), leases, durable topic streams, the
               ``B_offload`` object store (long tool results kept whole),
               and reading ``B_tool_results``
 model-worker  serve ``P.model.*``, answer ``$SRV`` discovery
@@ -30,8 +31,9 @@ watcher       read everything of the fleet: ``P.>`` and ``_INBOX_B.>``
 ============  ================================================================
 
 A JetStream bucket is reached through API subjects that name its stream
-(``$JS.API.STREAM.INFO.KV_B_sessions``…) and, to write, through its own
-subjects (``$KV.B_sessions.>``, ``$O.B_tool_results.>``): each role gets
+(``$JS.API.STREAM.INFO.KV_B_session_leases``…) and, to write, through its own
+subjects (``$KV.B_session_leases.>``, ``P.session.<agent>.*``,
+``$O.B_tool_results.>``): each role gets
 those of its buckets only. Identities are user names with passwords (given,
 generated, or read by the server from its environment) or NKEYs (seeds
 generated here, written to files only their owner reads).
@@ -76,7 +78,8 @@ MODEL_REPLY_WINDOW = "10m"
 MODEL_REPLY_MESSAGES = 100_000
 """How many messages (deltas, then the answer) it may send to one prompt."""
 
-_SESSION_KV = ("sessions", "session_chunks", "session_leases")
+_SESSION_KV = ("session_leases",)
+_JOURNAL = "session"
 _SESSION_OBJECTS = ("session_blobs",)
 _RESULTS = "tool_results"
 _OFFLOAD = "offload"
@@ -225,6 +228,7 @@ def role_permissions(
     if role == "agent":
         agent = "*" if name is None else check_name(name, what="agent name")
         stores = [s for kv in _SESSION_KV for s in _kv(fleet, kv)]
+        stores += _js_api(f"{fleet}_{_JOURNAL}", write=True)
         stores += [s for obj in _SESSION_OBJECTS for s in _objects(fleet, obj, write=True)]
         stores += _objects(fleet, _OFFLOAD, write=True)
         stores += _objects(fleet, _RESULTS, write=False)
@@ -237,6 +241,7 @@ def role_permissions(
                 f"{p}.agent.*.inbox",
                 f"{p}.topic.*",
                 f"{p}.events.{agent}.*",
+                f"{p}.{_JOURNAL}.{agent}.*",
                 f"$SRV.INFO.{SERVICE_NAME}",
                 f"$SRV.INFO.{MODEL_SERVICE}",
                 inbox_wildcard(p),

@@ -10,6 +10,11 @@ server-wide ``_INBOX.>`` permission is needed. An inbox is shown only when it
 is the reply subject of a request seen on the fleet's prefix, so JetStream
 and discovery answers stay out (replies to requests sent before the watch
 began are not shown either). ``$SRV`` discovery traffic is not watched.
+
+Session journals (``<prefix>.session.<agent>.<session>``) are shown fact by
+fact as they are appended; watching one session (``--session``), the facts
+its journals already hold are shown first (catch up, then follow), so a
+watch begun late sees the same facts in the same order.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from typing import Final, Protocol, TypeVar
 from rich.console import Console
 from rich.text import Text
 
+from fleetbus.agents.serving.sessions import SessionFact, SessionStore, read_fact
 from fleetbus.bus import INBOX_ROOT, Bus, Subjects, inbox_wildcard
 from fleetbus.cli.render import STATUS_STYLES, describe
-from fleetbus.errors import ConnectionClosedError, ProtocolError
+from fleetbus.errors import ConnectionClosedError, FleetbusError, ProtocolError, StoreError
 from fleetbus.protocol import (
     AgentMessage,
     ErrorMessage,
@@ -130,6 +136,10 @@ class _Watcher:
         self.console = console
         self.store_writes = subjects.kv_writes("x", "").removesuffix("x.")
         """The stem of the stores' repeated writes (not protocol messages)."""
+        self.journals = f"{subjects.prefix}.session."
+        """The stem of the session journals' subjects."""
+        self.facts_shown: _Bounded[tuple[str, tuple[int, int]], bool] = _Bounded()
+        """Facts already shown (a catch-up and the live appends overlap)."""
         self.agent_subjects = (
             ()
             if agent is None
@@ -162,6 +172,15 @@ class _Watcher:
     def receive(self, msg: _Msg) -> None:
         if msg.subject.startswith(("$", self.store_writes)):
             return  # JetStream or service traffic ($KV.…, $JS.…, <prefix>.kv.…)
+        if msg.subject.startswith(self.journals):
+            try:
+                fact = read_fact(msg.data)
+            except StoreError as exc:
+                self.skipped += 1
+                logger.debug("skipped an unreadable fact on %s: %s", msg.subject, exc)
+                return
+            self.show_fact(msg.subject.removeprefix(self.journals), fact)
+            return
         inbox = msg.subject.startswith(_INBOXES)
         if inbox and msg.subject not in self.replies:
             # Someone else's reply (another fleet, discovery, JetStream), or
@@ -186,6 +205,28 @@ class _Watcher:
             self.print(message, _REPLY if inbox else msg.subject, latency)
         if held is not None and time.monotonic() - held[0] < _EARLY_REPLY_WINDOW:
             self.receive(held[1])  # its request is known now
+
+    def show_fact(self, key: str, fact: SessionFact) -> None:
+        """Print a fact of journal ``key`` (``<agent>.<session>``), once."""
+        agent, _, session = key.partition(".")
+        if self.session is not None and session != self.session:
+            return
+        if self.agent is not None and agent != self.agent:
+            return
+        if (key, fact.writer) in self.facts_shown:
+            return
+        self.facts_shown.remember((key, fact.writer), True)
+        self.shown += 1
+        if self.json_output:
+            line = json.dumps({"journal": key, **fact.model_dump(mode="json")}, ensure_ascii=False)
+            self.console.out(line, highlight=False)
+            return
+        clock = (fact.time or datetime.now()).strftime("%H:%M:%S.%f")[:-3]
+        self.console.print(
+            Text.assemble((clock, "dim"), " ", (_describe_fact(key, fact), "italic")),
+            soft_wrap=True,
+            highlight=False,
+        )
 
     def pair(self, message: Message) -> float | None:
         """Milliseconds since the call a result answers, when that call was seen."""
@@ -216,6 +257,37 @@ class _Watcher:
         if latency is not None:
             text.append(f"  [{latency:.1f} ms]", style="bold")
         self.console.print(text, soft_wrap=True, highlight=False)
+
+
+def _describe_fact(key: str, fact: SessionFact) -> str:
+    """One line about a session fact."""
+    agent, _, session = key.partition(".")
+    parts = [f"{'fact ' + fact.kind:<13} {agent} session={session}"]
+    if fact.owner:
+        parts.append(f"by {fact.owner}")
+    if fact.status:
+        parts.append(f"-> {fact.status}")
+    for added in fact.added[-3:]:
+        blocks = added.get("content") or []
+        said = " ".join(
+            str(b.get("text") or b.get("name") or b.get("type", "")) for b in blocks[:3]
+        )
+        parts.append(f"+{added.get('role', '?')}: {said[:80]}")
+    if fact.final is not None:
+        parts.append(f"final: {str(fact.final.get('content', ''))[:80]}")
+    return " ".join(parts)
+
+
+async def _catch_up(bus: Bus, watcher: _Watcher, session: str, agent: str | None) -> None:
+    """Show the facts the journals of ``session`` already hold."""
+    try:
+        store = await SessionStore.open(bus, owner="watch")
+        for key in await store.journal.keys(f"{agent or '*'}.{session}"):
+            name = key.partition(".")[0]
+            for fact in await store.history(name, session):
+                watcher.show_fact(key, fact)
+    except FleetbusError as exc:  # (a watcher may not read JetStream: it follows)
+        logger.info("the journal of %s was not read: %s", session, exc)
 
 
 def _style(message: Message) -> str:
@@ -290,6 +362,8 @@ async def watch(
     ]
     try:
         await bus.flush(_FLUSH_TIMEOUT)
+        if session is not None:  # subscribed first: nothing falls between the two
+            await _catch_up(bus, watcher, session, agent)
         if ready is not None:
             ready.set()
         async with asyncio.TaskGroup() as tg:

@@ -1,6 +1,6 @@
 """What the dashboard knows of a fleet, read from the bus only, and bounded.
 
-:class:`FleetView` follows four sources and merges them into one picture:
+:class:`FleetView` follows five sources and merges them into one picture:
 
 - the session store (:meth:`SessionStore.records
   <fleetbus.agents.serving.sessions.SessionStore.records>`), polled: every
@@ -9,6 +9,9 @@
   ``store_wait`` seconds, with one warning, before the page shows an error);
 - the event streams (``<prefix>.events.>``): replies as they happen, which
   also reveal the agents that publish them;
+- the session journals as they are appended to (``<prefix>.session.>``): a
+  request taken, and the end of each reply with its final answer (published
+  nowhere else);
 - the lease writes the server repeats (``<prefix>.kv.session_leases.>``): the
   replicas running sessions, as they take them;
 - ``$SRV.STATS.fleetbus``, polled: the tool workers of the fleet and their
@@ -37,7 +40,7 @@ from typing import Any, Final, Protocol
 import orjson
 
 from fleetbus.agents.permissions import suggest_rules
-from fleetbus.agents.serving.sessions import SessionRecord, SessionStore, lease_owner
+from fleetbus.agents.serving.sessions import SessionRecord, SessionStore, lease_owner, read_fact
 from fleetbus.bus import SERVICE_NAME, Bus, check_name
 from fleetbus.bus.store import STORE_WAIT, wait_for_store
 from fleetbus.dashboard._confirm import (
@@ -48,7 +51,15 @@ from fleetbus.dashboard._confirm import (
 )
 from fleetbus.dashboard._micro import collect_stats
 from fleetbus.errors import ConfigError, FleetbusError, ProtocolError, StoreError
-from fleetbus.protocol import ConfirmResult, Event, ExternalResult, FinalAnswer, decode, to_builtins
+from fleetbus.protocol import (
+    ConfirmResult,
+    Event,
+    ExternalResult,
+    FinalAnswer,
+    decode,
+    to_builtins,
+    utc_now,
+)
 
 __all__ = ["FleetView", "Limits"]
 
@@ -190,6 +201,7 @@ class FleetView:
         self._tg: asyncio.TaskGroup | None = None
         self._events_stem = bus.subjects.all_events().removesuffix(">")
         self._leases_stem = bus.subjects.kv_writes(_LEASES, "")
+        self._journals_stem = f"{bus.prefix}.session."
 
     # -- running ---------------------------------------------------------------------
 
@@ -203,6 +215,7 @@ class FleetView:
         subs = [
             await nc.subscribe(self.bus.subjects.all_events()),
             await nc.subscribe(self.bus.subjects.kv_writes(_LEASES)),
+            await nc.subscribe(self._journals_stem + ">"),
         ]
         try:
             async with asyncio.TaskGroup() as tg:
@@ -210,6 +223,7 @@ class FleetView:
                 tasks = [
                     tg.create_task(self._consume(subs[0], self._on_event)),
                     tg.create_task(self._consume(subs[1], self._on_lease)),
+                    tg.create_task(self._consume(subs[2], self._on_fact)),
                     tg.create_task(self._every(self.session_poll, self._poll_sessions)),
                     tg.create_task(self._every(self.stats_poll, self._poll_workers)),
                     tg.create_task(self._every(_CONNECTION_TICK, self._check_connection)),
@@ -369,6 +383,39 @@ class FleetView:
             view.owner = owner
         self._bump()
 
+    def _on_fact(self, msg: _Msg) -> None:
+        """A fact appended to a session's journal: the request taken, or the
+        end of a reply with its answer (published nowhere else)."""
+        tokens = msg.subject.removeprefix(self._journals_stem).split(".")
+        if len(tokens) != 2:
+            return
+        try:
+            fact = read_fact(msg.data)
+        except StoreError as exc:
+            self._skipped += 1
+            logger.debug("dashboard skipped a fact on %s: %s", msg.subject, exc)
+            return
+        if fact.kind not in ("taken", "end"):
+            return
+        agent, session_id = tokens
+        view = self._session(agent, session_id)
+        view.heard = time.monotonic()
+        if fact.status is not None:
+            view.status = fact.status
+        if fact.kind == "taken":
+            view.pending = []
+        final = fact.final
+        if final is not None:
+            view.last_answer = _text(final.get("content"), self.limits.text_chars)
+            view.event_at = utc_now()
+            view.events.append(self.kept(final))
+            self._event_count += 1
+            if len(view.events) > self.limits.events_per_session:
+                view.events.popleft()
+                self._event_count -= 1
+            self._trim_events()
+        self._bump()
+
     def _on_event(self, msg: _Msg) -> None:
         tokens = msg.subject.removeprefix(self._events_stem).split(".")
         if not msg.subject.startswith(self._events_stem) or len(tokens) != 2:
@@ -392,6 +439,8 @@ class FleetView:
         self._trim_events()
         if isinstance(message, Event):
             self._apply_event(view, message)
+            if message.event == "reply_end":
+                _answer_last(view.events)
         elif isinstance(message, FinalAnswer):
             view.last_answer = _text(message.content, self.limits.text_chars)
             if message.finished_reason != "paused":
@@ -508,14 +557,25 @@ class FleetView:
         self, agent: str, session_id: str
     ) -> AsyncGenerator[dict[str, Any] | None, None]:
         """The events of one session: those kept, then each one published on
-        ``<prefix>.events.<agent>.<session>`` as it comes; ``None`` every 15 s
-        of silence (a keep-alive). Ends when the view stops.
+        ``<prefix>.events.<agent>.<session>`` as it comes, and each final
+        answer as the session's journal is given it; ``None`` every 15 s of
+        silence (a keep-alive). Ends when the view stops.
 
         Raises:
             ConfigError: ``agent`` or ``session_id`` is not a subject token.
         """
-        subject = self.bus.subjects.events(agent, session_id)
-        sub = await self.bus.nc.subscribe(subject)
+        self.bus.subjects.events(agent, session_id)  # (checks the names)
+        journal = f"{self._journals_stem}{agent}.{session_id}"
+        arrived: asyncio.Queue[tuple[bool, bytes]] = asyncio.Queue()
+
+        async def on_message(msg: _Msg) -> None:
+            arrived.put_nowait((msg.subject == journal, msg.data))
+
+        # One subscription for the events and the journal (``<prefix>.*.<agent>.<session>``
+        # is those two and nothing else): they come in the order they were published.
+        subs = [
+            await self.bus.nc.subscribe(f"{self.bus.prefix}.*.{agent}.{session_id}", cb=on_message)
+        ]
         try:
             with contextlib.suppress(FleetbusError, TimeoutError):
                 await self.bus.flush(5.0)
@@ -526,7 +586,8 @@ class FleetView:
             quiet = 0.0
             while not self.stopping.is_set():
                 try:
-                    msg = await sub.next_msg(timeout=_FOLLOW_TICK)
+                    async with asyncio.timeout(_FOLLOW_TICK):
+                        is_fact, data = await arrived.get()
                 except TimeoutError:
                     quiet += _FOLLOW_TICK
                     if quiet >= _KEEPALIVE:
@@ -535,16 +596,23 @@ class FleetView:
                     continue
                 quiet = 0.0
                 try:
-                    item = self.kept(to_builtins(decode(msg.data)))
-                except ProtocolError:
+                    if is_fact:
+                        final = read_fact(data).final
+                        if final is None:
+                            continue
+                        item = self.kept(final)
+                    else:
+                        item = self.kept(to_builtins(decode(data)))
+                except (ProtocolError, StoreError):
                     continue
                 if str(item.get("id")) in sent:
                     continue  # already sent from what was kept
                 sent.append(str(item.get("id")))
                 yield item
         finally:
-            with contextlib.suppress(Exception):  # nats errors stay in fleetbus.bus
-                await sub.unsubscribe()
+            for one in subs:
+                with contextlib.suppress(Exception):  # nats errors stay in fleetbus.bus
+                    await one.unsubscribe()
 
     # -- confirming ------------------------------------------------------------------
 
@@ -634,6 +702,19 @@ class FleetView:
         if task.done():
             return task.result()
         return ConfirmOutcome(accepted=True, state="resumed", message="the reply resumed")
+
+
+def _answer_last(events: deque[dict[str, Any]]) -> None:
+    """Put the final answers of the reply that just ended after its events,
+    where they were published: heard from the journal (another subscription),
+    they may come in ahead of the reply's last events."""
+    items = list(events)
+    start = max((i for i, e in enumerate(items) if e.get("event") == "reply_start"), default=0)
+    answers = [e for e in items[start:] if e.get("type") == "final_answer"]
+    if answers:
+        rest = [e for e in items[start:] if e.get("type") != "final_answer"]
+        events.clear()
+        events.extend([*items[:start], *rest, *answers])
 
 
 async def _first(*waits: Any) -> None:

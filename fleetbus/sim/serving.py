@@ -45,7 +45,8 @@ class PopulationHost(Lifecycle):
             when a round's prompt is taken and when it is answered; a host
             that dies mid-reply has the reply run again) or ``"step"``.
         events: what of each reply is published on its events subject
-            (``"final"`` by default here: watchers see the answers).
+            (``"final"`` by default here: no event; watchers see the answers
+            on the session journals).
         cache_size: agent definitions kept built.
         drain_timeout: seconds running replies get to finish on stop.
         tool_wait: seconds to wait for the simulation's tools to be served.

@@ -14,9 +14,10 @@ alone what a run without failures answers:
   (randomly), so a call asked of the model twice travels with two call_ids.
 - ``CHAOS_DIE_DIR`` in a replica's environment arms two self-kills (SIGKILL,
   once per session, noted in that directory), at points too brief to hit from
-  outside: in session ``chaos-die-answered``, right after the final answer of
-  a reply is published on the events subject (memory holds the answer; the
-  session is not stored ``done`` yet, its requester not answered); in session
+  outside: in session ``chaos-die-answered``, right before the end of a reply
+  (its final answer) is appended to the session's journal (the model has
+  answered; the session is not stored ``done`` yet, its requester not
+  answered); in session
   ``chaos-die-stored``, right before the lease of the session, just stored
   ``done``, is released (its requester not answered yet).
 - ``chaos_step`` returns :func:`step_value` after 100-800 ms (a function of its
@@ -32,13 +33,15 @@ import os
 import signal
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from fleetbus.agents import Agent
 from fleetbus.agents.serving.sessions import session_key
-from fleetbus.bus import Bus, KeyValueStore
+from fleetbus.bus import KeyValueStore
+from fleetbus.bus.journal import Journal
 from fleetbus.models import ModelRequest, ModelResponse
 from fleetbus.models.model import ModelStreamItem
-from fleetbus.protocol import FinalAnswer, Message, TextBlock, ToolResultBlock, ToolUseBlock, Usage
+from fleetbus.protocol import TextBlock, ToolResultBlock, ToolUseBlock, Usage
 from fleetbus.tools_workers import Toolkit, tool
 
 AGENT = "chaos"
@@ -47,7 +50,7 @@ RUNS_ENV = "CHAOS_RUNS"
 DIE_ENV = "CHAOS_DIE_DIR"
 """The environment variable that arms the self-kills (a directory)."""
 DIE_ANSWERED = "chaos-die-answered"
-"""The session whose replica dies right after publishing its final answer event."""
+"""The session whose replica dies right before writing its reply's end."""
 DIE_STORED = "chaos-die-stored"
 """The session whose replica dies right before releasing its lease once stored done."""
 
@@ -156,19 +159,19 @@ def _first_time(session: str) -> bool:
 def _arm_self_kills() -> None:
     """Wrap the bus calls that mark the two points (in this process only): a
     kill from outside cannot aim at a window of a few milliseconds."""
-    publish = Bus.publish
+    append = Journal.append
     delete = KeyValueStore.delete
     purge = KeyValueStore.purge
 
-    async def publish_then_die(self: Bus, subject: str, message: Message) -> None:
-        await publish(self, subject, message)
+    async def die_before_the_end(self: Journal, key: str, data: bytes, **how: Any) -> int:
         if (
-            isinstance(message, FinalAnswer)
-            and subject == self.subjects.events(AGENT, DIE_ANSWERED)
+            key == session_key(AGENT, DIE_ANSWERED)
+            and b'"k":"end"' in data
+            and b'"final"' in data
             and _first_time(DIE_ANSWERED)
         ):
-            await self.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        return await append(self, key, data, **how)
 
     def _dies_here(store: KeyValueStore, key: str) -> None:
         if (
@@ -192,7 +195,7 @@ def _arm_self_kills() -> None:
 
     # The lease is released by a purge (or a delete, on a server without
     # per-message TTLs): die just before either.
-    Bus.publish = publish_then_die  # type: ignore[method-assign]
+    Journal.append = die_before_the_end  # type: ignore[method-assign]
     KeyValueStore.delete = die_before_delete  # type: ignore[method-assign]
     KeyValueStore.purge = die_before_purge  # type: ignore[method-assign]
 

@@ -11,7 +11,7 @@ Use it from a fixture::
 
     cluster = NatsCluster(tmp_path).start()   # returns once JetStream has a meta leader
     bus = await Bus.connect(cluster.urls)
-    leader = await cluster.stream_leader(bus, "KV_fleet_sessions")
+    leader = await cluster.stream_leader(bus, "fleet_session")
     cluster.kill(leader)                      # SIGKILL, as a crash would
     cluster.restart(leader)                   # same config, same store
     await asyncio.to_thread(cluster.wait_ready)

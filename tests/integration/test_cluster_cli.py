@@ -72,7 +72,7 @@ async def test_sessions_waits_for_the_new_leader_of_the_session_store(
     assert [s["session"] for s in json.loads(out)] == ["w1"]
     assert WAITING not in err
 
-    stream = f"KV_{bus.subjects.kv_bucket('sessions')}"
+    stream = bus.subjects.kv_bucket("session")
     await wait_current_replicas(bus, stream, 3)
     leader = await cluster.stream_leader(bus, stream)
     cluster.kill(leader)  # the other two elect a new leader: seconds without one
@@ -99,7 +99,7 @@ async def test_the_dashboard_waits_for_the_new_leader_of_the_session_store(
 ) -> None:
     bus = cluster_bus
     await a_session(cluster, bus, "d1")
-    stream = f"KV_{bus.subjects.kv_bucket('sessions')}"
+    stream = bus.subjects.kv_bucket("session")
     await wait_current_replicas(bus, stream, 3)
     async with dashboard(bus) as board:
         await board.until(lambda s: [x["session"] for x in s["sessions"]] == ["d1"])
@@ -130,7 +130,7 @@ async def test_ask_is_answered_across_the_election(cluster: NatsCluster, cluster
     agent = Agent("echo", "", CommandModel(), toolkit=Toolkit())
     async with serving(cluster.urls, bus.prefix, agent, ready_timeout=30):
         await RemoteAgent(bus, "echo", session_id="a0").reply("warm", timeout=30)
-        stream = f"KV_{bus.subjects.kv_bucket('sessions')}"
+        stream = bus.subjects.kv_bucket("session")
         await wait_current_replicas(bus, stream, 3)
         cluster.kill(await cluster.stream_leader(bus, stream))
         code, out, err = await fleetbus("ask", "echo", "hello", *on_bus, "--session", "a1")

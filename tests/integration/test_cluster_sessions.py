@@ -69,8 +69,11 @@ async def test_replies_finish_when_the_sessions_leader_is_killed(
         ) as service,
     ):
         assert service.store is not None
-        for name in ("sessions", "session_chunks", "session_leases"):
-            info = await stream_info(bus, f"KV_{bus.subjects.kv_bucket(name)}")
+        for stream in (
+            bus.subjects.kv_bucket("session"),
+            f"KV_{bus.subjects.kv_bucket('session_leases')}",
+        ):
+            info = await stream_info(bus, stream)
             assert info["config"]["num_replicas"] == 3
         # Every node knows the agent's inbox before the requests go out.
         warm = await bus.request(
@@ -88,7 +91,7 @@ async def test_replies_finish_when_the_sessions_leader_is_killed(
                 reply=inbox,
             )
         await wait_until(lambda: len(runs) == len(texts))  # every first call is running
-        stream = f"KV_{bus.subjects.kv_bucket('sessions')}"
+        stream = bus.subjects.kv_bucket("session")  # the journal
         leader = await nats_cluster.stream_leader(bus, stream)
         nats_cluster.kill(leader)  # mid-run: the results will be saved across the fail-over
         gate.set()

@@ -230,7 +230,10 @@ async def test_a_session_started_from_the_test_is_listed_and_streams_live(
         assert agent["sessions"] == 1
 
         kept = (await board.client.get("/api/sessions/echo/s-live/events")).json()
-        assert [e["id"] for e in kept] == [d["id"] for _, d in events]
+        assert [e["id"] for e in kept] == [d["id"] for _, d in events], (
+            [(e.get("event") or e["type"]) for e in kept],
+            [(d.get("event") or d["type"]) for _, d in events],
+        )
         bad = await board.client.get("/api/sessions/echo/no.such/stream")
         assert bad.status_code in (400, 404)
 

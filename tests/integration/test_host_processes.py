@@ -141,7 +141,7 @@ async def heard_by_all(
     deadline = time.monotonic() + timeout
     while True:
         # Count the sessions first (one request): no reads until all exist.
-        if len(await store.heads.subjects(f"*.{session}")) >= len(names):
+        if len(await store.journal.keys(f"*.{session}")) >= len(names):
             for name, record in zip(waiting, await records(store, waiting, session), strict=True):
                 if record is not None and record.owner is None:
                     heard[name] = [m.text for m in record.state.memory]
@@ -259,7 +259,7 @@ async def test_a_broadcast_reaches_every_agent_once_with_two_replicas(
             await broadcast(bus, "news", text, "town")
         store = await SessionStore.open(bus, owner="test")
         heard = await heard_by_all(store, names, "town", texts)
-        sessions = await store.heads.subjects("*.town")
+        sessions = list(await store.journal.keys("*.town"))
         answer = await ask(bus, "c0777", "heard?", "town")
     assert sessions == [f"{name}.town" for name in names]
     # Two replicas record the two broadcasts, in either order: each once.

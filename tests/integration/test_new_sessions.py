@@ -1,7 +1,7 @@
-"""A new session whose request rides in its lease is written once, by its
-first save: nobody wrote its head before, so there is nobody to fence. An
-owner that dies before that save leaves its request in the lease, and
-whoever takes the session next serves it."""
+"""A new session begins with one fact, the request taken, appended against
+an empty journal (two replicas creating it race on that append). An owner
+that dies after it leaves its request in the journal, and whoever takes the
+session next serves it."""
 
 from __future__ import annotations
 
@@ -14,25 +14,26 @@ from fleetbus.errors import SessionLost
 from fleetbus.protocol import UserRequest, to_builtins
 
 
-async def _head_writes(bus: Bus, store: SessionStore) -> int:
-    info = await bus.nc.jetstream().stream_info(f"KV_{store.heads.bucket}")
-    return info.state.last_seq
+async def _appends(store: SessionStore) -> int:
+    return sum((await store.journal.keys()).values())
 
 
 def _request(content: str, call_id: str) -> dict[str, object]:
     return to_builtins(UserRequest(content=content, session_id="s", call_id=call_id))
 
 
-async def test_a_new_session_is_written_once_by_its_first_save(bus: Bus) -> None:
+async def test_a_new_session_begins_with_the_request_taken(bus: Bus) -> None:
     store = await SessionStore.open(bus, owner="a")
     request = _request("hi", "q-1")
     lease = await store.acquire(
         "ann", "s", fresh=AgentState(agent_name="ann"), reply_to="_INBOX.x.1", pending_input=request
     )
     assert lease.record.status == "running"
-    assert await store.get("ann", "s") is None  # the request is in the lease meanwhile
+    taken = await store.get("ann", "s")
+    assert taken is not None
+    assert (taken.status, taken.owner, taken.pending_input) == ("running", "a", request)
     carried = await store.leases.get(session_key("ann", "s"))
-    assert b'"q-1"' in carried.value
+    assert b'"q-1"' in carried.value  # a copy of the request is known by the lease
     await store.save(lease, status="idle", final={"content": "done"}, release=True)
     record = await store.get("ann", "s")
     assert record is not None
@@ -41,10 +42,10 @@ async def test_a_new_session_is_written_once_by_its_first_save(bus: Bus) -> None
         {"content": "done"},
         None,
     )
-    assert await _head_writes(bus, store) == 1
+    assert await _appends(store) == 2  # taken, end
 
 
-async def test_a_request_too_large_to_ride_in_the_lease_is_in_the_head_first(bus: Bus) -> None:
+async def test_a_large_request_is_in_the_journal_from_the_start(bus: Bus) -> None:
     store = await SessionStore.open(bus, owner="a")
     request = _request("hi" * 20_000, "q-2")
     lease = await store.acquire(

@@ -184,9 +184,9 @@ async def _scenario(
     # The tool worker serves, but calls no tool and reads no session.
     denial = await refused(ToolClient(worker_bus, timeout=10.0).call("add", {"a": 1, "b": 1}))
     assert str(denial) == f"permission denied: publish to {subjects.tool('add')}"
-    denial = await refused(key_value(worker_bus, "sessions"))
+    denial = await refused(key_value(worker_bus, "session_leases"))
     assert str(denial) == (
-        f"permission denied: publish to $JS.API.STREAM.INFO.KV_{PREFIX}_sessions"
+        f"permission denied: publish to $JS.API.STREAM.INFO.KV_{PREFIX}_session_leases"
     )
 
     # The model worker answers prompts and does nothing else.

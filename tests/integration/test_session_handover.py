@@ -1,7 +1,7 @@
 """A session taken again by the replica that released it last is taken
-without reading its head (nobody held the lease since, so nobody wrote the
-head since); a session another replica held meanwhile is read, whether this
-replica heard that replica's release or not."""
+without reading its journal (nobody held the lease since, so nobody appended
+since); a session another replica held meanwhile is read — only the facts
+appended since — whether this replica heard that replica's release or not."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ from fleetbus.bus import Bus
 from fleetbus.protocol import TextBlock
 
 
-def counting_head_reads(store: SessionStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The keys of the heads ``store`` reads from now on."""
+def counting_reads(store: SessionStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The journals ``store`` reads from now on (with the sequence read after)."""
     reads: list[str] = []
-    original = store.heads.last
+    original = store.journal.read
 
-    async def last(key: str) -> Any:
-        reads.append(key)
-        return await original(key)
+    async def read(key: str, *, after: int = 0) -> Any:
+        reads.append(f"{key}@{after}")
+        return await original(key, after=after)
 
-    monkeypatch.setattr(store.heads, "last", last)
+    monkeypatch.setattr(store.journal, "read", read)
     return reads
 
 
@@ -41,12 +41,12 @@ async def serve(store: SessionStore, text: str) -> list[str]:
     return seen
 
 
-async def test_taken_again_by_its_last_owner_the_head_is_not_read(
+async def test_taken_again_by_its_last_owner_the_journal_is_not_read(
     bus: Bus, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = await SessionStore.open(bus, owner="a")
     assert await serve(store, "one") == []
-    reads = counting_head_reads(store, monkeypatch)
+    reads = counting_reads(store, monkeypatch)
     assert await serve(store, "two") == ["one"]
     assert await serve(store, "three") == ["one", "two"]
     assert reads == []
@@ -56,7 +56,7 @@ async def test_taken_again_by_its_last_owner_the_head_is_not_read(
 
 
 @pytest.mark.parametrize("heard", [True, False], ids=["heard", "unheard"])
-async def test_held_by_another_replica_meanwhile_the_head_is_read(
+async def test_held_by_another_replica_meanwhile_only_what_it_appended_is_read(
     bus: Bus, monkeypatch: pytest.MonkeyPatch, heard: bool
 ) -> None:
     a = await SessionStore.open(bus, owner="a")
@@ -65,7 +65,9 @@ async def test_held_by_another_replica_meanwhile_the_head_is_read(
     assert await serve(b, "two") == ["one"]
     if heard:  # as a's recovery hears b's release: a's next take writes over its marker
         key = session_key("ann", "s1")
-        a.note_released(key, b._released[key])
-    reads = counting_head_reads(a, monkeypatch)
+        a.note_released(key, b._leases._released[key])
+    known = a._cache[session_key("ann", "s1")][0].seq  # the end of a's own last reply
+    reads = counting_reads(a, monkeypatch)
     assert await serve(a, "three") == ["one", "two"]
-    assert reads == [session_key("ann", "s1")]
+    # One read, from the end a knew: b's facts only.
+    assert reads == [f"{session_key('ann', 's1')}@{known - 1}"]

@@ -1,17 +1,22 @@
-"""A session's memory as the store keeps it: the head's tail, appended to as
-written and read straight from its JSON, sealed chunks, memory rewritten, and
-stored data that cannot be read."""
+"""A session's memory as its journal keeps it: appended to fact by fact and
+read back exactly, rolled up into a snapshot when rewritten or when the facts
+outgrow the last snapshot, facts larger than a message stored by reference,
+and stored data that cannot be read."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import orjson
 import pytest
 
 from fleetbus.agents import Msg
-from fleetbus.agents.serving.sessions import CHUNK_BYTES, SessionStore, session_key
+from fleetbus.agents.serving.sessions import (
+    SNAPSHOT_BYTES,
+    SNAPSHOT_MULTIPLE,
+    SessionStore,
+    session_key,
+)
 from fleetbus.bus import Bus
 from fleetbus.errors import StoreError
 from fleetbus.protocol import TextBlock, ToolResultBlock, ToolUseBlock
@@ -48,29 +53,29 @@ async def save(store: SessionStore, session: str, add: list[Msg] | None = None) 
     await store.save(lease, state=lease.record.state, status="idle", release=True)
 
 
-async def test_memory_written_over_many_saves_reads_back_exactly(bus: Bus) -> None:
-    """Turns saved one by one: each save appends to the head's tail, which is
-    sealed into a chunk past CHUNK_BYTES; a store that never saw the session
-    reads every message back, and the head holds the newest as JSON."""
+async def test_memory_written_over_many_saves_reads_back_and_stays_bounded(bus: Bus) -> None:
+    """Turns saved one by one, each a fact of what it adds: a store that never
+    saw the session reads every message back, and rollups keep the journal
+    within five times the session (and a snapshot's minimum) however many facts."""
     store = await SessionStore.open(bus, owner="writer")
     written: list[Msg] = []
-    for n in range(60):  # about 42 KB: sealed at least twice
+    for n in range(300):  # about 210 KB of memory: rolled up at least once
         messages = turn(n)
         written += messages
         await save(store, "long", messages)
-    head = json.loads((await store.heads.get(session_key(AGENT, "long"))).value)
-    assert len(head["chunks"]) >= 1
-    sealed = sum(last - first + 1 for _, first, last in head["chunks"])
-    assert sealed >= 2
-    assert len(orjson.dumps(head["tail"])) <= CHUNK_BYTES + 1024
-    assert head["tail"] == dumped(written[len(written) - len(head["tail"]) :])
+    key = session_key(AGENT, "long")
+    entries = await store.journal.read(key)
+    size = len(orjson.dumps(dumped(written)))
+    assert len(entries) < 2 * 300  # 2 facts a turn written: some were rolled up
+    assert b'"k":"snapshot"' in entries[0].data
+    assert sum(len(e.data) for e in entries) <= (1 + SNAPSHOT_MULTIPLE) * size + SNAPSHOT_BYTES
     reader = await SessionStore.open(bus, owner="reader")
     record = await reader.get(AGENT, "long")
     assert record is not None
     assert dumped(record.state.memory) == dumped(written)
     assert record.messages == len(written)
     # And it goes on from there in the reader's hands.
-    last = turn(60)
+    last = turn(300)
     await save(reader, "long", last)
     again = await SessionStore.open(bus, owner="third")
     record = await again.get(AGENT, "long")
@@ -78,59 +83,68 @@ async def test_memory_written_over_many_saves_reads_back_exactly(bus: Bus) -> No
     assert dumped(record.state.memory) == dumped(written + last)
 
 
-async def test_memory_rewritten_is_stored_anew(bus: Bus) -> None:
-    """A compression puts a summary in place of older messages: memory is
-    stored anew, in new chunks, and reads back as rewritten."""
+async def test_memory_rewritten_is_rolled_up_into_a_snapshot(bus: Bus) -> None:
+    """A compression puts a summary in place of older messages: the fact is a
+    snapshot that removes the facts before it, and memory reads back as
+    rewritten."""
     store = await SessionStore.open(bus, owner="writer")
     for n in range(30):
         await save(store, "squeezed", turn(n))
     lease = await store.acquire(AGENT, "squeezed")
     summary = Msg.text_message("user", "summary of 29 turns", marks=frozenset({"compressed"}))
     lease.record.state.memory[:] = [summary, *lease.record.state.memory[-4:], *turn(30)]
-    assert len(lease.record.state.memory) == 9
     kept = list(lease.record.state.memory)
     await store.save(lease, state=lease.record.state, status="idle", release=True)
+    facts = await store.history(AGENT, "squeezed")
+    assert [f.kind for f in facts] == ["snapshot"]
     reader = await SessionStore.open(bus, owner="reader")
     record = await reader.get(AGENT, "squeezed")
     assert record is not None
     assert dumped(record.state.memory) == dumped(kept)
 
 
-async def test_a_head_whose_memory_cannot_be_read_is_a_store_error(bus: Bus) -> None:
-    """A head with a tail that is no list of messages, or that is no JSON
-    object at all, raises a StoreError naming what is wrong."""
+async def test_a_fact_larger_than_a_message_is_stored_by_reference(bus: Bus) -> None:
+    """A tool result over ``max_payload`` kept whole: its fact goes to the
+    object store, the journal holds a reference, it reads back, and the
+    object is deleted once a snapshot rolls the fact up."""
+    store = await SessionStore.open(bus, owner="writer")
+    big = "x" * (bus.max_payload + 1000)
+    result = Msg(role="tool", content=[ToolResultBlock(id="b", name="look", output=big)])
+    await save(store, "big", [result])
+    key = session_key(AGENT, "big")
+    entries = await store.journal.read(key)
+    assert all(len(e.data) < bus.max_payload for e in entries)
+    assert b'"$blob"' in entries[-1].data
+    blobs = await store._blob_store()
+    names = [o.name for o in await blobs.list() if o.name.startswith(key + ".")]
+    assert len(names) == 1
+    reader = await SessionStore.open(bus, owner="reader")
+    record = await reader.get(AGENT, "big")
+    assert record is not None
+    assert record.state.memory[-1].tool_results[0].output == big
+    # Rewritten memory rolls the reference up: its object goes.
+    lease = await store.acquire(AGENT, "big")
+    lease.record.state.memory[:] = [Msg.text_message("user", "summary")]
+    await store.save(lease, state=lease.record.state, status="idle", release=True)
+    assert [o.name for o in await blobs.list() if o.name.startswith(key + ".")] == []
+
+
+async def test_a_fact_that_cannot_be_read_is_a_store_error(bus: Bus) -> None:
+    """A fact whose messages are no messages, or that is no JSON object at
+    all, raises a StoreError naming what is wrong."""
     store = await SessionStore.open(bus, owner="writer")
     await save(store, "broken", turn(0))
     key = session_key(AGENT, "broken")
-    head = json.loads((await store.heads.get(key)).value)
-    head["tail"] = [{"role": "nobody", "content": []}]
-    await store.heads.put(key, json.dumps(head).encode())
+    last = await store.journal.last(key)
+    assert last is not None
+    bad = orjson.dumps({"k": "step", "m": 4, "add": [{"role": "nobody", "content": []}]})
+    seq = await store.journal.append(key, bad, expected=last.seq)
     reader = await SessionStore.open(bus, owner="reader")
     with pytest.raises(StoreError, match=r"unreadable memory.*role"):
         await reader.get(AGENT, "broken")
-    await store.heads.put(key, b"[1, 2")
+    await store.journal.append(key, b"[1, 2", expected=seq)
     with pytest.raises(StoreError, match="unreadable"):
         await reader.get(AGENT, "broken")
-
-
-async def test_memory_goes_on_after_a_tail_written_with_whitespace(bus: Bus) -> None:
-    """A head written by another JSON writer (spaces, an empty tail as
-    ``[ ]``) is appended to as well."""
-    store = await SessionStore.open(bus, owner="writer")
-    key = session_key(AGENT, "spaced")
-    first = turn(0)
-    await save(store, "spaced", first)
-    head = json.loads((await store.heads.get(key)).value)
-    tails: list[list[object]] = [[], head["tail"]]
-    for tail in tails:
-        head["tail"] = tail
-        await store.heads.put(key, json.dumps(head, indent=1).replace("[]", "[ ]").encode())
-        writer = await SessionStore.open(bus, owner="another")
-        more = turn(1)
-        await save(writer, "spaced", more)
-        record = await (await SessionStore.open(bus, owner="reader")).get(AGENT, "spaced")
-        assert record is not None
-        assert dumped(record.state.memory) == dumped((first if tail else []) + more)
 
 
 async def test_a_release_the_store_refuses_for_a_moment_is_tried_again(
@@ -142,7 +156,8 @@ async def test_a_release_the_store_refuses_for_a_moment_is_tried_again(
     not pass still leaves it to lapse, and says so."""
     store = await SessionStore.open(bus, owner="writer", lease_ttl=5.0)
     key = session_key(AGENT, "flaky")
-    original = store._remove_lease
+    leases = store._leases
+    original = leases._remove
     failures: list[StoreError] = []
 
     async def refusing(key: str, revision: int) -> int:
@@ -150,15 +165,15 @@ async def test_a_release_the_store_refuses_for_a_moment_is_tried_again(
             raise failures.pop()
         return await original(key, revision)
 
-    store._remove_lease = refusing  # type: ignore[method-assign]
+    leases._remove = refusing  # type: ignore[method-assign]
     failures += [StoreError("purge failed: nats: timeout", transient=True)] * 2
-    with caplog.at_level(logging.WARNING, logger="fleetbus.agents.serving.sessions"):
+    with caplog.at_level(logging.WARNING, logger="fleetbus.agents.serving.leases"):
         await save(store, "flaky", turn(0))
     assert failures == []
     assert await store.leases.get_or_none(key) is None
     assert "will lapse" not in caplog.text
     failures.append(StoreError("purge failed: refused"))  # not transient
-    with caplog.at_level(logging.WARNING, logger="fleetbus.agents.serving.sessions"):
+    with caplog.at_level(logging.WARNING, logger="fleetbus.agents.serving.leases"):
         await save(store, "flaky", turn(1))
     assert failures == []
     assert await store.leases.get_or_none(key) is not None

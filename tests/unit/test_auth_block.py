@@ -28,21 +28,24 @@ def test_each_role_gets_only_what_it_uses() -> None:
     worker = role_permissions("f", "tool-worker", identity="w")
     assert "f.tool.*" in worker.subscribe
     assert not any(s.startswith("f.tool") for s in worker.publish)  # serves, calls no tool
-    assert not any("sessions" in s for s in worker.publish + worker.subscribe)
+    assert not any("session" in s for s in worker.publish + worker.subscribe)
     assert "$O.f_tool_results.>" in worker.publish
     assert worker.responses == (1, None)
     assert "_INBOX_f.w.>" in worker.subscribe
 
     agent = role_permissions("f", "agent", identity="a", name="a1")
     assert agent.subscribe[:2] == ("f.agent.a1.inbox", "f.agent.a1.control")
-    assert "$KV.f_sessions.>" in agent.publish
+    assert "f.session.a1.*" in agent.publish  # its own sessions' journals
+    assert "f.session.*.*" not in agent.publish
+    assert "$JS.API.DIRECT.GET.f_session" in agent.publish
+    assert "$KV.f_session_leases.>" in agent.publish
     assert "_INBOX_f.>" in agent.publish  # a replica answers a request another took
     assert "$O.f_tool_results.>" not in agent.publish  # reads results, writes none
 
     client = role_permissions("f", "client", identity="alice")
     assert "_INBOX_f.alice.>" in client.subscribe
     assert not any(s.startswith("_INBOX_f.>") for s in client.subscribe)
-    assert not any("KV_f_sessions" in s for s in client.publish)
+    assert not any("f_session" in s or "f.session" in s for s in client.publish)
 
     watcher = role_permissions("f", "watcher", identity="w")
     assert watcher.publish == ()

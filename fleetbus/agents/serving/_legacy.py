@@ -24,11 +24,11 @@ from typing import Any
 import orjson
 
 from fleetbus.agents.messages import stored_messages
-from fleetbus.agents.serving.sessions import Lease, SessionRecord, SessionStore
+from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus, KeyValueStore, ObjectStore, key_value, object_store
-from fleetbus.bus.store import ADMIN_TIMEOUT, transient
-from fleetbus.errors import KeyNotFoundError, RevisionMismatchError, StoreError
+from fleetbus.bus.store import delete_key_value, transient
+from fleetbus.errors import KeyNotFoundError, StoreError
 
 __all__ = ["Migration", "migrate"]
 
@@ -82,13 +82,11 @@ async def migrate(bus: Bus, store: SessionStore, *, drop: bool = False) -> Migra
             continue
         if record is None:  # deleted
             continue
-        try:
-            await store._append(Lease(record, 0), {"k": "snapshot"}, taking=True, rollup=True)
-        except RevisionMismatchError:
-            done.kept.append(key)
-        else:
+        if await store.import_record(record):
             logger.info("session %s carried into its journal", key)
             done.carried.append(key)
+        else:
+            done.kept.append(key)
     if drop and not done.failed:
         done.dropped = await old.drop()
     return done
@@ -176,7 +174,7 @@ class _Old:
                 if entry is not None and (name := _blob_name(entry.value)) is not None:
                     names.append(name)
         for bucket in buckets:
-            await _delete_bucket(self.bus, bucket.bucket)
+            await delete_key_value(self.bus, bucket.bucket)
         for name in names:
             try:
                 await (await self._objects()).delete(name)
@@ -188,13 +186,3 @@ class _Old:
 def _blob_name(value: bytes) -> str | None:
     """The object a value stands for (``{"$blob": name}``), or ``None``."""
     return str(orjson.loads(value)["$blob"]) if value.startswith(_BLOB_REF) else None
-
-
-async def _delete_bucket(bus: Bus, bucket: str) -> None:
-    """Delete KV bucket ``bucket`` (its full name). It belongs in
-    ``fleetbus.bus.store``, where nats-py's errors are translated by type;
-    until it is there, any failure of the request is a ``StoreError``."""
-    try:
-        await bus.nc.jetstream(timeout=ADMIN_TIMEOUT).delete_key_value(bucket)
-    except Exception as exc:  # nats-py's errors: nats is imported in fleetbus.bus only
-        raise StoreError(f"deleting KV bucket {bucket} failed: {exc}") from exc

@@ -212,8 +212,10 @@ class AgentHost(Lifecycle):
             replies are short and whose tools may run twice (simulations).
         events: what of each reply is published on its events subject:
             ``"all"`` (the default: every event, for watchers and streaming
-            clients), ``"final"`` (the final answer only: a tenth of the
-            messages of a one-step reply, for populations), or ``"none"``.
+            clients), or ``"final"`` / ``"none"``: no event (for
+            populations); the final answer is never published there — it is
+            the end fact of the session's journal, which watchers follow, and
+            the requester's reply.
 
     Raises:
         ConfigError: no agents, no group with agents that cannot be listed,
@@ -620,6 +622,8 @@ class AgentHost(Lifecycle):
         async def checkpoint(state: AgentState) -> None:
             if state.reply is None or state.paused or self.checkpoints == "reply":
                 return  # the end of a reply: written below with its answer and status
+            if _redoable(state, run.recording):
+                return
             try:
                 await self._save(lease, self.lease_ttl, state=state, input_recorded=run.recording)
             except SessionLost:
@@ -782,10 +786,8 @@ class AgentHost(Lifecycle):
                 if run.cancelled:
                     agent.interrupt(pending=True)  # a cancel that came before (idempotent)
                 if isinstance(item, FinalAnswer):
-                    final = item
-                elif self.events != "all":
-                    continue
-                if self.events != "none":
+                    final = item  # stored in the journal, sent to the requester
+                elif self.events == "all":
                     await self._publish(events, item)
         finally:
             await stream.aclose()
@@ -1081,6 +1083,24 @@ def _asked_again(
     if previous != "done" or final is None or final.get("call_id") != call_id:
         return None
     return _decode_final(final)
+
+
+def _redoable(state: AgentState, recording: bool) -> bool:
+    """Whether nothing at this write-ahead point would be lost without a
+    write, because what follows writes it before any side effect: the input
+    of a request the ``taken`` fact holds (a take-over serves it again from
+    its start), or the last result of a step (the step's messages are
+    written next; a take-over sends that one call again, with its
+    ``call_id``)."""
+    reply = state.reply
+    assert reply is not None
+    if recording and reply.iteration == 0 and not reply.answered and not reply.arrived:
+        return True
+    if not reply.arrived or not state.memory:
+        return False
+    done = set(reply.answered)
+    done.update(b.id for m in reply.arrived for b in m.tool_results)
+    return all(use.id in done for use in state.memory[-1].tool_uses)
 
 
 def _nothing_waits(name: str, message: AnyMessage, session: str, why: str) -> FinalAnswer:

@@ -17,23 +17,22 @@ The contract with the server: a ``user_request`` or an ``agent_message`` with
 an ``event`` named ``observed``; a ``confirm_result`` or ``external_result``
 resumes the paused reply of its session and is answered by its
 ``final_answer``; anything it cannot handle is answered by an ``error``
-message. Every event of a reply, and its final answer, are also published on
-``<prefix>.events.<agent>.<session_id>``; a replica that takes a session over
-after a crash sends the final answer to the original request's reply subject
-too. A ``cancel`` published on ``<prefix>.agent.<name>.control`` interrupts
-the reply running in its session.
+message. Every event of a reply is also published on
+``<prefix>.events.<agent>.<session_id>`` (the answer is not: it is stored
+once, in the session's journal, and sent once, to the requester); a replica
+that takes a session over after a crash sends the final answer to the
+original request's reply subject. A ``cancel`` published on
+``<prefix>.agent.<name>.control`` interrupts the reply running in its
+session.
 
-Where a streamed reply's answer comes from: the request's reply is the
-authority. It answers this request and no other (the events subject also
-carries the replies of other requests in the session, such as one a crashed
-replica left), and it is what the replica that stored the session's end
-sends. The copy of the answer on the events subject (the same message, so the
-same ``id``) only marks the end of the events; it is never handed out, so the
-answer comes exactly once. The server publishes the copy before the reply, so
-when the reply arrives first the copy and the last events are already on
-their way: one round trip to the server (a flush) lets them in, with no timer.
-An event still missing after that is dropped — events are best effort, the
-answer is not.
+Where a streamed reply's answer comes from: the request's reply, which
+answers this request and no other, and which the replica that wrote the
+session's end sends. The events published before it are already on their
+way when it arrives: one round trip to the server (a flush) lets them in,
+with no timer, and they are handed out before the answer. An event still
+missing after that is dropped — events are best effort, the answer is not.
+A client that follows a session rather than asking reads its journal
+(:meth:`fleetbus.agents.serving.SessionStore.history`, ``fleetbus watch``).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Final, Protocol
 
 import msgspec
@@ -89,7 +88,7 @@ and then again to be confirmed by the server."""
 
 SETTLE_TIMEOUT: Final = 2.0
 """Seconds at most the round trip waits that lets in the events published
-just before an answer that arrived first."""
+just before the answer."""
 
 RemoteInput = str | list[ContentBlock] | UserRequest | AgentMessage | ConfirmResult | ExternalResult
 """What :meth:`RemoteAgent.reply_stream` sends: text or content blocks (a
@@ -272,8 +271,8 @@ class RemoteAgent:
         has the subscription) before it sends the request. The events are
         those published in the session until the answer: in a session that
         another replica's crash left a reply in, the end of that reply comes
-        first. The final answer is the request's reply; its copy on the events
-        subject is never yielded (see the module docstring). A reply that
+        first. The final answer is the request's reply (see the module
+        docstring). A reply that
         pauses ends with a ``paused`` answer: resume it with a
         ``confirm_result`` or ``external_result`` as ``inputs``, whose
         continuation streams the same way.
@@ -358,7 +357,6 @@ class RemoteAgent:
                     )
                 )
             asking.add_done_callback(lambda _: queue.put_nowait(None))
-            seen: set[str] = set()
             while True:
                 if queue.empty():  # what arrived in time is handed out, even past the deadline
                     try:
@@ -370,24 +368,20 @@ class RemoteAgent:
                     item = queue.get_nowait()
                 if item is None:
                     break
-                if item.id in seen:
-                    continue
-                seen.add(item.id)
                 if isinstance(item, Event):
                     yield item
-                elif not isinstance(item, FinalAnswer):  # the copy of an answer: kept in `seen`
+                else:
                     logger.debug("ignored a %s on the events subject", type(item).__name__)
             answer = self._answer(asking, message, limit)
-            if answer.id not in seen:
-                # The copy and the events before it were published before the
-                # answer. A reply that streams its events publishes the copy
-                # too: wait for it (briefly), so that no event still on its way
-                # from the subscription is dropped; one that publishes none
-                # (--events none) gets a round trip.
-                async for item in self._rest(queue, answer, deadline, streamed=bool(seen)):
-                    if item.id not in seen:
-                        seen.add(item.id)
-                        yield item
+            # The events published before the answer are here, or one round
+            # trip to the server away: let them in, then hand them out.
+            reader.cancel()
+            await asyncio.wait([reader])
+            await self._settle(deadline)
+            late = [queue.get_nowait() for _ in range(queue.qsize())]
+            for item in [*late, *await observation.received()]:
+                if isinstance(item, Event):
+                    yield item
             yield answer
         finally:
             # A request still unanswered (or timed out) means a reply may still run for nobody.
@@ -630,37 +624,6 @@ class RemoteAgent:
             subject=self._inbox,
             call_id=message.call_id,
         )
-
-    async def _rest(
-        self,
-        queue: asyncio.Queue[AnyMessage | None],
-        answer: FinalAnswer,
-        deadline: float,
-        *,
-        streamed: bool,
-    ) -> AsyncIterator[Event]:
-        """The events still coming after the answer, up to its copy on the
-        events subject: waited for at most :data:`SETTLE_TIMEOUT` seconds (and
-        the deadline) when the reply ``streamed`` events, else what one round
-        trip to the server brings."""
-        if not streamed:
-            await self._settle(deadline)
-        loop = asyncio.get_running_loop()
-        until = min(deadline, loop.time() + SETTLE_TIMEOUT)
-        while True:
-            if queue.empty() and not streamed:
-                return
-            try:
-                async with asyncio.timeout_at(until):
-                    item = await queue.get()
-            except TimeoutError:
-                return
-            if item is None:
-                continue
-            if item.id == answer.id:
-                return
-            if isinstance(item, Event):
-                yield item
 
     async def _settle(self, deadline: float) -> None:
         """One round trip to the server, within the deadline (best effort)."""

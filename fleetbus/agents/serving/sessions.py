@@ -1,36 +1,25 @@
-"""Agent sessions in JetStream: state written ahead, a lease apart, recovery
-without scans.
+"""Agent sessions as journals: one append-only record per session.
 
-Three KV buckets and an object store hold the sessions of a fleet's agents:
+Every session is a subject of the stream ``<prefix>_session`` —
+``<prefix>.session.<agent>.<session_id>`` — to which each fact of its
+replies is appended once: the request taken (with its owner), a step's tool
+calls, a result, a step's messages, state changes (plan, permissions,
+summary), the end (final answer and status). A fact carries only what it
+adds: the messages appended to memory since the last fact (``add``, from
+index ``m``), and a merge patch of the rest of the state (``set``). The
+session is the fold of its journal.
 
-``<prefix>_sessions`` — the *head* of each session, key ``<agent>.<session_id>``:
-    status (``idle``, ``running``, ``paused``, ``done``, ``error``), the last
-    final answer, the request being served (its reply subject and, until the
-    reply has recorded it, the input itself), the state without its memory
-    (summary, plan, permissions, the reply in progress), the newest messages
-    (the *tail*), and the list of sealed memory chunks. Every write is a
-    compare-and-set on the revision last read.
-``<prefix>_session_chunks`` — older memory, key ``<agent>.<session>.<epoch>.<n>``:
-    when the tail passes :data:`CHUNK_BYTES` it is sealed into a chunk, written
-    once and never again. A step therefore writes what it added plus the head
-    (bounded), whatever the length of the conversation; compression, which
-    rewrites memory, starts a new set of chunks.
-``<prefix>_session_leases`` — the lease, key ``<agent>.<session_id>``: a small
-    record renewed by compare-and-set without touching the state. Its revision
-    at acquisition is the owner's *epoch*, part of every chunk key, so an old
-    owner that has not noticed its loss can never overwrite what the new owner
-    references. It carries the request being served with its reply subject
-    (or, when the request is larger than :data:`_CARRIED_BYTES`, or the lease
-    a take-over's, only its ``call_id``): a copy of the request sent again
-    by a client that had no receipt is known by it.
-``<prefix>_session_blobs`` — any head or chunk larger than the server's
-    ``max_payload`` allows is stored here and referenced, transparently: no
-    session size is limited by ``max_payload``.
+Every append names the sequence it expects last on its subject
+(``Nats-Expected-Last-Subject-Sequence``): a replica that lost its session
+cannot write after the one that took it, and the fence needs no write of its
+own. When memory is rewritten (a compression), or the facts since the last
+snapshot outgrow it, a snapshot of the whole session is appended with a
+rollup, which removes the facts before it: a journal stays bounded by five
+times its session. A fact larger than the server's ``max_payload`` is stored in the
+object store ``<prefix>_session_blobs`` and referenced.
 
-Recovery finds sessions whose owner stopped renewing without listing the
-store: :class:`Recovery` follows lease writes through a plain subscription
-(no JetStream consumer), keeps a timer per running session, and confirms a
-silent lease by reading it before taking the session over.
+Liveness is apart: a small lease with a TTL (:mod:`.leases`) says who runs
+a session now and, going silent, that its owner died.
 """
 
 from __future__ import annotations
@@ -49,23 +38,14 @@ import orjson
 from pydantic import BaseModel, Field
 
 from fleetbus import tracing
-from fleetbus._retry import Retry
-from fleetbus.agents.messages import stored_messages
+from fleetbus.agents.messages import Msg, stored_messages
+from fleetbus.agents.serving.leases import Leases, Recovery, lease_owner
 from fleetbus.agents.state import AgentState, MemoryIndex
-from fleetbus.bus import (
-    Bus,
-    Entry,
-    KeyUpdates,
-    KeyValueStore,
-    ObjectStore,
-    key_value,
-    object_store,
-)
+from fleetbus.bus import Bus, ObjectStore, check_name, object_store
+from fleetbus.bus.journal import Journal, JournalEntry, journal
 from fleetbus.bus.store import transient
 from fleetbus.errors import (
-    FleetbusError,
     KeyNotFoundError,
-    RequestHeldError,
     RevisionMismatchError,
     SessionBusyError,
     SessionLost,
@@ -75,48 +55,39 @@ from fleetbus.errors import (
 from fleetbus.protocol import new_id, utc_now
 
 __all__ = [
-    "CHUNK_BYTES",
     "Lease",
     "Recovery",
+    "SessionFact",
     "SessionRecord",
     "SessionStatus",
     "SessionStore",
+    "lease_owner",
+    "read_fact",
+    "session_key",
 ]
 
 logger = logging.getLogger(__name__)
 
 SessionStatus = Literal["idle", "running", "paused", "done", "error"]
 
-CHUNK_BYTES = 16 * 1024
-"""The tail of memory kept in the head is sealed into a chunk past this size."""
-
-_HEADS = "sessions"
-_CHUNKS = "session_chunks"
-_LEASES = "session_leases"
+_JOURNAL = "session"
 _BLOBS = "session_blobs"
-_FORMAT = 2
-_BLOB_REF = b'{"$blob":'
-_LEASE_KEEP = 24 * 3600.0
-_MARKER_TTL = 60.0
-"""Seconds the marker of a released lease stays (at least; 6 lease TTLs)."""
-_RELEASED_KEPT = 20_000
-_CARRIED_BYTES = 16 * 1024
-"""A request up to this size (JSON) rides in the lease value: then a session
-handed over cleanly needs no fencing write of its head."""
-_CACHED_MESSAGES = 5_000
-"""Messages the session cache holds at most, over all its sessions (a few MB)."""
-_GONE_KEPT = 100_000
-"""Released lease keys a Recovery remembers, so a resync does not read them."""
-"""Leases released here whose revision is remembered (about 100 bytes each)."""
-"""Seconds the lease bucket keeps a record (renewals keep live ones fresh);
-a session left running while no replica of its agent ran for longer than
-this is resumed by its next message instead of by recovery."""
+SNAPSHOT_BYTES = 64 * 1024
+"""Facts since the last snapshot may take this many bytes, or
+:data:`SNAPSHOT_MULTIPLE` times the snapshot, before a new snapshot rolls
+them up."""
+SNAPSHOT_MULTIPLE = 4
+"""A snapshot costs what the session weighs: written once the facts since
+the last one weigh this many times as much, it adds at most a quarter to what
+the replies write, and a journal holds at most five times its session."""
 _HEADROOM = 16 * 1024
 """Bytes kept free below ``max_payload`` for headers and framing."""
+_CACHED_MESSAGES = 5_000
+"""Messages the session cache holds at most, over all its sessions (a few MB)."""
 
 
 class SessionRecord(BaseModel):
-    """One agent session as stored."""
+    """One agent session: the fold of its journal."""
 
     agent: str
     session_id: str
@@ -134,6 +105,8 @@ class SessionRecord(BaseModel):
     """The request being served, as JSON, until the reply has recorded it."""
     messages: int = 0
     """How many messages memory holds."""
+    seq: int = 0
+    """The stream sequence of the journal's last fact."""
 
     @property
     def step(self) -> int:
@@ -142,39 +115,59 @@ class SessionRecord(BaseModel):
         return reply.iteration if reply is not None else 0
 
 
+class SessionFact(BaseModel):
+    """One fact of a session's journal, as ``history`` lists it."""
+
+    n: int
+    """Its place in the journal, from 1."""
+    seq: int
+    time: datetime | None
+    kind: str
+    """``taken``, ``input``, ``calls``, ``result``, ``step``, ``observed``,
+    ``state``, ``end`` or ``snapshot``."""
+    owner: str | None = None
+    status: SessionStatus | None = None
+    added: list[dict[str, Any]] = Field(default_factory=list)
+    """The messages it appended to memory (JSON)."""
+    changed: list[str] = Field(default_factory=list)
+    """The fields of the state it changed."""
+    final: dict[str, Any] | None = None
+    writer: tuple[int, int] = (0, 0)
+    """The epoch of the owner that appended it, and its number among that
+    owner's facts: with the session, what names a fact before its sequence
+    is known."""
+
+
 @dataclass
 class Lease:
-    """A session held by this replica: the record, the revisions to write on,
-    and what of memory is already stored."""
+    """A session held by this replica: the record, the journal's end, and
+    what of the state is already written."""
 
     record: SessionRecord
-    revision: int
-    """The head's revision (while ``fresh``: the session's deletion's, or 0)."""
-    lease_revision: int
-    epoch: int
-    """The lease's revision when it was taken: this owner's epoch."""
+    seq: int
+    """The journal's last sequence: what the next append expects."""
+    lease_revision: int = 0
+    epoch: int = 0
+    """The lease's revision when it was taken: named in every fact written."""
     previous: SessionStatus = "idle"
     """The status before this lease was taken."""
     previous_owner: str | None = None
     """The replica that held the session before (for a take-over's log)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    writes: int = 0
+    """Facts this owner appended (their ``n``: an unacknowledged one is known)."""
     persisted: int = 0
-    """How many messages of memory are stored."""
+    """How many messages of memory are written."""
     persisted_ends: tuple[str, str] | None = None
-    """``msg_id`` of the first and the last stored message: memory that still
-    starts and continues with them was only appended to (checked in constant
-    time: a save costs what the step added, not the conversation)."""
-    tail: bytes = b"[]"
-    """The stored messages the head holds, as the head holds them (a JSON
-    array): a write appends the new ones, and nothing is encoded again."""
-    tail_bytes: int = 2
-    chunks: list[list[int]] = field(default_factory=list)
-    """Sealed chunks as ``[epoch, first, last]`` ranges."""
-    next_chunk: int = 0
-    seq: int = 0
-    """Head writes by this owner (recognises a write that landed unacknowledged)."""
-    blob: str | None = None
-    """The object holding the head, when it did not fit in a KV value."""
+    """``msg_id`` of the first and the last written message: memory that still
+    starts and continues with them was only appended to."""
+    written: dict[str, Any] = field(default_factory=dict)
+    """The state but its memory, as written (the next fact patches it)."""
+    since_snapshot: int = 0
+    """Bytes of the facts after the last snapshot."""
+    snapshot_bytes: int = 0
+    blobs: list[str] = field(default_factory=list)
+    """Objects the journal's facts reference."""
     renewals: int = 0
     renewed_at: float = field(default_factory=time.monotonic)
     orphan_input: dict[str, Any] | None = None
@@ -183,268 +176,270 @@ class Lease:
     """Where the request the dead owner was serving wants its answer."""
     orphan_final: dict[str, Any] | None = None
     """The answer a dead owner stored but may not have sent to ``orphan_reply_to``."""
-    carried: dict[str, Any] | None = None
-    """The request being served as the lease value carries it (``reply_to``
-    and ``input``), written again with each renewal."""
-    fresh: bool = False
-    """A new session whose head is not written yet: its first write is a
-    compare-and-set against ``revision``, so that a session deleted
-    meanwhile is not written again."""
+    serving: dict[str, Any] | None = None
+    """The ``call_id`` and reply subject of the request served, in the lease."""
+
+    @property
+    def key(self) -> str:
+        return session_key(self.record.agent, self.record.session_id)
 
 
 def session_key(agent: str, session_id: str) -> str:
-    """The KV key of a session (head and lease)."""
+    """The key of a session (its journal and its lease)."""
     return f"{agent}.{session_id}"
 
 
-def _chunk_key(key: str, epoch: int, n: int) -> str:
-    return f"{key}.{epoch}.{n}"
+class _Fact(msgspec.Struct):
+    """A fact as read: messages kept as their JSON (``msgspec.Raw``), read
+    into messages with no dicts made on the way."""
+
+    k: str = "step"
+    e: int = 0
+    n: int = 0
+    owner: Any = msgspec.UNSET
+    status: Any = msgspec.UNSET
+    to: Any = msgspec.UNSET
+    input: Any = msgspec.UNSET
+    created: Any = msgspec.UNSET
+    m: int = -1
+    add: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
+    set: Any = msgspec.UNSET
+    rec: bool = False
+    clear: bool = False
+    final: Any = msgspec.UNSET
+    ref: str | msgspec.UnsetType = msgspec.field(default=msgspec.UNSET, name="$blob")
+
+
+_FACT = msgspec.json.Decoder(_Fact)
+
+
+def _decode(data: bytes) -> _Fact:
+    try:
+        return _FACT.decode(data)
+    except msgspec.DecodeError as exc:
+        raise StoreError(f"a session fact is unreadable: {exc}") from None
 
 
 class SessionStore:
-    """Sessions of the fleet's agents: compare-and-set heads, chunked memory,
-    leases apart.
+    """Sessions of the fleet's agents: a journal each, leases apart.
 
     Args:
         bus: the connection.
-        heads: the sessions bucket.
-        chunks: the memory chunks bucket.
-        leases: the leases bucket.
-        owner: this replica's id (written into the leases it takes).
-        lease_ttl: seconds a lease may go unrenewed before another replica
-            may take the session over.
-        cache_size: sessions whose last stored state is kept in memory, so
-            that the next message of a session skips reading its chunks (and
-            at most 5,000 messages over all of them).
+        journal: the sessions' journal stream.
+        leases: the leases.
+        cache_size: sessions whose fold is kept in memory, so that the next
+            message of a session reads only the facts since (and at most
+            5,000 messages over all of them).
     """
 
     def __init__(
-        self,
-        bus: Bus,
-        heads: KeyValueStore,
-        chunks: KeyValueStore,
-        leases: KeyValueStore,
-        *,
-        owner: str,
-        lease_ttl: float = 10.0,
-        cache_size: int = 256,
+        self, bus: Bus, journal: Journal, leases: Leases, *, cache_size: int = 256
     ) -> None:
         self.bus = bus
-        self.heads = heads
-        self.chunks = chunks
-        self.leases = leases
-        self.owner = owner
-        self.lease_ttl = lease_ttl
-        # key: (head revision, lease as released, the marker that release left)
-        self._cache: OrderedDict[str, tuple[int, Lease, int | None]] = OrderedDict()
+        self.journal = journal
+        self._leases = leases
+        self.leases = leases.bucket
+        """The lease bucket (see :mod:`.leases`)."""
+        self._cache: OrderedDict[str, tuple[Lease, int | None]] = OrderedDict()
         self._cache_size = cache_size
         self._cached_messages = 0
-        """Messages held by the cache: it is bounded by them too (sessions grow)."""
-        # The revision of the deletion marker each released lease left (here,
-        # or heard): the next acquire writes against it without reading first.
-        self._released: OrderedDict[str, int] = OrderedDict()
         self._blobs: ObjectStore | None = None
         self._inline_limit = max(4096, bus.max_payload - _HEADROOM)
 
     @classmethod
     async def open(cls, bus: Bus, *, owner: str, lease_ttl: float = 10.0) -> SessionStore:
-        """The fleet's session buckets (created on first use).
+        """The fleet's session journal and leases (created on first use).
 
         Raises:
-            StoreError: JetStream is off or a bucket cannot be opened.
+            StoreError: JetStream is off or a stream cannot be opened.
         """
-        heads = await key_value(bus, _HEADS)
-        chunks = await key_value(bus, _CHUNKS)
-        leases = await key_value(
-            bus, _LEASES, ttl=_LEASE_KEEP, expiring_markers=True, republish=True
-        )
-        return cls(bus, heads, chunks, leases, owner=owner, lease_ttl=lease_ttl)
+        stream = await journal(bus, _JOURNAL)
+        leases = await Leases.open(bus, owner=owner, ttl=lease_ttl)
+        return cls(bus, stream, leases)
 
-    # -- values that may not fit in one message ------------------------------------
+    @property
+    def owner(self) -> str:
+        return self._leases.owner
+
+    @property
+    def lease_ttl(self) -> float:
+        return self._leases.ttl
 
     async def _blob_store(self) -> ObjectStore:
         if self._blobs is None:
             self._blobs = await object_store(self.bus, _BLOBS)
         return self._blobs
 
-    async def _pack(self, key: str, data: bytes) -> tuple[bytes, str | None]:
-        """``data`` as a KV value: itself, or a reference to a new object."""
-        if len(data) <= self._inline_limit:
-            return data, None
-        name = f"{key}.{new_id()}"
-        await (await self._blob_store()).put(name, data)
-        return orjson.dumps({"$blob": name}), name
+    async def _drop_blobs(self, names: Sequence[str]) -> None:
+        for name in names:
+            try:
+                await (await self._blob_store()).delete(name)
+            except (KeyNotFoundError, StoreError) as exc:
+                logger.debug("blob %s not deleted: %s", name, exc)
 
-    async def _unpack(self, value: bytes) -> tuple[bytes, str | None]:
-        if not value.startswith(_BLOB_REF):
-            return value, None
-        name = str(orjson.loads(value)["$blob"])
-        try:
-            return await (await self._blob_store()).get(name), name
-        except KeyNotFoundError:
-            raise StoreError(f"session data {name} is missing from the object store") from None
+    # -- reading: the fold ------------------------------------------------------------
 
-    async def _drop_blob(self, name: str | None) -> None:
-        if name is None:
-            return
-        try:
-            await (await self._blob_store()).delete(name)
-        except (KeyNotFoundError, StoreError) as exc:
-            logger.debug("blob %s not deleted: %s", name, exc)
+    async def _facts(self, key: str, after: int = 0) -> list[tuple[JournalEntry, _Fact, int]]:
+        """The facts of journal ``key`` after ``after``: each with its entry
+        and its size as written (a fact stored by reference is read back)."""
+        facts = []
+        for entry in await self.journal.read(key, after=after):
+            fact = _decode(entry.data)
+            if fact.ref is not msgspec.UNSET:
+                try:
+                    data = await (await self._blob_store()).get(fact.ref)
+                except KeyNotFoundError:
+                    raise StoreError(f"session fact {fact.ref} is missing") from None
+                whole = _decode(data)
+                whole.ref = fact.ref
+                facts.append((entry, whole, len(data)))
+                continue
+            facts.append((entry, fact, len(entry.data)))
+        return facts
 
-    # -- reading -------------------------------------------------------------------
-
-    async def _read_head(self, key: str) -> tuple[int, dict[str, Any], str | None] | None:
-        read = await self._read_head_or_none(key)
-        return None if read is None or read[1] is None else (read[0], read[1], read[2])
-
-    async def _read_head_or_none(
-        self, key: str
-    ) -> tuple[int, dict[str, Any] | None, str | None] | None:
-        """The head (revision, head, blob), or for a session deleted the
-        revision of its deletion with no head; ``None``: never written."""
-        entry = await self.heads.last(key)
-        if entry is None:
+    async def _load(self, key: str, base: Lease | None = None) -> Lease | None:
+        """The session as its journal folds (``None``: no journal), caught
+        up from ``base`` (a fold of the same journal up to ``base.seq``)
+        when it still holds that fact."""
+        if base is not None:
+            facts = await self._facts(key, after=base.seq - 1)
+            if facts and facts[0][0].seq == base.seq:
+                lease = _copy_lease(base)
+                for entry, fact, size in facts[1:]:
+                    _fold(lease, entry, fact, size)
+                if len(facts) > 1:
+                    lease.written = lease.record.state.model_dump(mode="json", exclude={"memory"})
+                return lease
+        facts = await self._facts(key)
+        if not facts:
             return None
-        if entry.deleted or not entry.value:
-            return entry.revision, None, None
-        data, blob = await self._unpack(entry.value)
-        return entry.revision, _decode_head(data), blob
-
-    def _cached(
-        self, key: str, *, revision: int | None = None, marker: int | None = None
-    ) -> Lease | None:
-        """A copy of the session as this replica released it, if the cache
-        holds it at head ``revision``, or with the lease at ``marker`` (the
-        release this replica made)."""
-        cached = self._cache.get(key)
-        if cached is None:
-            return None
-        if revision is not None and cached[0] != revision:
-            return None
-        if marker is not None and cached[2] != marker:
-            return None
-        self._cache.move_to_end(key)
-        return _copy_lease(cached[1])
-
-    async def _load(self, key: str, revision: int, head: dict[str, Any], blob: str | None) -> Lease:
-        """The record of a head, memory read from its chunks (or the cache)."""
-        cached = self._cached(key, revision=revision)
-        if cached is not None:
-            return cached
-        if "format" not in head:  # a session stored whole, before chunks existed
-            record = SessionRecord.model_validate(head)
-            return Lease(record, revision, 0, 0)
-        ranges: list[list[int]] = head.get("chunks", [])
-        keys = [_chunk_key(key, e, n) for e, first, last in ranges for n in range(first, last + 1)]
-        parts = await asyncio.gather(*(self._read_chunk(k) for k in keys))
-        tail: bytes = head.get("tail", _NO_TAIL)
-        try:
-            # Read from the JSON as stored, into messages: no dicts on the way.
-            memory = [m for part in (*parts, tail) for m in stored_messages(part)]
-        except ValueError as exc:
-            raise StoreError(f"session {key} holds unreadable memory: {exc}") from None
-        state = AgentState.model_validate({**head["state"], "memory": memory})
+        agent, _, session_id = key.partition(".")
         record = SessionRecord(
-            agent=head["agent"],
-            session_id=head["session_id"],
-            status=head["status"],
-            state=state,
-            owner=head.get("owner"),
-            created_at=head["created_at"],
-            updated_at=head["updated_at"],
-            final=head.get("final"),
-            reply_to=head.get("reply_to"),
-            pending_input=head.get("pending_input"),
-            messages=len(memory),
+            agent=agent, session_id=session_id, state=AgentState(agent_name=agent)
         )
-        return Lease(
-            record,
-            revision,
-            0,
-            int(head.get("epoch", 0)),
-            persisted=len(state.memory),
-            persisted_ends=_ends(state.memory),
-            tail=tail,
-            tail_bytes=len(tail),
-            chunks=ranges,
-            seq=int(head.get("seq", 0)),
-            blob=blob,
-        )
-
-    async def _read_chunk(self, key: str) -> bytes:
-        """A sealed chunk of memory: its stored messages, a JSON array."""
-        entry = await self.chunks.get_or_none(key)
-        if entry is None:
-            raise StoreError(f"memory chunk {key} of a session is missing")
-        data, _ = await self._unpack(entry.value)
-        return data
+        lease = Lease(record, 0)
+        for entry, fact, size in facts:
+            _fold(lease, entry, fact, size)
+        lease.written = lease.record.state.model_dump(mode="json", exclude={"memory"})
+        return lease
 
     async def get(self, agent: str, session_id: str) -> SessionRecord | None:
-        """A session as stored (memory and all), or ``None``.
+        """A session as its journal folds, or ``None``.
 
         Raises:
             StoreError: the read failed.
         """
         key = session_key(agent, session_id)
-        read = await self._read_head(key)
-        if read is None:
-            return None
-        return (await self._load(key, *read)).record
+        cached = self._cache.get(key)
+        lease = await self._load(key, cached[0] if cached else None)
+        return lease.record if lease is not None else None
 
     async def records(self, agent: str | None = None) -> list[SessionRecord]:
         """Every session (of one agent), most recently updated first.
 
         One listing that creates no consumer on the server, then one read
-        per session (and its chunks). For people and tools, not for loops.
-        A session that cannot be read is left out (with a warning), unless
-        the failure may pass (``StoreError.transient``): then it is raised,
-        so that the caller can wait for the store rather than list less.
+        per session. For people and tools, not for loops. A session that
+        cannot be read is left out (with a warning), unless the failure may
+        pass (``StoreError.transient``): then it is raised, so that the
+        caller can wait for the store rather than list less.
 
         Raises:
-            StoreError: the bucket failed.
+            StoreError: the stream failed.
         """
         records = []
-        pattern = f"{agent}.*" if agent is not None else ">"
-        for key in await self.heads.subjects(pattern):
+        for key in await self.journal.keys(f"{agent}.*" if agent is not None else ">"):
             try:
-                read = await self._read_head(key)
-                if read is not None:
-                    records.append((await self._load(key, *read)).record)
+                lease = await self._load(key)
             except (ValueError, StoreError) as exc:
                 if transient(exc):
                     raise
                 logger.warning("session %s is unreadable: %s", key, exc)
+                continue
+            if lease is not None:
+                records.append(lease.record)
         return sorted(records, key=lambda r: r.updated_at, reverse=True)
 
-    # -- the lease -------------------------------------------------------------------
+    async def history(self, agent: str, session_id: str) -> list[SessionFact]:
+        """The facts of a session's journal, oldest first (a snapshot stands
+        for the facts it rolled up).
 
-    def _lease_value(
-        self, epoch: int, renewals: int, carried: dict[str, Any] | None = None
-    ) -> bytes:
-        value: dict[str, Any] = {
-            "owner": self.owner,
-            "epoch": epoch,
-            "renewals": renewals,
-            "ttl": self.lease_ttl,
-        }
-        if carried is not None:
-            value["request"] = carried
-        return orjson.dumps(value)
+        Raises:
+            SessionNotFoundError: there is no such session.
+            StoreError: the read failed.
+        """
+        facts = await self._facts(session_key(agent, session_id))
+        if not facts:
+            raise SessionNotFoundError(
+                f"agent {agent} has no session {session_id}", agent=agent, session_id=session_id
+            )
+        return [
+            _listed(fact, n, entry.seq, entry.time) for n, (entry, fact, _) in enumerate(facts, 1)
+        ]
 
-    def _carried(
-        self, reply_to: str | None, pending_input: dict[str, Any] | None
-    ) -> dict[str, Any] | None:
-        """The request to carry in the lease value: all of it if small enough
-        to (``input``), else only its ``call_id`` (a copy of it sent again is
-        known by that: :func:`_serves`)."""
-        if pending_input is None:
-            return None
-        carried = {"reply_to": reply_to, "input": pending_input}
-        if len(orjson.dumps(carried)) <= _CARRIED_BYTES:
-            return carried
-        call_id = pending_input.get("call_id")
-        return {"reply_to": reply_to, "call_id": call_id} if isinstance(call_id, str) else None
+    async def fork(
+        self, agent: str, session_id: str, *, at: int, new_session: str | None = None
+    ) -> SessionRecord:
+        """A new session made of the first ``at`` facts of another (as
+        :meth:`history` numbers them): the conversation as it stood then. A
+        reply in progress at that fact goes on with the new session's next
+        message; nobody is answered for the original's requests.
+
+        Raises:
+            SessionNotFoundError: no such session, or it has fewer facts.
+            SessionBusyError: ``new_session`` exists already.
+            StoreError: the stream failed.
+        """
+        facts = await self._facts(session_key(agent, session_id))
+        if not facts:
+            raise SessionNotFoundError(
+                f"agent {agent} has no session {session_id}", agent=agent, session_id=session_id
+            )
+        if not 1 <= at <= len(facts):
+            raise SessionNotFoundError(
+                f"session {session_id} of {agent} has {len(facts)} facts, not {at}",
+                agent=agent,
+                session_id=session_id,
+            )
+        new = check_name(new_session, what="session id") if new_session else new_id()
+        lease = Lease(
+            SessionRecord(agent=agent, session_id=new, state=AgentState(agent_name=agent)), 0
+        )
+        for entry, fact, size in facts[:at]:
+            _fold(lease, entry, fact, size)
+        record = lease.record
+        state = record.state
+        running = record.pending_input is not None or (state.reply is not None and not state.paused)
+        status: SessionStatus = "running" if running else record.status
+        forked = record.model_copy(
+            update={
+                "session_id": new,
+                "owner": None,
+                "reply_to": None,
+                "status": status,
+                "created_at": utc_now(),
+            }
+        )
+        if not await self.import_record(forked):
+            raise SessionBusyError(
+                f"agent {agent} has a session {new} already", agent=agent, session_id=new
+            )
+        return forked
+
+    async def import_record(self, record: SessionRecord) -> bool:
+        """Write ``record`` as the one fact (a snapshot) of its journal, if
+        that journal is empty: a fork, or a session carried over from the
+        layout before journals. ``False``: the journal has facts already.
+
+        Raises:
+            StoreError: the stream failed.
+        """
+        try:
+            await self._append(Lease(record, 0), {"k": "snapshot"}, taking=True, rollup=True)
+        except RevisionMismatchError:
+            return False
+        return True
+
+    # -- taking a session -------------------------------------------------------------
 
     async def acquire(
         self,
@@ -460,19 +455,20 @@ class SessionStore:
         create: bool = True,
         joins: tuple[str, str] | None = None,
     ) -> Lease:
-        """Take the session's lease, then fence its head (creating the session
-        if it is new): from then on only this replica's writes land.
+        """Take the session's lease, then append the ``taken`` fact (the
+        session made if it is new): from then on only this replica's appends
+        land.
 
         Args:
             agent: the agent's name.
             session_id: the session.
             fresh: the state a new session starts with (or what makes it).
             reply_to: where the request being served wants its answer.
-            pending_input: the request being served (JSON), stored with the
-                lease so that a take-over can serve it if this replica dies
-                before the reply has recorded it.
+            pending_input: the request being served (JSON), written with the
+                ``taken`` fact so that a take-over can serve it if this
+                replica dies before the reply has recorded it.
             wait: seconds to wait for another replica's lease to end. A lease
-                that goes unrenewed for longer than ``lease_ttl`` meanwhile is
+                that goes unrenewed for longer than its TTL meanwhile is
                 taken (its owner died).
             take_over: only take a session left running by a dead owner
                 (recovery); never create one.
@@ -482,8 +478,7 @@ class SessionStore:
                 message that only continues a session, a confirmation).
             joins: ``(call_id, reply subject)`` of a request sent again by a
                 client that had no receipt: when another replica holds the
-                lease serving that very request (its lease carries it), it
-                answers the copy too, and no wait is made.
+                lease serving that very request, it answers the copy too.
 
         Raises:
             RequestHeldError: (``joins``) another replica holds the lease
@@ -491,189 +486,76 @@ class SessionStore:
             SessionBusyError: another replica holds the lease after ``wait``,
                 or (``take_over``) the session needs no take-over.
             SessionNotFoundError: ``create`` is false and there is no such session.
-            StoreError: a bucket failed.
+            StoreError: a stream failed.
         """
-        args = (
-            agent,
-            session_id,
-            fresh,
-            reply_to,
-            pending_input,
-            wait,
-            take_over,
-            lease_revision,
-            create,
-            joins,
-        )
-        if not take_over:
-            return await self._acquire(*args)
-        with tracing.span(
-            "fleetbus session take-over",
-            attributes={"fleetbus.agent": agent, "fleetbus.session_id": session_id},
-        ):
-            return await self._acquire(*args)
-
-    async def _acquire(
-        self,
-        agent: str,
-        session_id: str,
-        fresh: AgentState | Callable[[], AgentState] | None,
-        reply_to: str | None,
-        pending_input: dict[str, Any] | None,
-        wait: float,
-        take_over: bool,
-        lease_revision: int | None,
-        create: bool,
-        joins: tuple[str, str] | None,
-    ) -> Lease:
         key = session_key(agent, session_id)
-        deadline = time.monotonic() + wait
-        delay = 0.02
-        seen: tuple[int, float] | None = None
-        carried = self._carried(reply_to, pending_input)
-        if not take_over:
-            # The common cases in one write: a lease nobody wrote since this
-            # replica released it (compare-and-set against its deletion), or
-            # a session never leased. Anyone else's write makes this fail;
-            # then the lease is read and judged below.
-            released = self._released.pop(key, None)
-            value = self._lease_value(0, 0, carried)
+        call_id = (pending_input or {}).get("call_id")
+        serving = {"reply_to": reply_to, "call_id": call_id} if isinstance(call_id, str) else None
+        span = (
+            tracing.span(
+                "fleetbus session take-over",
+                attributes={"fleetbus.agent": agent, "fleetbus.session_id": session_id},
+            )
+            if take_over
+            else None
+        )
+        with span if span is not None else _no_span():
+            taken = await self._leases.take(
+                key,
+                serving,
+                wait=wait,
+                take_over=take_over,
+                lease_revision=lease_revision,
+                joins=joins,
+                what=(agent, session_id),
+            )
             try:
-                if released is not None:
-                    revision = await self.leases.update(key, value, revision=released)
-                else:
-                    revision = await self.leases.create(key, value)
-            except RevisionMismatchError:
-                pass
-            else:
-                # Taken over the marker of this replica's own release: nobody
-                # held the lease since, so nobody wrote the head since, and
-                # the head as released here is the head (no read).
-                known = self._cached(key, marker=released) if released is not None else None
-                try:
-                    return await self._fence(
-                        key,
-                        agent,
-                        session_id,
-                        revision,
-                        fresh,
-                        reply_to,
-                        pending_input,
-                        False,
-                        carried=carried,
-                        handed_over=released is not None,
-                        known=known,
-                        create=create,
-                    )
-                except BaseException:
-                    await self._drop_lease(key, revision)
-                    raise
-        while True:
-            entry = await self.leases.get_or_none(key)
-            holder = lease_owner(entry.value) if entry is not None else None
-            if entry is not None and holder is not None and holder != self.owner:
-                if take_over:
-                    if entry.revision != lease_revision:
-                        raise SessionBusyError(
-                            f"session {session_id} of {agent} needs no take-over",
-                            agent=agent,
-                            session_id=session_id,
-                        )
-                else:
-                    now = time.monotonic()
-                    if seen is None or seen[0] != entry.revision:
-                        seen = (entry.revision, now)
-                    if now - seen[1] <= self.lease_ttl:  # alive; else its owner died
-                        if joins is not None and _serves(entry, joins):
-                            raise RequestHeldError(
-                                f"session {session_id} of {agent} is serving this request "
-                                f"at {holder}",
-                                agent=agent,
-                                session_id=session_id,
-                            )
-                        if now >= deadline:
-                            raise SessionBusyError(
-                                f"session {session_id} of {agent} is being run by {holder}",
-                                agent=agent,
-                                session_id=session_id,
-                            )
-                        await asyncio.sleep(delay)
-                        delay = min(delay * 2, 0.25)
-                        continue
-            elif take_over and (entry is None or entry.revision != lease_revision):
-                raise SessionBusyError(
-                    f"session {session_id} of {agent} needs no take-over",
-                    agent=agent,
-                    session_id=session_id,
-                )
-            value = self._lease_value(0, 0, carried)
-            try:
-                if entry is None:
-                    revision = await self.leases.create(key, value)
-                else:
-                    revision = await self.leases.update(key, value, revision=entry.revision)
-            except RevisionMismatchError:
-                continue  # someone else moved first: look again
-            from_dead = entry is not None and holder is not None and holder != self.owner
-            try:
-                return await self._fence(
+                return await self._take(
                     key,
-                    agent,
-                    session_id,
-                    revision,
+                    taken.revision,
                     fresh,
                     reply_to,
                     pending_input,
-                    take_over,
-                    from_dead=from_dead,
-                    carried=carried,
-                    dead=_dead_request(entry) if from_dead or take_over else None,
+                    take_over=take_over,
+                    from_dead=taken.from_dead,
+                    marker=taken.marker,
                     create=create,
+                    serving=serving,
                 )
             except BaseException:
-                await self._drop_lease(key, revision)
+                await self._leases.drop(key, taken.revision)
                 raise
 
-    async def _fence(
+    async def _take(
         self,
         key: str,
-        agent: str,
-        session_id: str,
         epoch: int,
         fresh: AgentState | Callable[[], AgentState] | None,
         reply_to: str | None,
         pending_input: dict[str, Any] | None,
-        take_over: bool,
         *,
-        from_dead: bool = False,
-        carried: dict[str, Any] | None = None,
-        handed_over: bool = False,
-        dead: tuple[int, dict[str, Any], str | None] | None = None,
-        known: Lease | None = None,
-        create: bool = True,
+        take_over: bool,
+        from_dead: bool,
+        marker: int | None,
+        create: bool,
+        serving: dict[str, Any] | None,
     ) -> Lease:
-        """Write the head as this owner's (epoch), so that a previous owner's
-        late writes fail their compare-and-set.
-
-        Not written when the request is ``carried`` whole in the lease and
-        the lease was ``handed_over`` (taken over the marker its last owner
-        left on release: whoever wrote the head before was fenced by the
-        owner that took it from them), or the session is new (nobody wrote
-        its head). A take-over finds the request in the lease (and makes a
-        new session's head from it); the first save writes the head.
-
-        ``dead``: the epoch, carried request and owner of a dead owner's
-        lease: its request still to serve when that owner never wrote the head.
-        ``known``: the head as it is, known without reading it.
-        """
-        whole = carried is not None and "input" in carried  # a take-over finds it there
+        """Append the ``taken`` fact as owner ``epoch`` against the end of the
+        journal as read (or as this replica released it, when nobody held
+        the lease since: ``marker``)."""
+        agent, _, session_id = key.partition(".")
+        cached = self._cache.get(key)
+        known = (
+            cached[0] if cached is not None and marker is not None and cached[1] == marker else None
+        )
         for _ in range(8):
-            # A deleted session's head is gone; its first save of a new life
-            # compares against the deletion's revision, as against none.
-            seen = None if known is not None else await self._read_head_or_none(key)
-            base = seen[0] if seen is not None else 0
-            read = None if seen is None or seen[1] is None else (seen[0], seen[1], seen[2])
-            if read is None and known is None and dead is None:
+            if known is not None:
+                lease: Lease | None = _copy_lease(known)
+                known = None
+            else:
+                lease = await self._load(key, cached[0] if cached is not None else None)
+            fact: dict[str, Any] = {"k": "taken", "owner": self.owner}
+            if lease is None:
                 if take_over:
                     raise SessionBusyError(
                         f"session {session_id} of {agent} no longer exists",
@@ -686,88 +568,39 @@ class SessionStore:
                         agent=agent,
                         session_id=session_id,
                     )
-                state = fresh() if callable(fresh) else fresh
-                record = SessionRecord(
-                    agent=agent,
-                    session_id=session_id,
-                    state=state or AgentState(agent_name=agent),
-                    status="running",
-                    owner=self.owner,
-                    reply_to=reply_to,
-                    pending_input=pending_input,
-                )
-                lease = Lease(record, base, epoch, epoch, fresh=True)
-                lease.carried = carried
-                if whole:
-                    # A new session whose request rides in the lease: its first
-                    # save creates the head (a take-over creates it from the
-                    # lease). Nobody wrote it before, so nobody is to fence.
-                    return lease
-                try:
-                    await self._write_head(lease, record, record.state, create=True)
-                except RevisionMismatchError:
-                    continue
-                return lease
-            if known is not None:
-                lease, known = known, None  # (a failed write below reads it again)
-            elif read is not None:
-                lease = await self._load(key, *read)
+                state = (fresh() if callable(fresh) else fresh) or AgentState(agent_name=agent)
+                lease = Lease(SessionRecord(agent=agent, session_id=session_id, state=state), 0)
+                fact["created"] = lease.record.created_at.isoformat()
+                record = lease.record
             else:
-                # A dead owner's new session, never saved: what it served is in
-                # its lease (``dead``, made running below).
-                assert dead is not None
-                state = fresh() if callable(fresh) else fresh
-                record = SessionRecord(
-                    agent=agent,
-                    session_id=session_id,
-                    state=state or AgentState(agent_name=agent),
-                    owner=dead[2],
-                )
-                lease = Lease(record, base, 0, 0, fresh=True)
-            record = lease.record
-            if dead is not None and dead[0] != lease.epoch:
-                # The dead owner never wrote the head: its request is in its lease.
-                record = record.model_copy(
-                    update={
-                        "status": "running",
-                        "pending_input": dead[1]["input"],
-                        "reply_to": dead[1]["reply_to"],
-                    }
-                )
-            undelivered = record.reply_to is not None and record.final is not None
-            if take_over and record.status != "running" and not undelivered:
-                raise SessionBusyError(
-                    f"session {session_id} of {agent} needs no take-over",
-                    agent=agent,
-                    session_id=session_id,
-                )
-            lease.previous, lease.previous_owner = record.status, record.owner
-            if not take_over and record.status == "running":  # its owner died
-                lease.orphan_input, lease.orphan_reply_to = record.pending_input, record.reply_to
-            elif not take_over and from_dead and undelivered:
-                # Its owner died after storing the answer, maybe before sending it.
-                lease.orphan_final, lease.orphan_reply_to = record.final, record.reply_to
-            lease.epoch = lease.lease_revision = epoch
-            lease.next_chunk = 0
-            lease.seq = 0
-            update: dict[str, Any] = {"owner": self.owner}
-            if record.status == "running" or not take_over:
-                update["status"] = "running"  # (an answer to re-send keeps its status)
+                record = lease.record
+                undelivered = record.reply_to is not None and record.final is not None
+                if take_over and record.status != "running" and not undelivered:
+                    raise SessionBusyError(
+                        f"session {session_id} of {agent} needs no take-over",
+                        agent=agent,
+                        session_id=session_id,
+                    )
+                lease.previous, lease.previous_owner = record.status, record.owner
+                if not take_over and record.status == "running":  # its owner died
+                    lease.orphan_input = record.pending_input
+                    lease.orphan_reply_to = record.reply_to
+                elif not take_over and from_dead and undelivered:
+                    # Its owner died after writing the answer, maybe before sending it.
+                    lease.orphan_final, lease.orphan_reply_to = record.final, record.reply_to
+            fact["status"] = (
+                "running" if record.status == "running" or not take_over else record.status
+            )
             if not take_over:
-                update.update(reply_to=reply_to, pending_input=pending_input)
-            lease.carried = carried if not take_over else _serving(record)
-            if handed_over and record.status != "running" and (whole or not pending_input):
-                lease.record = record.model_copy(update=update)
-                return lease
+                fact["to"] = reply_to
+                fact["input"] = pending_input
+            lease.epoch = lease.lease_revision = epoch
+            lease.writes = 0
+            lease.serving = serving if not take_over else _serving(record)
             try:
-                await self._write_head(
-                    lease,
-                    record.model_copy(update=update),
-                    record.state,
-                    create=lease.fresh,
-                )
+                await self._append(lease, fact, record.state, taking=True)
             except RevisionMismatchError:
-                continue
+                continue  # someone appended since it was read: read again
             return lease
         raise SessionBusyError(
             f"session {session_id} of {agent} keeps changing under this replica",
@@ -776,89 +609,31 @@ class SessionStore:
         )
 
     async def renew(self, lease: Lease) -> None:
-        """Extend the lease (a small write; the state is not touched).
+        """Extend the lease (a small write; the journal is not touched).
 
         Raises:
             SessionLost: the lease was taken over.
             StoreError: the bucket failed (the lease may still be ours).
         """
-        record = lease.record
-        key = session_key(record.agent, record.session_id)
-        value = self._lease_value(lease.epoch, lease.renewals + 1, lease.carried)
-        try:
-            lease.lease_revision = await self.leases.update(
-                key, value, revision=lease.lease_revision
+        value = self._leases.value(lease.epoch, lease.renewals + 1, lease.serving)
+        revision = await self._leases.renew(lease.key, value, lease.lease_revision)
+        if revision is None:
+            record = lease.record
+            raise SessionLost(
+                f"session {record.session_id} of {record.agent} was taken over",
+                agent=record.agent,
+                session_id=record.session_id,
             )
-        except RevisionMismatchError:
-            entry = await self.leases.get_or_none(key)
-            if entry is None or entry.value != value:
-                raise SessionLost(
-                    f"session {record.session_id} of {record.agent} was taken over",
-                    agent=record.agent,
-                    session_id=record.session_id,
-                ) from None
-            lease.lease_revision = entry.revision  # our write landed, unacknowledged
+        lease.lease_revision = revision
         lease.renewals += 1
         lease.renewed_at = time.monotonic()
 
     async def release(self, lease: Lease) -> None:
-        """Give the lease up, the session as last saved (the end of a reply:
-        saved, answered, released)."""
-        record = lease.record
-        key = session_key(record.agent, record.session_id)
+        """Give the lease up, the session as last written (the end of a
+        reply: written, answered, released)."""
         async with lease.lock:
-            marker = await self._drop_lease(key, lease.lease_revision)
-            self._remember(key, lease, record.state, marker)
-
-    async def _remove_lease(self, key: str, revision: int) -> int:
-        """Remove a lease of ours; the marker's revision. The marker expires
-        where the server allows (nats-server 2.11+): released leases do not
-        pile up in the bucket, nor in the listings recovery makes."""
-        if self.leases.expiring_markers:
-            ttl = max(_MARKER_TTL, 6 * self.lease_ttl)
-            return await self.leases.purge(key, revision=revision, ttl=ttl)
-        return await self.leases.delete(key, revision=revision)
-
-    async def _drop_lease(self, key: str, revision: int) -> int | None:
-        """Release a lease of ours; the revision of the marker left, or
-        ``None`` when it was not released here.
-
-        A store failing for a moment (a cluster electing the bucket's new
-        leader) is tried again for up to a lease's TTL, by when the lease
-        would have lapsed anyway: a lease left to lapse held the session's
-        next request for that long (measured: answers 15-31 s late across a
-        cluster node's death, against 5-7 s for the others)."""
-        retry = Retry(
-            on=transient, attempts=None, backoff=0.05, max_backoff=1.0, timeout=self.lease_ttl
-        )
-        try:
-            try:
-                marker = await retry.call(self._remove_lease, key, revision)
-            except RevisionMismatchError:
-                # A renewal of ours may have landed after its writer stopped
-                # waiting; anyone else's lease stays.
-                entry = await retry.call(self.leases.get_or_none, key)
-                if entry is None or lease_owner(entry.value) != self.owner:
-                    logger.info("lease of %s was taken over before its release", key)
-                    return None
-                marker = await retry.call(self._remove_lease, key, entry.revision)
-        except RevisionMismatchError:
-            logger.info("lease of %s was taken over before its release", key)
-            return None
-        except StoreError as exc:
-            logger.warning("lease of %s not released (it will lapse): %s", key, exc)
-            return None
-        self.note_released(key, marker)
-        return marker
-
-    def note_released(self, key: str, marker: int) -> None:
-        """Lease ``key`` was released, leaving a marker at revision ``marker``
-        (here, or by another replica: :class:`Recovery` hears it): the next
-        acquire writes against it without reading the lease first."""
-        self._released[key] = marker
-        self._released.move_to_end(key)
-        if len(self._released) > _RELEASED_KEPT:
-            self._released.popitem(last=False)
+            marker = await self._leases.drop(lease.key, lease.lease_revision)
+            self._remember(lease, marker)
 
     # -- writing -----------------------------------------------------------------------
 
@@ -872,21 +647,21 @@ class SessionStore:
         release: bool = False,
         input_recorded: bool = False,
     ) -> None:
-        """Write the session (compare-and-set): the memory added since the last
-        write, the rest of the state, and the status; maybe release the lease.
+        """Append what changed since the last fact: the messages added to
+        memory, the rest of the state, the status; maybe release the lease.
 
         Args:
             lease: the session held.
-            state: the state now (its memory is diffed against what is stored).
+            state: the state now (its memory is compared with what is written).
             status: the new status.
             final: the final answer of the reply that ended.
             release: give the lease up (the reply is over).
             input_recorded: the pending input is in ``state`` now.
 
         Raises:
-            SessionLost: someone else wrote the session since: this replica no
-                longer owns it.
-            StoreError: the bucket failed.
+            SessionLost: another replica appended to the journal since: this
+                replica no longer owns the session.
+            StoreError: the stream failed.
         """
         async with lease.lock:
             with tracing.span(
@@ -898,180 +673,151 @@ class SessionStore:
                     "fleetbus.release": release,
                 },
             ):
-                await self._save(lease, state, status, final, release, input_recorded)
+                fact: dict[str, Any] = {"k": "end" if status is not None else "step"}
+                if status is not None:
+                    fact["status"] = status
+                if final is not None:
+                    fact["final"] = final
+                if input_recorded and lease.record.pending_input is not None:
+                    fact["rec"] = True
+                if release:
+                    fact["clear"] = True
+                await self._append(lease, fact, state or lease.record.state)
+                if release:
+                    marker = await self._leases.drop(lease.key, lease.lease_revision)
+                    self._remember(lease, marker)
 
-    async def _save(
+    async def _append(
         self,
         lease: Lease,
-        state: AgentState | None,
-        status: SessionStatus | None,
-        final: dict[str, Any] | None,
-        release: bool,
-        input_recorded: bool,
+        fact: dict[str, Any],
+        state: AgentState | None = None,
+        *,
+        taking: bool = False,
+        rollup: bool = False,
     ) -> None:
-        update: dict[str, Any] = {"updated_at": utc_now()}
-        if status is not None:
-            update["status"] = status
-            if status != "running":
-                update["owner"] = None  # nobody runs it (the lease may still be dropping)
-        if final is not None:
-            update["final"] = final
-        if release:
-            update.update(reply_to=None, pending_input=None)
-        if input_recorded:
-            update["pending_input"] = None
-        record = lease.record.model_copy(update=update)
-        await self._write_head(lease, record, state or lease.record.state)
-        if release:
-            key = session_key(record.agent, record.session_id)
-            marker = await self._drop_lease(key, lease.lease_revision)
-            self._remember(key, lease, state, marker)
+        """Append ``fact`` with what ``state`` adds to what is written (a
+        snapshot instead when memory was rewritten, or when the facts since
+        the last snapshot outgrew it), then hold it in ``lease``.
 
-    async def _write_head(
-        self, lease: Lease, record: SessionRecord, state: AgentState, *, create: bool = False
-    ) -> None:
-        """Store memory added since the last write and the head; commit the
-        bookkeeping to ``lease`` only once the head write landed."""
-        key = session_key(record.agent, record.session_id)
-        memory = state.memory
-        n = lease.persisted
-        obsolete: list[str] = []
-        tail, chunks, next_chunk = lease.tail, lease.chunks, lease.next_chunk
-        if n == 0 or (
-            len(memory) >= n and _ends(memory[:1] + memory[n - 1 : n]) == lease.persisted_ends
+        Raises:
+            RevisionMismatchError: (``taking``) the journal's end is another.
+            SessionLost: the journal's end is another owner's.
+        """
+        state = state if state is not None else lease.record.state
+        record = lease.record.model_copy(update=_meta(fact))
+        fields = state.model_dump(mode="json", exclude={"memory"})
+        rollup = rollup or _add_state(lease, fact, state, fields)
+        # Numbered before it is sent: an append that lands after its writer
+        # stopped waiting is never mistaken for a later one.
+        n = lease.writes = lease.writes + 1
+        data = orjson.dumps({**fact, "e": lease.epoch, "n": n})
+        if not rollup and lease.since_snapshot + len(data) > max(
+            SNAPSHOT_BYTES, SNAPSHOT_MULTIPLE * lease.snapshot_bytes
         ):
-            added = memory[n:]
-        else:  # memory was rewritten (compression): store it anew
-            obsolete = [_chunk_key(key, e, i) for e, a, b in chunks for i in range(a, b + 1)]
-            added, tail, chunks = list(memory), _NO_TAIL, []
-            n = 0
-        if added:
-            tail = _appended(tail, [orjson.dumps(m.model_dump(mode="json")) for m in added])
-        tail_bytes = len(tail)
-        if tail_bytes > CHUNK_BYTES:
-            await self._write_chunk(_chunk_key(key, lease.epoch, next_chunk), tail)
-            chunks = _add_range(chunks, lease.epoch, next_chunk)
-            next_chunk += 1
-            tail, tail_bytes = _NO_TAIL, len(_NO_TAIL)
-        write_id = new_id()
-        head = {
-            "format": _FORMAT,
-            "agent": record.agent,
-            "session_id": record.session_id,
-            "status": record.status,
-            "owner": record.owner,
-            "epoch": lease.epoch,
-            "seq": lease.seq + 1,
-            "write": write_id,
-            "created_at": record.created_at.isoformat(),
-            "updated_at": record.updated_at.isoformat(),
-            "final": record.final,
-            "reply_to": record.reply_to,
-            "pending_input": record.pending_input,
-            "state": state.model_dump(mode="json", exclude={"memory"}),
-            "chunks": chunks,
-            "tail": orjson.Fragment(tail),  # as it is: the old messages are not encoded again
-        }
-        value, blob = await self._pack(key, orjson.dumps(head))
+            rollup = True
+        if rollup:
+            fact = _snapshot(record, state, fields)
+            data = orjson.dumps({**fact, "e": lease.epoch, "n": n})
+        blob = None
+        stored = data
+        if len(data) > self._inline_limit:
+            blob = f"{lease.key}.{new_id()}"
+            await (await self._blob_store()).put(blob, data)
+            stored = orjson.dumps({"k": fact["k"], "e": lease.epoch, "n": n, "$blob": blob})
         try:
-            if create:  # (a mismatch: the caller reads the head again)
-                revision = await self.heads.update(key, value, revision=lease.revision)
-            else:
-                revision = await self._update_head(lease, key, value, write_id)
+            seq = await self._write(lease, stored, n, taking=taking, rollup=rollup)
         except BaseException:
-            await self._drop_blob(blob)
+            if blob is not None:
+                await self._drop_blobs([blob])
             raise
-        await self._drop_blob(lease.blob)
-        for chunk in obsolete:
-            await self._drop_chunk(chunk)
-        lease.revision, lease.seq, lease.blob = revision, lease.seq + 1, blob
-        lease.fresh = False
-        lease.persisted, lease.persisted_ends = n + len(added), _ends(memory)
-        lease.tail, lease.tail_bytes = tail, tail_bytes
-        lease.chunks, lease.next_chunk = chunks, next_chunk
-        lease.record = record.model_copy(update={"messages": lease.persisted})
-        if lease.record.state is not state:
-            lease.record.state = state
+        lease.record = record.model_copy(
+            update={
+                "state": state,
+                "seq": seq,
+                "updated_at": utc_now(),
+                "messages": len(state.memory),
+            }
+        )
+        lease.seq = seq
+        lease.persisted, lease.persisted_ends = len(state.memory), _ends(state.memory)
+        lease.written = fields
+        dropped: list[str] = []
+        if rollup:
+            dropped, lease.blobs = lease.blobs, [blob] if blob else []
+            lease.since_snapshot, lease.snapshot_bytes = 0, len(data)
+        else:
+            if blob is not None:
+                lease.blobs.append(blob)
+            lease.since_snapshot += len(data)
+        if dropped:
+            await self._drop_blobs(dropped)
 
-    async def _update_head(self, lease: Lease, key: str, value: bytes, write_id: str) -> int:
-        """Compare-and-set the head. A mismatch is ours to resolve when the head
-        still carries this owner's epoch: this very write landed but its
-        acknowledgement was lost (a fail-over), or an earlier write of ours
-        landed after its writer stopped waiting (a cancelled save). Only
-        another epoch means the session was taken over."""
-        record = lease.record
-        revision = lease.revision
+    async def _write(self, lease: Lease, data: bytes, n: int, *, taking: bool, rollup: bool) -> int:
+        """Append ``data`` after ``lease.seq``. A mismatch is ours to resolve
+        when the journal's end is this owner's: this very fact landed but its
+        acknowledgement was lost (a fail-over), or an earlier fact of ours
+        landed after its writer stopped waiting (a cancelled save): its
+        messages are placed by index, so writing over it repeats nothing."""
+        expected = lease.seq
         for _ in range(3):
             try:
-                # (A new session's first write too: against its deletion, or none.)
-                return await self.heads.update(key, value, revision=revision)
+                return await self.journal.append(lease.key, data, expected=expected, rollup=rollup)
             except RevisionMismatchError:
-                read = await self._read_head(key)
-                if read is None or read[1].get("epoch") != lease.epoch:
+                if taking:
+                    raise
+                last = await self.journal.last(lease.key)
+                end = _decode(last.data) if last is not None else None
+                if last is None or end is None or end.e != lease.epoch:
                     break
-                if read[1].get("write") == write_id:
-                    return read[0]  # this write landed, unacknowledged
-                revision = read[0]  # an earlier write of ours landed late: write over it
+                if end.n == n:
+                    return last.seq  # this fact landed, unacknowledged
+                expected = last.seq  # an earlier fact of ours landed late
+        record = lease.record
         raise SessionLost(
             f"session {record.session_id} of {record.agent} was taken over",
             agent=record.agent,
             session_id=record.session_id,
         )
 
-    async def _write_chunk(self, key: str, messages: bytes) -> None:
-        value, _ = await self._pack(key, messages)
-        await self.chunks.put(key, value)
-
-    async def _drop_chunk(self, key: str) -> None:
-        try:
-            entry = await self.chunks.get_or_none(key)
-            if entry is not None and entry.value.startswith(_BLOB_REF):
-                await self._drop_blob(str(orjson.loads(entry.value)["$blob"]))
-            await self.chunks.delete(key)
-        except StoreError as exc:
-            logger.warning("memory chunk %s not deleted: %s", key, exc)
-
-    def _remember(
-        self, key: str, lease: Lease, state: AgentState | None, marker: int | None
-    ) -> None:
-        """Keep the state as stored, for the next message of this session.
+    def _remember(self, lease: Lease, marker: int | None) -> None:
+        """Keep the fold as written, for the next message of this session.
 
         Kept as it is, not copied: the reply that made it is over (only the
-        end of a reply comes here), and a hit hands out a copy. A host of more
-        sessions than the cache holds (a simulation's) copied every state for
-        nothing: 4 % of its CPU, proportional to memory."""
+        end of a reply comes here), and a hit hands out a copy."""
         if self._cache_size <= 0:
             return
-        kept = _copy_lease(lease, state, copy_state=False)
+        key = lease.key
         self._forget(key)
-        self._cache[key] = (lease.revision, kept, marker)
-        self._cached_messages += len(kept.record.state.memory)
+        self._cache[key] = (lease, marker)
+        self._cached_messages += len(lease.record.state.memory)
         while self._cache and (
             len(self._cache) > self._cache_size or self._cached_messages > _CACHED_MESSAGES
         ):
             self._forget(next(iter(self._cache)))
 
     def _forget(self, key: str) -> None:
-        """Drop ``key`` from the cache (if there)."""
         gone = self._cache.pop(key, None)
         if gone is not None:
-            self._cached_messages -= len(gone[1].record.state.memory)
+            self._cached_messages -= len(gone[0].record.state.memory)
 
     async def delete(self, agent: str, session_id: str) -> None:
-        """Forget a session: head, memory chunks, lease.
+        """Forget a session: its journal, the objects it references, its lease.
 
         Raises:
-            StoreError: a bucket failed.
+            StoreError: a stream failed.
         """
         key = session_key(agent, session_id)
-        read = await self._read_head(key)
-        await self.heads.delete(key)
-        for chunk in await self.chunks.subjects(f"{key}.>"):
-            await self._drop_chunk(chunk)
-        if read is not None:
-            await self._drop_blob(read[2])
+        facts = await self._facts(key)
+        await self.journal.purge(key)
+        await self._drop_blobs([f.ref for _, f, _ in facts if isinstance(f.ref, str)])
         await self.leases.delete(key)
         self._forget(key)
+
+    def note_released(self, key: str, marker: int) -> None:
+        """Lease ``key`` was released leaving a marker at ``marker``: the next
+        acquire takes it with one write (see :meth:`Leases.note_released`)."""
+        self._leases.note_released(key, marker)
 
     def recovery(
         self,
@@ -1084,7 +830,7 @@ class SessionStore:
     ) -> Recovery:
         """The recovery machinery of some agents, or all (see :class:`Recovery`)."""
         return Recovery(
-            self,
+            self._leases,
             agents,
             take_over,
             serves=serves,
@@ -1093,268 +839,216 @@ class SessionStore:
         )
 
 
-@dataclass
-class _Watched:
-    revision: int | None
-    """The lease revision confirmed by a read (None: only heard of)."""
-    since: float
-    """Monotonic time of the last sign of life."""
+class _no_span:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
-class Recovery:
-    """Finds the sessions whose owner stopped renewing its lease, and hands
-    each to ``take_over(agent, session_id, lease_revision)``.
+def _add_state(
+    lease: Lease, fact: dict[str, Any], state: AgentState, fields: dict[str, Any]
+) -> bool:
+    """Put into ``fact`` what ``state`` (``fields``: all of it but memory)
+    adds to what is written: the messages appended to memory (``add`` from
+    index ``m``) and a patch of the rest (``set``). ``True`` when memory was
+    rewritten: the fact must be a snapshot."""
+    memory = state.memory
+    n = lease.persisted
+    if n and not (
+        len(memory) >= n and _ends(memory[:1] + memory[n - 1 : n]) == lease.persisted_ends
+    ):
+        return True
+    if len(memory) > n:
+        fact["m"] = n
+        fact["add"] = [m.model_dump(mode="json") for m in memory[n:]]
+    patch = _patch(lease.written, fields)
+    if patch:
+        fact["set"] = patch
+    return False
 
-    Lease writes are followed through plain subscriptions (no JetStream
-    consumer); each running session has a timer, restarted by every renewal
-    heard. A lease silent for longer than ``lease_ttl`` is read; if it is
-    still at the revision read before, its owner is dead. Only leases of
-    running sessions exist, so idle sessions cost nothing. Every
-    ``resync_interval`` seconds (and after a reconnection) the lease keys are
-    listed — one request per pattern, no consumer — to learn of leases whose
-    writes were missed.
 
-    Args:
-        store: the session store.
-        agents: the agent followed, or several (a subscription each), or
-            ``None`` for every agent of the fleet (one subscription: a host
-            serving a population).
-        take_over: called for each session found dead.
-        serves: with ``agents=None``, which agent names to act for (the
-            leases of others are ignored).
-        interval: seconds between checks of the timers.
-        resync_interval: seconds between listings of the lease keys.
-    """
+def _snapshot(
+    record: SessionRecord, state: AgentState, fields: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A snapshot fact: the whole session."""
+    return {
+        "k": "snapshot",
+        "owner": record.owner,
+        "status": record.status,
+        "to": record.reply_to,
+        "input": record.pending_input,
+        "final": record.final,
+        "created": record.created_at.isoformat(),
+        "m": 0,
+        "add": [m.model_dump(mode="json") for m in state.memory],
+        "set": fields if fields is not None else state.model_dump(mode="json", exclude={"memory"}),
+    }
 
-    def __init__(
-        self,
-        store: SessionStore,
-        agents: str | Sequence[str] | None,
-        take_over: Callable[[str, str, int], Awaitable[None]],
-        *,
-        serves: Callable[[str], bool] | None = None,
-        interval: float = 2.0,
-        resync_interval: float = 30.0,
-    ) -> None:
-        self.store = store
-        self._take_over = take_over
-        self.interval = interval
-        self.resync_interval = resync_interval
-        self.watched: dict[str, _Watched] = {}
-        """Running sessions by lease key (``<agent>.<session>``)."""
-        self._gone: OrderedDict[str, None] = OrderedDict()
-        """Lease keys known deleted (not read again at a resync); bounded."""
-        if agents is None:
-            self._patterns = ["*.*"]
+
+def _meta(fact: dict[str, Any]) -> dict[str, Any]:
+    """What ``fact`` (its fields as written) changes of a record but its state."""
+    update: dict[str, Any] = {}
+    if isinstance(fact.get("created"), str):
+        update["created_at"] = datetime.fromisoformat(fact["created"])
+    if "owner" in fact:
+        update["owner"] = fact["owner"]
+    status = fact.get("status")
+    if isinstance(status, str):
+        update["status"] = status
+        if status != "running" and "owner" not in fact:
+            update["owner"] = None
+    if "to" in fact:
+        update["reply_to"] = fact["to"]
+    if "input" in fact:
+        update["pending_input"] = fact["input"]
+    if "final" in fact:
+        update["final"] = fact["final"]
+    if fact.get("rec"):
+        update["pending_input"] = None
+    if fact.get("clear"):
+        update.update(reply_to=None, pending_input=None)
+    return update
+
+
+_META = ("owner", "status", "to", "input", "created", "final", "rec", "clear")
+
+
+def _patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A merge patch (RFC 7386) from ``old`` to ``new``: top-level fields that
+    changed, and within ``reply`` only its fields that changed. A field set
+    to ``None`` is removed (every such field defaults to ``None``)."""
+    patch: dict[str, Any] = {}
+    for name, value in new.items():
+        before = old.get(name)
+        if value == before:
+            continue
+        if name == "reply" and isinstance(value, dict):
+            if isinstance(before, dict):
+                inner = {k: v for k, v in value.items() if before.get(k) != v}
+                inner.update({k: None for k in before if k not in value})
+            else:  # a reply begins: what differs from the defaults (all empty)
+                inner = {k: v for k, v in value.items() if v}
+            patch[name] = inner
         else:
-            self._patterns = [f"{a}.*" for a in ([agents] if isinstance(agents, str) else agents)]
-        self._serves = serves
-        self._updates = [
-            KeyUpdates(store.bus, store.leases, pattern, self._heard) for pattern in self._patterns
-        ]
-        self._reconnects = -1
-        self._resynced = 0.0
+            patch[name] = value
+    for name in old:
+        if name not in new:
+            patch[name] = None
+    return patch
 
-    @property
-    def agent(self) -> str:
-        """What is followed, for log lines."""
-        return ", ".join(p[:-2] if p != "*.*" else "every agent" for p in self._patterns)
 
-    def _ours(self, key: str) -> bool:
-        return self._serves is None or self._serves(key.partition(".")[0])
-
-    def _heard(self, key: str, value: bytes | None, revision: int | None) -> None:
-        if not self._ours(key):
-            return
-        owner = lease_owner(value) if value else None
-        if owner is None:
-            self.watched.pop(key, None)
-            self._note_gone(key)
-            if revision is not None and value is None:
-                # Released (by any replica): the next take is one write.
-                self.store.note_released(key, revision)
-            return
-        self._gone.pop(key, None)
-        watched = self.watched.get(key)
-        if watched is None:
-            self.watched[key] = _Watched(None, time.monotonic())
+def _merged(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for name, value in patch.items():
+        if value is None:
+            merged.pop(name, None)
+        elif name == "reply" and isinstance(value, dict) and isinstance(merged.get(name), dict):
+            inner = dict(merged[name])
+            for k, v in value.items():
+                if v is None:
+                    inner.pop(k, None)
+                else:
+                    inner[k] = v
+            merged[name] = inner
         else:
-            watched.since = time.monotonic()
+            merged[name] = value
+    return merged
 
-    def _note_gone(self, key: str) -> None:
-        self._gone[key] = None
-        self._gone.move_to_end(key)
-        if len(self._gone) > _GONE_KEPT:
-            self._gone.popitem(last=False)
 
-    @property
-    def _reconnects_seen(self) -> int:
-        return self._updates[0].reconnects
-
-    async def start(self) -> None:
-        """Follow the lease writes and learn the current leases.
-
-        Raises:
-            BusError: the subscription failed.
-            StoreError: the listing failed.
-        """
-        for updates in self._updates:
-            await updates.start()
-        await self._resync()
-
-    async def close(self) -> None:
-        """Stop following (the subscriptions are removed)."""
-        for updates in self._updates:
-            await updates.close()
-
-    async def _resync(self) -> None:
-        reconnects = self._reconnects_seen
-        if reconnects != self._reconnects:
-            self._gone.clear()  # writes may have been missed while away
-            self._reconnects = reconnects
-        self._resynced = time.monotonic()
-        for pattern in self._patterns:
-            for key in await self.store.leases.subjects(pattern):
-                if key in self.watched or key in self._gone or not self._ours(key):
-                    continue
-                entry = await self.store.leases.get_or_none(key)
-                if entry is None or lease_owner(entry.value) is None:
-                    self._note_gone(key)
-                    continue
-                self.watched[key] = _Watched(entry.revision, time.monotonic())
-
-    async def check(self) -> None:
-        """Look at the timers once: confirm silent leases, take over dead ones.
-
-        Raises:
-            StoreError: the bucket failed.
-        """
-        now = time.monotonic()
-        if (
-            now - self._resynced >= self.resync_interval
-            or self._reconnects_seen != self._reconnects
-        ):
-            await self._resync()
-        ttl = self.store.lease_ttl
-        for key, watched in list(self.watched.items()):
-            if now - watched.since <= ttl:
-                continue
-            entry = await self.store.leases.get_or_none(key)
-            if entry is None or lease_owner(entry.value) is None:
-                self.watched.pop(key, None)
-                continue
-            if entry.revision != watched.revision:
-                watched.revision, watched.since = entry.revision, time.monotonic()
-                continue
-            self.watched.pop(key, None)
-            agent, _, session = key.partition(".")
-            await self._take_over(agent, session, entry.revision)
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Check every ``interval`` seconds until ``stop`` is set."""
+def _fold(lease: Lease, entry: JournalEntry, fact: _Fact, size: int) -> None:
+    """Apply ``fact``, read from the journal, to ``lease``."""
+    record = lease.record
+    snapshot = fact.k == "snapshot"
+    update = _meta({m: v for m in _META if (v := getattr(fact, m)) is not msgspec.UNSET})
+    update["seq"] = entry.seq
+    if entry.time is not None:
+        update["updated_at"] = entry.time
+    state = record.state
+    memory = state.memory
+    if fact.add is not msgspec.UNSET or snapshot:
         try:
-            while not stop.is_set():
-                try:
-                    async with asyncio.timeout(self.interval):
-                        await stop.wait()
-                except TimeoutError:
-                    pass
-                if stop.is_set():
-                    return
-                try:
-                    await self.check()
-                except FleetbusError as exc:
-                    logger.warning("%s: recovery check failed: %s", self.agent, exc)
-        finally:
-            await self.close()
+            added = stored_messages(fact.add) if fact.add is not msgspec.UNSET else []
+        except ValueError as exc:
+            raise StoreError(f"session {lease.key} holds unreadable memory: {exc}") from None
+        start = 0 if snapshot else max(0, min(fact.m, len(memory)))
+        memory = [*memory[:start], *added]
+    if fact.set is not msgspec.UNSET or snapshot or memory is not state.memory:
+        base = {} if snapshot else state.model_dump(mode="json", exclude={"memory"})
+        fields = _merged(base, fact.set) if isinstance(fact.set, dict) else base
+        fields.setdefault("agent_name", record.agent)
+        index = state.__dict__.get("_memory_index")
+        state = AgentState.model_validate({**fields, "memory": []})
+        state.memory = memory
+        if isinstance(index, MemoryIndex):
+            state.__dict__["_memory_index"] = index
+    update["state"] = state
+    update["messages"] = len(state.memory)
+    lease.record = record.model_copy(update=update)
+    lease.seq = entry.seq
+    if fact.e == lease.epoch and fact.n > lease.writes:
+        lease.writes = fact.n
+    lease.persisted, lease.persisted_ends = len(state.memory), _ends(state.memory)
+    if snapshot:
+        lease.blobs = [fact.ref] if isinstance(fact.ref, str) else []
+        lease.since_snapshot, lease.snapshot_bytes = 0, size
+    else:
+        if isinstance(fact.ref, str):
+            lease.blobs.append(fact.ref)
+        lease.since_snapshot += size
 
 
-_NO_TAIL = b"[]"
-
-
-class _Head(msgspec.Struct):
-    """A head as :meth:`SessionStore._write_head` writes it, for reading: its
-    tail is kept as the JSON it is (``msgspec.Raw``), read into messages only
-    by a load, and never into dicts."""
-
-    format: Any = msgspec.UNSET
-    agent: Any = msgspec.UNSET
-    session_id: Any = msgspec.UNSET
-    status: Any = msgspec.UNSET
-    owner: Any = msgspec.UNSET
-    epoch: Any = msgspec.UNSET
-    seq: Any = msgspec.UNSET
-    write: Any = msgspec.UNSET
-    created_at: Any = msgspec.UNSET
-    updated_at: Any = msgspec.UNSET
-    final: Any = msgspec.UNSET
-    reply_to: Any = msgspec.UNSET
-    pending_input: Any = msgspec.UNSET
-    state: Any = msgspec.UNSET
-    chunks: Any = msgspec.UNSET
-    tail: msgspec.Raw | msgspec.UnsetType = msgspec.UNSET
-
-
-_HEAD_FIELDS = _Head.__struct_fields__
-_HEAD_JSON = msgspec.json.Decoder(_Head)
-
-
-def _decode_head(data: bytes) -> dict[str, Any]:
-    """A head's fields as written (``tail``: the JSON array of its stored
-    messages, as ``bytes``). A head of the format before chunks (the whole
-    session record) is read whole.
+def read_fact(data: bytes) -> SessionFact:
+    """A fact as its journal message holds it (a fact stored by reference
+    lists only its kind), for a client that follows journals as they are
+    written (``fleetbus watch``).
 
     Raises:
-        StoreError: the head is not a JSON object.
+        StoreError: the message is no fact.
     """
-    try:
-        read = _HEAD_JSON.decode(data)
-    except msgspec.DecodeError as exc:
-        raise StoreError(f"a session head is unreadable: {exc}") from None
-    if read.format is msgspec.UNSET:
-        whole: dict[str, Any] = orjson.loads(data)
-        return whole
-    head = {
-        name: value for name in _HEAD_FIELDS if (value := getattr(read, name)) is not msgspec.UNSET
-    }
-    if "tail" in head:
-        head["tail"] = bytes(head["tail"])
-    return head
+    return _listed(_decode(data), 0, 0, None)
 
 
-def _appended(tail: bytes, messages: list[bytes]) -> bytes:
-    """The JSON array ``tail`` (as read, so whitespace and all) with the
-    encoded ``messages`` added at its end."""
-    if not messages:
-        return tail
-    added = b",".join(messages)
-    body = tail.rstrip()[:-1].rstrip()  # all but the closing bracket
-    if body.endswith(b"["):  # nothing in it yet
-        return body + added + b"]"
-    return body + b"," + added + b"]"
+def _listed(fact: _Fact, n: int, seq: int, when: datetime | None) -> SessionFact:
+    added = orjson.loads(bytes(fact.add)) if fact.add is not msgspec.UNSET else []
+    return SessionFact(
+        n=n,
+        seq=seq,
+        time=when,
+        kind=_kind(fact, added),
+        owner=fact.owner if isinstance(fact.owner, str) else None,
+        status=fact.status if isinstance(fact.status, str) else None,
+        added=added,
+        changed=sorted(fact.set) if isinstance(fact.set, dict) else [],
+        final=fact.final if isinstance(fact.final, dict) else None,
+        writer=(fact.e, fact.n),
+    )
 
 
-def _dead_request(entry: Entry | None) -> tuple[int, dict[str, Any], str | None] | None:
-    """The epoch of a lease, the request it carries and its owner (``None``:
-    it carries none)."""
-    if entry is None or not entry.value:
-        return None
-    try:
-        value = orjson.loads(entry.value)
-        request = value.get("request")
-        epoch = int(value.get("epoch") or entry.revision)
-    except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
-        return None
-    if not isinstance(request, dict) or not isinstance(request.get("input"), dict):
-        return None
-    owner = value.get("owner")
-    return epoch, request, owner if isinstance(owner, str) else None
+def _kind(fact: _Fact, added: list[dict[str, Any]]) -> str:
+    """What a fact is, for people (``history``)."""
+    if fact.k in ("taken", "snapshot", "end"):
+        return fact.k
+    if added:
+        last = added[-1]
+        if any(b.get("type") == "tool_use" for b in last.get("content", [])):
+            return "calls"
+    if fact.rec:
+        return "input"
+    if added:
+        if "observed" in (last.get("marks") or []):
+            return "observed"
+        return "step"
+    reply = fact.set.get("reply") if isinstance(fact.set, dict) else None
+    if isinstance(reply, dict) and "arrived" in reply:
+        return "result"
+    return "state"
 
 
 def _serving(record: SessionRecord) -> dict[str, Any] | None:
-    """What a take-over's lease carries (from its first renewal on) of the
-    request it serves: its reply subject and ``call_id``, so that a copy of
-    it sent again is known (:func:`_serves`)."""
+    """What a take-over's lease says of the request it serves: its reply
+    subject and ``call_id``, so that a copy of it sent again is known."""
     pending = record.pending_input or {}
     reply = record.state.reply
     call_id = pending.get("call_id") or (reply.request_id if reply is not None else None)
@@ -1363,41 +1057,8 @@ def _serving(record: SessionRecord) -> dict[str, Any] | None:
     return {"reply_to": record.reply_to, "call_id": call_id}
 
 
-def _serves(entry: Entry, request: tuple[str, str]) -> bool:
-    """Whether the lease ``entry`` carries the request ``(call_id, reply subject)``
-    (all of it, or its ``call_id`` only)."""
-    try:
-        carried = orjson.loads(entry.value).get("request") if entry.value else None
-    except (orjson.JSONDecodeError, AttributeError):
-        return False
-    if not isinstance(carried, dict):
-        return False
-    call_id, reply_to = request
-    whole = carried.get("input")
-    carried_id = whole.get("call_id") if isinstance(whole, dict) else carried.get("call_id")
-    return carried.get("reply_to") == reply_to and carried_id == call_id
-
-
-def lease_owner(value: bytes | None) -> str | None:
-    """The replica a lease record names as its owner (``None``: a release, or
-    not a lease record)."""
-    if not value:
-        return None
-    try:
-        owner = orjson.loads(value).get("owner")
-    except (orjson.JSONDecodeError, AttributeError):
-        return None
-    return owner if isinstance(owner, str) else None
-
-
-def _ends(memory: list[Any]) -> tuple[str, str] | None:
+def _ends(memory: list[Msg]) -> tuple[str, str] | None:
     return (memory[0].msg_id, memory[-1].msg_id) if memory else None
-
-
-def _add_range(ranges: list[list[int]], epoch: int, n: int) -> list[list[int]]:
-    if ranges and ranges[-1][0] == epoch and ranges[-1][2] == n - 1:
-        return [*ranges[:-1], [epoch, ranges[-1][1], n]]
-    return [*ranges, [epoch, n, n]]
 
 
 def _copy_state(state: AgentState) -> AgentState:
@@ -1420,21 +1081,16 @@ def _copy_state(state: AgentState) -> AgentState:
     return copy
 
 
-def _copy_lease(lease: Lease, state: AgentState | None = None, *, copy_state: bool = True) -> Lease:
-    """A copy of ``lease`` holding a copy of its state (or of ``state``; the
-    state itself with ``copy_state=False``)."""
-    kept = lease.record.state if state is None else state
-    record = lease.record.model_copy(update={"state": _copy_state(kept) if copy_state else kept})
+def _copy_lease(lease: Lease) -> Lease:
+    """A copy of ``lease``'s fold, holding a copy of its state."""
+    record = lease.record.model_copy(update={"state": _copy_state(lease.record.state)})
     return Lease(
         record,
-        lease.revision,
-        0,
-        lease.epoch,
+        lease.seq,
         persisted=lease.persisted,
         persisted_ends=lease.persisted_ends,
-        tail=lease.tail,
-        tail_bytes=lease.tail_bytes,
-        chunks=[list(r) for r in lease.chunks],
-        seq=lease.seq,
-        blob=lease.blob,
+        written=lease.written,
+        since_snapshot=lease.since_snapshot,
+        snapshot_bytes=lease.snapshot_bytes,
+        blobs=list(lease.blobs),
     )

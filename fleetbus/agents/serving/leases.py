@@ -1,0 +1,462 @@
+"""Who runs a session now: a small lease with a TTL, apart from the journal.
+
+The KV bucket ``<prefix>_session_leases`` holds one record per running
+session, key ``<agent>.<session_id>``: its owner, its *epoch* (the lease's
+revision when it was taken, named in every fact the owner appends), its
+renewals, and the ``call_id`` and reply subject of the request it serves (a
+copy of that request sent again by a client that had no receipt is known by
+them). Idle sessions have no lease. A released lease leaves a marker that
+expires; whoever knows its revision takes the lease with one
+compare-and-set.
+
+:class:`Recovery` finds the sessions whose owner stopped renewing without
+listing the store: it follows lease writes through a plain subscription (no
+JetStream consumer), keeps a timer per running session, and confirms a
+silent lease by reading it before handing the session over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from fleetbus._retry import Retry
+from fleetbus.bus import Bus, Entry, KeyUpdates, KeyValueStore, key_value
+from fleetbus.bus.store import transient
+from fleetbus.errors import (
+    FleetbusError,
+    RequestHeldError,
+    RevisionMismatchError,
+    SessionBusyError,
+    StoreError,
+)
+
+__all__ = ["Leases", "Recovery", "lease_owner"]
+
+logger = logging.getLogger(__name__)
+
+_LEASES = "session_leases"
+_LEASE_KEEP = 24 * 3600.0
+"""Seconds the bucket keeps a record (renewals keep live ones fresh); a
+session left running while no replica of its agent ran for longer than this
+is resumed by its next message instead of by recovery."""
+_MARKER_TTL = 60.0
+"""Seconds the marker of a released lease stays (at least; 6 lease TTLs)."""
+_RELEASED_KEPT = 20_000
+"""Leases released whose marker's revision is remembered (about 100 bytes each)."""
+_GONE_KEPT = 100_000
+"""Released lease keys a Recovery remembers, so a resync does not read them."""
+
+
+@dataclass
+class Taken:
+    """A lease just taken."""
+
+    revision: int
+    from_dead: bool
+    """It was taken from an owner that stopped renewing it."""
+    marker: int | None
+    """The marker of this replica's own release it was taken over (nobody held it since)."""
+
+
+class Leases:
+    """The session leases of a fleet, held by replica ``owner``.
+
+    Args:
+        bus: the connection.
+        bucket: the leases bucket.
+        owner: this replica's id (written into the leases it takes).
+        ttl: seconds a lease may go unrenewed before another replica may
+            take the session over.
+    """
+
+    def __init__(self, bus: Bus, bucket: KeyValueStore, *, owner: str, ttl: float) -> None:
+        self.bus = bus
+        self.bucket = bucket
+        self.owner = owner
+        self.ttl = ttl
+        # The revision of the marker each released lease left (here, or
+        # heard): the next take writes against it without reading first.
+        self._released: OrderedDict[str, int] = OrderedDict()
+
+    @classmethod
+    async def open(cls, bus: Bus, *, owner: str, ttl: float) -> Leases:
+        """The fleet's lease bucket (created on first use).
+
+        Raises:
+            StoreError: JetStream is off or the bucket cannot be opened.
+        """
+        bucket = await key_value(
+            bus, _LEASES, ttl=_LEASE_KEEP, expiring_markers=True, republish=True
+        )
+        return cls(bus, bucket, owner=owner, ttl=ttl)
+
+    def value(self, epoch: int, renewals: int, serving: dict[str, Any] | None) -> bytes:
+        """A lease record of this owner."""
+        value: dict[str, Any] = {
+            "owner": self.owner,
+            "epoch": epoch,
+            "renewals": renewals,
+            "ttl": self.ttl,
+        }
+        if serving is not None:
+            value["request"] = serving
+        return orjson.dumps(value)
+
+    async def take(
+        self,
+        key: str,
+        serving: dict[str, Any] | None,
+        *,
+        wait: float,
+        take_over: bool,
+        lease_revision: int | None,
+        joins: tuple[str, str] | None,
+        what: tuple[str, str],
+    ) -> Taken:
+        """Take lease ``key``: at once when it is free, else once its owner
+        releases it (up to ``wait`` seconds) or stops renewing it.
+
+        Raises:
+            RequestHeldError: (``joins``) its owner serves that very request.
+            SessionBusyError: it is held after ``wait``; (``take_over``) it
+                is no longer the one found silent (``lease_revision``).
+            StoreError: the bucket failed.
+        """
+        agent, session_id = what
+        value = self.value(0, 0, serving)
+        if not take_over:
+            # The common cases in one write: a lease nobody wrote since its
+            # release (compare-and-set against its marker), or a session never
+            # leased. Anyone else's write makes this fail; then it is read.
+            released = self._released.pop(key, None)
+            try:
+                if released is not None:
+                    revision = await self.bucket.update(key, value, revision=released)
+                else:
+                    revision = await self.bucket.create(key, value)
+            except RevisionMismatchError:
+                pass
+            else:
+                return Taken(revision, False, released)
+        deadline = time.monotonic() + wait
+        delay = 0.02
+        seen: tuple[int, float] | None = None
+        while True:
+            entry = await self.bucket.get_or_none(key)
+            holder = lease_owner(entry.value) if entry is not None else None
+            if entry is not None and holder is not None and holder != self.owner:
+                if take_over:
+                    if entry.revision != lease_revision:
+                        raise _needs_none(agent, session_id)
+                else:
+                    now = time.monotonic()
+                    if seen is None or seen[0] != entry.revision:
+                        seen = (entry.revision, now)
+                    if now - seen[1] <= self.ttl:  # alive; else its owner died
+                        if joins is not None and _serves(entry, joins):
+                            raise RequestHeldError(
+                                f"session {session_id} of {agent} is serving this request "
+                                f"at {holder}",
+                                agent=agent,
+                                session_id=session_id,
+                            )
+                        if now >= deadline:
+                            raise SessionBusyError(
+                                f"session {session_id} of {agent} is being run by {holder}",
+                                agent=agent,
+                                session_id=session_id,
+                            )
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, 0.25)
+                        continue
+            elif take_over and (entry is None or entry.revision != lease_revision):
+                raise _needs_none(agent, session_id)
+            try:
+                if entry is None:
+                    revision = await self.bucket.create(key, value)
+                else:
+                    revision = await self.bucket.update(key, value, revision=entry.revision)
+            except RevisionMismatchError:
+                continue  # someone else moved first: look again
+            from_dead = entry is not None and holder is not None and holder != self.owner
+            return Taken(revision, from_dead, None)
+
+    async def renew(self, key: str, value: bytes, revision: int) -> int | None:
+        """Write ``value`` over lease revision ``revision``; its new revision,
+        or ``None`` when the lease is another's now.
+
+        Raises:
+            StoreError: the bucket failed (the lease may still be ours).
+        """
+        try:
+            return await self.bucket.update(key, value, revision=revision)
+        except RevisionMismatchError:
+            entry = await self.bucket.get_or_none(key)
+            if entry is None or entry.value != value:
+                return None
+            return entry.revision  # our write landed, unacknowledged
+
+    async def _remove(self, key: str, revision: int) -> int:
+        """Remove a lease of ours; the marker's revision. The marker expires
+        where the server allows (nats-server 2.11+): released leases do not
+        pile up in the bucket, nor in the listings recovery makes."""
+        if self.bucket.expiring_markers:
+            return await self.bucket.purge(
+                key, revision=revision, ttl=max(_MARKER_TTL, 6 * self.ttl)
+            )
+        return await self.bucket.delete(key, revision=revision)
+
+    async def drop(self, key: str, revision: int) -> int | None:
+        """Release a lease of ours; the revision of the marker left, or
+        ``None`` when it was not released here.
+
+        A store failing for a moment (a cluster electing the bucket's new
+        leader) is tried again for up to a lease's TTL, by when the lease
+        would have lapsed anyway: a lease left to lapse held the session's
+        next request for that long (measured: answers 15-31 s late across a
+        cluster node's death, against 5-7 s for the others)."""
+        retry = Retry(on=transient, attempts=None, backoff=0.05, max_backoff=1.0, timeout=self.ttl)
+        try:
+            try:
+                marker = await retry.call(self._remove, key, revision)
+            except RevisionMismatchError:
+                # A renewal of ours may have landed after its writer stopped
+                # waiting; anyone else's lease stays.
+                entry = await retry.call(self.bucket.get_or_none, key)
+                if entry is None or lease_owner(entry.value) != self.owner:
+                    logger.info("lease of %s was taken over before its release", key)
+                    return None
+                marker = await retry.call(self._remove, key, entry.revision)
+        except RevisionMismatchError:
+            logger.info("lease of %s was taken over before its release", key)
+            return None
+        except StoreError as exc:
+            logger.warning("lease of %s not released (it will lapse): %s", key, exc)
+            return None
+        self.note_released(key, marker)
+        return marker
+
+    def note_released(self, key: str, marker: int) -> None:
+        """Lease ``key`` was released, leaving a marker at revision ``marker``
+        (here, or by another replica: :class:`Recovery` hears it): the next
+        take writes against it without reading the lease first."""
+        self._released[key] = marker
+        self._released.move_to_end(key)
+        if len(self._released) > _RELEASED_KEPT:
+            self._released.popitem(last=False)
+
+
+def _needs_none(agent: str, session_id: str) -> SessionBusyError:
+    return SessionBusyError(
+        f"session {session_id} of {agent} needs no take-over", agent=agent, session_id=session_id
+    )
+
+
+def _serves(entry: Entry, request: tuple[str, str]) -> bool:
+    """Whether the lease ``entry`` serves the request ``(call_id, reply subject)``."""
+    try:
+        carried = orjson.loads(entry.value).get("request") if entry.value else None
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    if not isinstance(carried, dict):
+        return False
+    call_id, reply_to = request
+    return carried.get("reply_to") == reply_to and carried.get("call_id") == call_id
+
+
+def lease_owner(value: bytes | None) -> str | None:
+    """The replica a lease record names as its owner (``None``: a release, or
+    not a lease record)."""
+    if not value:
+        return None
+    try:
+        owner = orjson.loads(value).get("owner")
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    return owner if isinstance(owner, str) else None
+
+
+@dataclass
+class _Watched:
+    revision: int | None
+    """The lease revision confirmed by a read (None: only heard of)."""
+    since: float
+    """Monotonic time of the last sign of life."""
+
+
+class Recovery:
+    """Finds the sessions whose owner stopped renewing its lease, and hands
+    each to ``take_over(agent, session_id, lease_revision)``.
+
+    Lease writes are followed through plain subscriptions (no JetStream
+    consumer); each running session has a timer, restarted by every renewal
+    heard. A lease silent for longer than its TTL is read; if it is still at
+    the revision read before, its owner is dead. Only leases of running
+    sessions exist, so idle sessions cost nothing. Every ``resync_interval``
+    seconds (and after a reconnection) the lease keys are listed — one
+    request per pattern, no consumer — to learn of leases whose writes were
+    missed.
+
+    Args:
+        leases: the leases.
+        agents: the agent followed, or several (a subscription each), or
+            ``None`` for every agent of the fleet (one subscription: a host
+            serving a population).
+        take_over: called for each session found dead.
+        serves: with ``agents=None``, which agent names to act for (the
+            leases of others are ignored).
+        interval: seconds between checks of the timers.
+        resync_interval: seconds between listings of the lease keys.
+    """
+
+    def __init__(
+        self,
+        leases: Leases,
+        agents: str | Sequence[str] | None,
+        take_over: Callable[[str, str, int], Awaitable[None]],
+        *,
+        serves: Callable[[str], bool] | None = None,
+        interval: float = 2.0,
+        resync_interval: float = 30.0,
+    ) -> None:
+        self.leases = leases
+        self._take_over = take_over
+        self.interval = interval
+        self.resync_interval = resync_interval
+        self.watched: dict[str, _Watched] = {}
+        """Running sessions by lease key (``<agent>.<session>``)."""
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        """Lease keys known deleted (not read again at a resync); bounded."""
+        if agents is None:
+            self._patterns = ["*.*"]
+        else:
+            self._patterns = [f"{a}.*" for a in ([agents] if isinstance(agents, str) else agents)]
+        self._serves = serves
+        self._updates = [
+            KeyUpdates(leases.bus, leases.bucket, pattern, self._heard)
+            for pattern in self._patterns
+        ]
+        self._reconnects = -1
+        self._resynced = 0.0
+
+    @property
+    def agent(self) -> str:
+        """What is followed, for log lines."""
+        return ", ".join(p[:-2] if p != "*.*" else "every agent" for p in self._patterns)
+
+    def _ours(self, key: str) -> bool:
+        return self._serves is None or self._serves(key.partition(".")[0])
+
+    def _heard(self, key: str, value: bytes | None, revision: int | None) -> None:
+        if not self._ours(key):
+            return
+        owner = lease_owner(value) if value else None
+        if owner is None:
+            self.watched.pop(key, None)
+            self._note_gone(key)
+            if revision is not None and value is None:
+                # Released (by any replica): the next take is one write.
+                self.leases.note_released(key, revision)
+            return
+        self._gone.pop(key, None)
+        watched = self.watched.get(key)
+        if watched is None:
+            self.watched[key] = _Watched(None, time.monotonic())
+        else:
+            watched.since = time.monotonic()
+
+    def _note_gone(self, key: str) -> None:
+        self._gone[key] = None
+        self._gone.move_to_end(key)
+        if len(self._gone) > _GONE_KEPT:
+            self._gone.popitem(last=False)
+
+    @property
+    def _reconnects_seen(self) -> int:
+        return self._updates[0].reconnects
+
+    async def start(self) -> None:
+        """Follow the lease writes and learn the current leases.
+
+        Raises:
+            BusError: the subscription failed.
+            StoreError: the listing failed.
+        """
+        for updates in self._updates:
+            await updates.start()
+        await self._resync()
+
+    async def close(self) -> None:
+        """Stop following (the subscriptions are removed)."""
+        for updates in self._updates:
+            await updates.close()
+
+    async def _resync(self) -> None:
+        reconnects = self._reconnects_seen
+        if reconnects != self._reconnects:
+            self._gone.clear()  # writes may have been missed while away
+            self._reconnects = reconnects
+        self._resynced = time.monotonic()
+        bucket = self.leases.bucket
+        for pattern in self._patterns:
+            for key in await bucket.subjects(pattern):
+                if key in self.watched or key in self._gone or not self._ours(key):
+                    continue
+                entry = await bucket.get_or_none(key)
+                if entry is None or lease_owner(entry.value) is None:
+                    self._note_gone(key)
+                    continue
+                self.watched[key] = _Watched(entry.revision, time.monotonic())
+
+    async def check(self) -> None:
+        """Look at the timers once: confirm silent leases, take over dead ones.
+
+        Raises:
+            StoreError: the bucket failed.
+        """
+        now = time.monotonic()
+        if (
+            now - self._resynced >= self.resync_interval
+            or self._reconnects_seen != self._reconnects
+        ):
+            await self._resync()
+        ttl = self.leases.ttl
+        for key, watched in list(self.watched.items()):
+            if now - watched.since <= ttl:
+                continue
+            entry = await self.leases.bucket.get_or_none(key)
+            if entry is None or lease_owner(entry.value) is None:
+                self.watched.pop(key, None)
+                continue
+            if entry.revision != watched.revision:
+                watched.revision, watched.since = entry.revision, time.monotonic()
+                continue
+            self.watched.pop(key, None)
+            agent, _, session = key.partition(".")
+            await self._take_over(agent, session, entry.revision)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Check every ``interval`` seconds until ``stop`` is set."""
+        try:
+            while not stop.is_set():
+                try:
+                    async with asyncio.timeout(self.interval):
+                        await stop.wait()
+                except TimeoutError:
+                    pass
+                if stop.is_set():
+                    return
+                try:
+                    await self.check()
+                except FleetbusError as exc:
+                    logger.warning("%s: recovery check failed: %s", self.agent, exc)
+        finally:
+            await self.close()

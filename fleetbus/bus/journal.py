@@ -1,0 +1,285 @@
+"""Append-only journals in one JetStream stream: a subject per journal.
+
+Each journal (a session's, say) is the sequence of messages stored on one
+subject. An append names the sequence it expects last on that subject
+(``Nats-Expected-Last-Subject-Sequence``): only a writer that has seen the
+journal's end can add to it, which makes the append a compare-and-set, a
+fence, with no write of its own. An append with a rollup
+(``Nats-Rollup: sub``) replaces every earlier message of the subject, which
+keeps a journal bounded by a snapshot of what it stood for. A journal is read
+in one request (a batched direct get), and followed by a client through an
+ordered consumer of its subject.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+
+import nats.errors
+import nats.js.errors
+import orjson
+from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+
+from fleetbus.bus._replicas import ensure_replicas, placement_error, wanted_replicas
+from fleetbus.bus.connection import Bus
+from fleetbus.bus.store import ADMIN_TIMEOUT, _answered_error, _store_error
+from fleetbus.errors import RevisionMismatchError, StoreError
+
+__all__ = ["Journal", "JournalEntry", "journal"]
+
+logger = logging.getLogger(__name__)
+
+_EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
+_ROLLUP = {"Nats-Rollup": "sub"}
+_WRONG_LAST_SEQUENCE = (10071, 10164)
+_NO_MESSAGE = 10037
+_BATCH = 256
+"""Messages one direct get returns at most (a journal is read in pieces of this)."""
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    """One message of a journal."""
+
+    seq: int
+    """Its sequence in the stream (what the next append expects last)."""
+    data: bytes
+    time: datetime | None = None
+    """When the server stored it."""
+
+
+async def journal(bus: Bus, name: str, *, replicas: int | None = None) -> Journal:
+    """The fleet's journal stream ``name`` (``<prefix>_<name>``, subjects
+    ``<prefix>.<name>.>``), created if missing.
+
+    Raises:
+        ConfigError: ``replicas`` is not between 1 and 5.
+        StoreError: JetStream is off, or the stream cannot be opened or made.
+    """
+    stream = bus.subjects.kv_bucket(name)
+    subjects = f"{bus.prefix}.{name}.>"
+    what = f"journal stream {stream}"
+    wanted = wanted_replicas(bus, replicas)
+    admin = bus.nc.jetstream(timeout=ADMIN_TIMEOUT)
+    try:
+        try:
+            await admin.stream_info(stream)
+        except nats.js.errors.NotFoundError:
+            await admin.add_stream(
+                StreamConfig(
+                    name=stream,
+                    subjects=[subjects],
+                    storage=StorageType.FILE,
+                    num_replicas=wanted,
+                    allow_direct=True,
+                    allow_rollup_hdrs=True,
+                    duplicate_window=0,
+                )
+            )
+        else:
+            await ensure_replicas(admin, stream, wanted, what=what)
+    except StoreError:
+        raise
+    except (nats.errors.Error, TimeoutError) as exc:
+        error = placement_error(exc, what=what, wanted=wanted, bus=bus)
+        raise error or _store_error(exc, f"opening {what}") from exc
+    return Journal(bus, stream, f"{bus.prefix}.{name}.")
+
+
+class Journal:
+    """Journals on the subjects ``<stem><key>`` of stream ``stream``.
+
+    Args:
+        bus: the connection.
+        stream: the stream's name.
+        stem: the subjects' common start (keys follow it).
+    """
+
+    def __init__(self, bus: Bus, stream: str, stem: str, *, timeout: float = 5.0) -> None:
+        self.bus = bus
+        self.stream = stream
+        self.stem = stem
+        self.timeout = timeout
+        self._direct = f"$JS.API.DIRECT.GET.{stream}"
+
+    def subject(self, key: str) -> str:
+        """The subject of journal ``key``."""
+        return self.stem + key
+
+    async def append(self, key: str, data: bytes, *, expected: int, rollup: bool = False) -> int:
+        """Add ``data`` to journal ``key`` if its last message is ``expected``
+        (0: the journal is empty); the new message's sequence.
+
+        With ``rollup``, every earlier message of the journal is removed once
+        this one is stored.
+
+        Raises:
+            RevisionMismatchError: the journal's last message is another.
+            StoreError: the append failed (it may still have been stored).
+        """
+        headers = {_EXPECTED_LAST: str(expected), **(_ROLLUP if rollup else {})}
+        what = f"append to {key!r}"
+        try:
+            msg = await self.bus._replies.request(self.subject(key), data, self.timeout, headers)
+            ack = orjson.loads(msg.data)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, what) from exc
+        except orjson.JSONDecodeError:
+            raise StoreError(f"{what}: the server's answer is not JSON") from None
+        error = ack.get("error") if isinstance(ack, dict) else None
+        if error:
+            if error.get("err_code") in _WRONG_LAST_SEQUENCE:
+                raise RevisionMismatchError(
+                    f"journal {key!r} no longer ends at {expected}", key=key, expected=expected
+                )
+            raise _answered_error(what, error)
+        try:
+            return int(ack["seq"])
+        except (KeyError, TypeError, ValueError):
+            raise StoreError(f"{what}: the server's answer has no sequence") from None
+
+    async def read(self, key: str, *, after: int = 0) -> list[JournalEntry]:
+        """The messages of journal ``key`` after sequence ``after``, in order.
+
+        Raises:
+            StoreError: the read failed.
+        """
+        entries: list[JournalEntry] = []
+        start = after + 1
+        while True:
+            batch, more = await self._batch(key, start)
+            entries += batch
+            if not more or not batch:
+                return entries
+            start = batch[-1].seq + 1
+
+    async def _batch(self, key: str, start: int) -> tuple[list[JournalEntry], bool]:
+        nc = self.bus.nc
+        what = f"read {key!r}"
+        query = orjson.dumps({"seq": start, "next_by_subj": self.subject(key), "batch": _BATCH})
+        inbox = nc.new_inbox()
+        entries: list[JournalEntry] = []
+        try:
+            sub = await nc.subscribe(inbox)
+            try:
+                await nc.publish(self._direct, query, reply=inbox)
+                while True:
+                    msg = await sub.next_msg(self.timeout)
+                    headers = msg.headers or {}
+                    status = headers.get("Status")
+                    if status is not None:
+                        if status == "404":
+                            return entries, False
+                        if status != "204":
+                            raise StoreError(f"{what}: the server answered {status}")
+                        return entries, int(headers.get("Nats-Num-Pending") or 0) > 0
+                    stamp = headers.get("Nats-Time-Stamp")
+                    entries.append(
+                        JournalEntry(
+                            int(headers.get("Nats-Sequence") or 0),
+                            msg.data,
+                            _parse_time(stamp) if stamp else None,
+                        )
+                    )
+            finally:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
+        except StoreError:
+            raise
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, what) from exc
+
+    async def last(self, key: str) -> JournalEntry | None:
+        """The last message of journal ``key``, or ``None`` when it is empty.
+
+        Raises:
+            StoreError: the read failed.
+        """
+        what = f"read the end of {key!r}"
+        try:
+            msg = await self.bus._replies.request(
+                f"{self._direct}.{self.subject(key)}", b"", self.timeout, None
+            )
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, what) from exc
+        headers = msg.headers or {}
+        status = headers.get("Status")
+        if status == "404":
+            return None
+        if status is not None:
+            raise StoreError(f"{what}: the server answered {status}")
+        stamp = headers.get("Nats-Time-Stamp")
+        return JournalEntry(
+            int(headers.get("Nats-Sequence") or 0), msg.data, _parse_time(stamp) if stamp else None
+        )
+
+    async def keys(self, pattern: str = ">") -> dict[str, int]:
+        """The journals matching ``pattern`` with how many messages each
+        holds: one stream-info request, no consumer.
+
+        Raises:
+            StoreError: the listing failed.
+        """
+        js = self.bus.nc.jetstream(timeout=self.timeout)
+        try:
+            info = await js.stream_info(self.stream, subjects_filter=self.subject(pattern))
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, "list journals") from exc
+        n = len(self.stem)
+        return {s[n:]: count for s, count in sorted((info.state.subjects or {}).items())}
+
+    async def purge(self, key: str) -> None:
+        """Remove journal ``key`` whole.
+
+        Raises:
+            StoreError: the purge failed.
+        """
+        js = self.bus.nc.jetstream(timeout=self.timeout)
+        try:
+            await js.purge_stream(self.stream, subject=self.subject(key))
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, f"purge {key!r}") from exc
+
+    async def follow(self, key: str, *, after: int = 0) -> AsyncIterator[JournalEntry]:
+        """Every message of journal ``key`` after sequence ``after``, then
+        each new one as it is stored, until the caller stops iterating (an
+        ordered consumer: nothing stays on the server once it is left).
+
+        Raises:
+            StoreError: the consumer could not be made.
+        """
+        js = self.bus.nc.jetstream(timeout=self.timeout)
+        try:
+            config = (
+                ConsumerConfig(
+                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after + 1
+                )
+                if after
+                else None
+            )
+            sub = await js.subscribe(
+                self.subject(key), ordered_consumer=True, stream=self.stream, config=config
+            )
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, f"follow {key!r}") from exc
+        try:
+            async for msg in sub.messages:
+                meta = msg.metadata
+                yield JournalEntry(meta.sequence.stream, msg.data, meta.timestamp)
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+
+
+def _parse_time(stamp: str) -> datetime | None:
+    """A server time stamp (RFC 3339 with nanoseconds) as a datetime."""
+    try:
+        head, _, rest = stamp.partition(".")
+        fraction = "".join(c for c in rest if c.isdigit())[:6]
+        return datetime.fromisoformat(f"{head}.{fraction or '0'}+00:00")
+    except ValueError:
+        return None
