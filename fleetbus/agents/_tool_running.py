@@ -33,12 +33,13 @@ from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import StopReply
 from fleetbus.agents.offload import READ_OFFLOADED_SPEC, cut, read_offloaded
 from fleetbus.agents.state import PendingCall, RecentCall
-from fleetbus.agents.tools import ToolOutcomeLike, streaming, switchable
+from fleetbus.agents.tools import streaming, switchable
 from fleetbus.errors import FleetbusError
 from fleetbus.models.model import FORMAT_ERROR_TOOL
 from fleetbus.protocol import (
     TOOL_STATUSES,
     FinalAnswer,
+    ToolResult,
     ToolResultBlock,
     ToolStatus,
     ToolUseBlock,
@@ -276,7 +277,7 @@ class ToolRunner:
                 return tool_result(use, "error", f"read_offloaded failed: {_brief(exc)}")
         toolkit = settings.toolkit
         assert toolkit is not None  # _check let only known tools through
-        run: Callable[..., Awaitable[ToolOutcomeLike]] = toolkit.run
+        run: Callable[..., Awaitable[ToolResult]] = toolkit.run
         streamed = streaming(toolkit, use.name)
         if streamed is not None:
             scope = self.scope
@@ -287,19 +288,19 @@ class ToolRunner:
                 )
 
             run = partial(streamed.run, on_chunk=chunk)
-        outcome = await run(
+        ran = await run(
             use.name,
             use.input,
             timeout=settings.tool_timeout,
             call_id=self.call_id_of(use),
             session_id=self.reply.session_id,
         )
-        status = outcome.status if outcome.status in TOOL_STATUSES else "error"
+        status = ran.status if ran.status in TOOL_STATUSES else "error"
         if status != "success":
-            detail = outcome.error_detail
+            detail = ran.error_detail
             text = f"{detail.code}: {detail.message}" if detail else f"{status}"
             return tool_result(use, cast(ToolStatus, status), text)
-        content = outcome.content
+        content = ran.content
         text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
         limit = settings.context.tool_result_limit
         if len(text) <= limit:

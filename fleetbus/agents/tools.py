@@ -10,29 +10,15 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any, Protocol
 
-from fleetbus.protocol import ErrorDetail, ToolSpec
+from fleetbus.protocol import ToolResult, ToolSpec
 
 __all__ = [
     "StreamingToolSource",
     "SwitchableToolSource",
-    "ToolOutcomeLike",
     "ToolSource",
     "streaming",
     "switchable",
 ]
-
-
-class ToolOutcomeLike(Protocol):
-    """How a tool run ended."""
-
-    @property
-    def status(self) -> str: ...
-
-    @property
-    def content(self) -> Any: ...
-
-    @property
-    def error_detail(self) -> ErrorDetail | None: ...
 
 
 class ToolSource(Protocol):
@@ -65,8 +51,10 @@ class ToolSource(Protocol):
         timeout: float | None = None,
         call_id: str | None = None,
         session_id: str | None = None,
-    ) -> ToolOutcomeLike:
-        """Run a tool; never raises for what the tool does."""
+    ) -> ToolResult:
+        """Run a tool and say how it ended, as a ``tool_result`` (the agent
+        reads its ``status``, ``content`` and ``error_detail``); never raises
+        for what the tool does."""
         ...
 
 
@@ -123,7 +111,7 @@ class StreamingToolSource(ToolSource, Protocol):
         call_id: str | None = None,
         session_id: str | None = None,
         on_chunk: Callable[[Any], Awaitable[None]] | None = None,
-    ) -> ToolOutcomeLike:
+    ) -> ToolResult:
         """Run a tool, each chunk of a streaming one to ``on_chunk``."""
         ...
 

@@ -10,7 +10,7 @@ the tools of an MCP server fleetbus tools (with the ``mcp`` extra);
 from fleetbus.tools_workers.mcp import MCPTool, MCPTools
 from fleetbus.tools_workers.remote import AgentTool, RemoteToolProxy
 from fleetbus.tools_workers.skills import Skill, SkillTool, load_skills, read_skill
-from fleetbus.tools_workers.tool import DEFAULT_GROUP, Tool, ToolOutcome, tool
+from fleetbus.tools_workers.tool import DEFAULT_GROUP, Tool, tool, tool_failure
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike, load_toolkit
 from fleetbus.tools_workers.worker import ToolWorker
 
@@ -24,11 +24,11 @@ __all__ = [
     "SkillTool",
     "Tool",
     "ToolLike",
-    "ToolOutcome",
     "ToolWorker",
     "Toolkit",
     "load_skills",
     "load_toolkit",
     "read_skill",
     "tool",
+    "tool_failure",
 ]

@@ -8,7 +8,7 @@ MCP tool::
 
     async with MCPTools("npx -y @modelcontextprotocol/server-everything") as server:
         toolkit = Toolkit(server.tools)
-        outcome = await toolkit.run("echo", {"message": "hi"})
+        result = await toolkit.run("echo", {"message": "hi"})
 
 ``fleetbus worker --mcp "COMMAND ARGS…"`` and ``--mcp-url URL`` serve them on
 the bus (see ``docs/mcp.md``).
@@ -24,7 +24,7 @@ text; else a list of content blocks: :class:`~fleetbus.protocol.TextBlock`
 for text, :class:`~fleetbus.protocol.DataBlock` with a ``data:`` URL for an
 image, audio or binary resource, and with the resource's URI for a resource
 link. A result flagged ``isError``, an MCP protocol error and a lost
-connection are ``error`` outcomes; a call past its deadline is a ``timeout``.
+connection are ``error`` results; a call past its deadline is a ``timeout``.
 
 Needs the ``mcp`` SDK (``pip install 'fleetbus[mcp]'``), imported only when an
 :class:`MCPTools` is made.
@@ -40,6 +40,7 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
@@ -49,8 +50,8 @@ import msgspec
 from fleetbus._version import __version__
 from fleetbus.bus.subjects import check_name
 from fleetbus.errors import ConfigError, InvalidSubjectError, ToolDefinitionError, ToolError
-from fleetbus.protocol import DataBlock, ErrorCode, TextBlock, ToolSpec
-from fleetbus.tools_workers.tool import ToolOutcome
+from fleetbus.protocol import DataBlock, ErrorCode, TextBlock, ToolResult, ToolSpec
+from fleetbus.tools_workers.tool import tool_failure
 
 if TYPE_CHECKING:
     from mcp import Client
@@ -145,19 +146,28 @@ class MCPTool:
         timeout: float | None = None,
         call_id: str | None = None,
         session_id: str | None = None,
-    ) -> ToolOutcome:
-        """Call the MCP tool and say how it ended.
+    ) -> ToolResult:
+        """Call the MCP tool and say how it ended (a ``tool_result`` nobody
+        sent: ``sender`` empty).
 
-        ``call_id`` and ``session_id`` are not sent: MCP has no place for them.
+        ``call_id`` and ``session_id`` are not sent: MCP has no place for
+        them; the result carries them.
         Never raises, except ``CancelledError`` when the caller is cancelled
         (the MCP server is then told the request is cancelled).
         """
         if not isinstance(parameters, dict):
-            return ToolOutcome.failure(
-                "error", "invalid_parameters", "parameters must be a JSON object"
+            return tool_failure(
+                self.name,
+                "error",
+                "invalid_parameters",
+                "parameters must be a JSON object",
+                call_id=call_id,
+                session_id=session_id,
             )
         limit = self.timeout if timeout is None else timeout
-        return await self.server.call(self, parameters, limit)
+        return await self.server.call(
+            self, parameters, limit, call_id=call_id, session_id=session_id
+        )
 
 
 class MCPTools:
@@ -290,14 +300,23 @@ class MCPTools:
         await owner
 
     async def call(
-        self, tool: MCPTool, arguments: dict[str, Any], limit: float | None
-    ) -> ToolOutcome:
+        self,
+        tool: MCPTool,
+        arguments: dict[str, Any],
+        limit: float | None,
+        *,
+        call_id: str | None = None,
+        session_id: str | None = None,
+    ) -> ToolResult:
         """Call ``tool`` with ``arguments`` within ``limit`` seconds (``None``:
-        no deadline) and say how it ended; never raises, except ``CancelledError``.
+        no deadline) and say how it ended, as the ``tool_result`` of the call
+        ``call_id`` in ``session_id`` (``sender`` empty); never raises, except
+        ``CancelledError``.
         """
         from mcp import MCPError
         from mcp.types import CONNECTION_CLOSED, INVALID_PARAMS
 
+        failed = partial(tool_failure, tool.name, call_id=call_id, session_id=session_id)
         live: _Live | None = None
         deadline = asyncio.timeout(limit)
         try:
@@ -306,45 +325,52 @@ class MCPTools:
                 result = await live.client.call_tool(tool.mcp_name, arguments)
         except TimeoutError as exc:
             if deadline.expired():
-                return ToolOutcome.failure(
-                    "timeout", "timeout", f"{tool.name} did not finish within {limit:g}s"
-                )
+                return failed("timeout", "timeout", f"{tool.name} did not finish within {limit:g}s")
             self._drop(live, exc)
-            return ToolOutcome.failure("error", "tool_error", self._describe(exc))
+            return failed("error", "tool_error", self._describe(exc))
         except ToolError as exc:  # no session could be opened
-            return ToolOutcome.failure("error", "tool_error", str(exc))
+            return failed("error", "tool_error", str(exc))
         except MCPError as exc:
             if exc.code == CONNECTION_CLOSED:
                 self._drop(live, exc)
-                return self._closed_outcome()
+                return failed("error", "tool_error", self._closed())
             code: ErrorCode = "invalid_parameters" if exc.code == INVALID_PARAMS else "tool_error"
-            return ToolOutcome.failure(
+            return failed(
                 "error", code, f"the MCP server {self.label} answered error {exc.code}: {exc}"
             )
         except (RuntimeError, ValueError) as exc:
             if live is not None and live.lost.is_set():
                 # The session was closed under the call (the SDK says so
                 # with a RuntimeError).
-                return self._closed_outcome()
+                return failed("error", "tool_error", self._closed())
             # A result that does not fit its schema or the protocol: the
             # server's fault, the session is fine.
-            return ToolOutcome.failure("error", "tool_error", self._describe(exc))
+            return failed("error", "tool_error", self._describe(exc))
         except Exception as exc:
             # Anything else is the transport failing: start afresh next time.
             self._drop(live, exc)
-            return ToolOutcome.failure("error", "tool_error", self._describe(exc))
-        return _outcome(result)
-
-    def _closed_outcome(self) -> ToolOutcome:
-        if self._closing:
-            return ToolOutcome.failure(
-                "error", "tool_error", f"the MCP server {self.label} is closed"
+            return failed("error", "tool_error", self._describe(exc))
+        if result.is_error:
+            blocks = [_block(item) for item in result.content]
+            message = "\n".join(_describe_block(b) for b in blocks).strip()
+            return failed(
+                "error", "tool_error", message or "the MCP tool failed without saying why"
             )
-        return ToolOutcome.failure(
-            "error",
-            "tool_error",
+        return ToolResult(
+            session_id=session_id,
+            call_id=call_id,
+            tool_name=tool.name,
+            status="success",
+            content=_content(result),
+        )
+
+    def _closed(self) -> str:
+        """Why a call found the session closed."""
+        if self._closing:
+            return f"the MCP server {self.label} is closed"
+        return (
             f"the connection to the MCP server {self.label} is closed "
-            "(did the server exit?); the next call connects again",
+            "(did the server exit?); the next call connects again"
         )
 
     def _describe(self, exc: BaseException) -> str:
@@ -523,23 +549,16 @@ class MCPTools:
         return list(tools.values())
 
 
-def _outcome(result: CallToolResult) -> ToolOutcome:
-    """The outcome of an MCP tool result."""
-    if result.is_error:
-        blocks = [_block(item) for item in result.content]
-        message = "\n".join(_describe_block(b) for b in blocks).strip()
-        return ToolOutcome.failure(
-            "error", "tool_error", message or "the MCP tool failed without saying why"
-        )
+def _content(result: CallToolResult) -> Any:
+    """What a successful MCP tool result gives: its structured content, its
+    text, or its content blocks as JSON."""
     if result.structured_content is not None:
-        return ToolOutcome(status="success", content=result.structured_content)
+        return result.structured_content
     blocks = [_block(item) for item in result.content]
     if all(isinstance(b, TextBlock) for b in blocks):
-        return ToolOutcome(
-            status="success", content="\n".join(b.text for b in blocks if isinstance(b, TextBlock))
-        )
+        return "\n".join(b.text for b in blocks if isinstance(b, TextBlock))
     content: list[dict[str, Any]] = msgspec.to_builtins(blocks)
-    return ToolOutcome(status="success", content=content)
+    return content
 
 
 def _block(item: ContentBlock) -> TextBlock | DataBlock:

@@ -10,7 +10,7 @@ from typing import Any
 from fleetbus.bus import RemoteTool, ToolClient
 from fleetbus.errors import BusError, FleetbusError
 from fleetbus.protocol import AGENT_TOOL_PARAMETERS, ToolResult, ToolSpec
-from fleetbus.tools_workers.tool import ToolOutcome
+from fleetbus.tools_workers.tool import tool_failure
 
 __all__ = ["AgentTool", "RemoteToolProxy"]
 
@@ -19,9 +19,11 @@ class RemoteToolProxy:
     """Calls a discovered tool through a :class:`~fleetbus.bus.ToolClient`.
 
     Its :meth:`run` has the contract of a local tool's: never raises for
-    what happens to the call. A call no worker answers (after the client's
-    retries) is an ``error`` outcome saying so; the ``call_id`` is passed
-    through, so a retry of the same call is answered from the worker's record.
+    what happens to the call. Its result is the worker's answer as it came
+    (``sender`` the worker's id); a call no worker answers (after the
+    client's retries) is an ``error`` result saying so, sent by nobody
+    (``sender`` empty). The ``call_id`` is passed through, so a retry of
+    the same call is answered from the worker's record.
     The tool was served when it was discovered: a call that finds no worker
     waits for one (a worker restarting) for the client's ``worker_wait``
     seconds before it fails. A call that names no timeout waits as long as
@@ -62,16 +64,15 @@ class RemoteToolProxy:
         call_id: str | None = None,
         session_id: str | None = None,
         on_chunk: Callable[[Any], Awaitable[None]] | None = None,
-    ) -> ToolOutcome:
-        """Call the tool on the bus and say how it ended.
+    ) -> ToolResult:
+        """Call the tool on the bus and say how it ended (the worker's answer).
 
         A tool that :attr:`streams` hands each chunk of its result to
         ``on_chunk``, in order, before the call returns.
         """
+        failed = partial(tool_failure, self.name, call_id=call_id, session_id=session_id)
         if not isinstance(parameters, dict):
-            return ToolOutcome.failure(
-                "error", "invalid_parameters", "parameters must be a JSON object"
-            )
+            return failed("error", "invalid_parameters", "parameters must be a JSON object")
         call = partial(
             self.client.call,
             self.name,
@@ -89,13 +90,11 @@ class RemoteToolProxy:
         except BusError as exc:
             message = f"{self.name} could not be called: {exc}"
             if isinstance(exc, TimeoutError):
-                return ToolOutcome.failure("timeout", "timeout", message)
-            return ToolOutcome.failure("error", "tool_error", message)
+                return failed("timeout", "timeout", message)
+            return failed("error", "tool_error", message)
         except FleetbusError as exc:  # a reply that is not a valid tool_result
-            return ToolOutcome.failure("error", "tool_error", f"{self.name}: {exc}")
-        return ToolOutcome(
-            status=result.status, content=result.content, error_detail=result.error_detail
-        )
+            return failed("error", "tool_error", f"{self.name}: {exc}")
+        return result
 
 
 async def _streamed(
@@ -166,13 +165,13 @@ class AgentTool:
         timeout: float | None = None,
         call_id: str | None = None,
         session_id: str | None = None,
-    ) -> ToolOutcome:
-        """Ask the agent and say how it ended; never raises for what happens to the call."""
+    ) -> ToolResult:
+        """Ask the agent and say how it ended (its host's answer); never
+        raises for what happens to the call."""
+        failed = partial(tool_failure, self.name, call_id=call_id, session_id=session_id)
         request = parameters.get("request") if isinstance(parameters, dict) else None
         if not isinstance(request, str) or not request.strip():
-            return ToolOutcome.failure(
-                "error", "invalid_parameters", "'request' must be a non-empty string"
-            )
+            return failed("error", "invalid_parameters", "'request' must be a non-empty string")
         try:
             result = await self.client.call(
                 self.name,
@@ -184,10 +183,8 @@ class AgentTool:
         except BusError as exc:
             message = f"the agent {self.name} could not be asked: {exc}"
             if isinstance(exc, TimeoutError):
-                return ToolOutcome.failure("timeout", "timeout", message)
-            return ToolOutcome.failure("error", "tool_error", message)
+                return failed("timeout", "timeout", message)
+            return failed("error", "tool_error", message)
         except FleetbusError as exc:
-            return ToolOutcome.failure("error", "tool_error", f"{self.name}: {exc}")
-        return ToolOutcome(
-            status=result.status, content=result.content, error_detail=result.error_detail
-        )
+            return failed("error", "tool_error", f"{self.name}: {exc}")
+        return result

@@ -15,7 +15,9 @@ the type hints (pydantic), and validation of the parameters it is called with::
         return a + b
 
 Running a tool never raises for what the tool does: :meth:`Tool.run` returns a
-:class:`ToolOutcome` whose ``status`` says how it ended. Toolkits are in
+``tool_result`` message (:class:`~fleetbus.protocol.ToolResult`) whose
+``status`` says how it ended, the message a worker serving the tool would
+answer, but sent by nobody: its ``sender`` is empty. Toolkits are in
 :mod:`fleetbus.tools_workers.toolkit`.
 
 A generator function (sync or async) is a *streaming* tool: each chunk it
@@ -40,7 +42,6 @@ import logging
 import time
 import types
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from dataclasses import dataclass
 from typing import Any, overload
 
 import docstring_parser
@@ -49,10 +50,10 @@ import pydantic_core
 
 from fleetbus.bus.subjects import check_name
 from fleetbus.errors import InvalidSubjectError, ToolDefinitionError
-from fleetbus.protocol import ErrorCode, ErrorDetail, ToolSpec, ToolStatus
+from fleetbus.protocol import ErrorCode, ErrorDetail, ToolResult, ToolSpec, ToolStatus
 from fleetbus.protocol.codec import clip
 
-__all__ = ["DEFAULT_GROUP", "Tool", "ToolOutcome", "tool"]
+__all__ = ["DEFAULT_GROUP", "Tool", "tool", "tool_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,26 +65,37 @@ _JSON_SCALARS = frozenset({str, int, float, bool})
 such as an enum, which pydantic turns into its value)."""
 
 
-@dataclass(slots=True)
-class ToolOutcome:
-    """How one run of a tool ended (not frozen: a frozen dataclass is made
-    three times slower, and one is made per call).
+def tool_failure(
+    tool_name: str,
+    status: ToolStatus,
+    code: ErrorCode,
+    message: str,
+    *,
+    call_id: str | None = None,
+    session_id: str | None = None,
+    sender: str = "",
+) -> ToolResult:
+    """A ``tool_result`` that is not a success: ``status``, and an
+    ``error_detail`` of ``code`` and ``message`` (cut to ``MAX_ECHO_CHARS``:
+    it may quote what the call sent).
 
-    Attributes:
-        status: success, error, timeout, denied or cancelled.
-        content: the JSON value the tool returned (``None`` unless success).
-        error_detail: the error code and message, on every status but success.
+    Args:
+        tool_name: the tool called.
+        status: error, timeout, denied or cancelled.
+        code: the error code that goes with ``status``.
+        message: a sentence for a person or a model to read.
+        call_id: the call's id, when it has one.
+        session_id: the session the call belongs to, if any.
+        sender: who answers (a worker's id); empty for a run nobody sends.
     """
-
-    status: ToolStatus
-    content: Any = None
-    error_detail: ErrorDetail | None = None
-
-    @classmethod
-    def failure(cls, status: ToolStatus, code: ErrorCode, message: str) -> ToolOutcome:
-        """An outcome that is not a success; a ``message`` longer than
-        ``MAX_ECHO_CHARS`` (it may quote what the call sent) is cut."""
-        return cls(status=status, error_detail=ErrorDetail(code=code, message=clip(message)))
+    return ToolResult(
+        sender=sender,
+        session_id=session_id,
+        call_id=call_id,
+        tool_name=tool_name,
+        status=status,
+        error_detail=ErrorDetail(code=code, message=clip(message)),
+    )
 
 
 class Tool:
@@ -171,11 +183,13 @@ class Tool:
         call_id: str | None = None,
         session_id: str | None = None,
         on_chunk: Callable[[Any], Awaitable[None]] | None = None,
-    ) -> ToolOutcome:
+    ) -> ToolResult:
         """Validate the parameters, run the function, and say how it ended.
 
-        ``call_id`` and ``session_id`` identify the call (a remote tool sends
-        them along); a local function does not need them.
+        The result is the ``tool_result`` a worker serving the tool would
+        answer, but sent by nobody: ``sender`` is empty, ``tool_name`` is
+        this tool's, ``call_id`` and ``session_id`` are the ones given
+        (``None`` when not: a local function does not need them).
 
         A sync function runs in a worker thread; on timeout its result is
         abandoned (a thread cannot be stopped), an async one is cancelled.
@@ -184,11 +198,17 @@ class Tool:
         ends with the whole result.
         Never raises, except ``CancelledError`` when the caller is cancelled.
         """
+        name = self.name
         try:
             kwargs = self.validate(parameters)
         except pydantic.ValidationError as exc:
-            return ToolOutcome.failure(
-                "error", "invalid_parameters", f"invalid parameters for {self.name}: {_brief(exc)}"
+            return tool_failure(
+                name,
+                "error",
+                "invalid_parameters",
+                f"invalid parameters for {name}: {_brief(exc)}",
+                call_id=call_id,
+                session_id=session_id,
             )
         limit = self.timeout if timeout is None else timeout
         try:
@@ -197,27 +217,44 @@ class Tool:
             else:
                 result = await self._call(kwargs, limit)
         except _DeadlineError:
-            return ToolOutcome.failure(
-                "timeout", "timeout", f"{self.name} did not finish within {limit:g}s"
+            return tool_failure(
+                name,
+                "timeout",
+                "timeout",
+                f"{name} did not finish within {limit:g}s",
+                call_id=call_id,
+                session_id=session_id,
             )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             failed = clip(f"{type(exc).__name__}: {exc}")
-            logger.info("tool %s raised %s", self.name, failed)
-            return ToolOutcome.failure("error", "tool_error", failed)
-        if result is None or type(result) in _JSON_SCALARS:
-            return ToolOutcome("success", result)
-        try:
-            content = pydantic_core.to_jsonable_python(result)
-        except ValueError as exc:  # PydanticSerializationError, or a value nested too deep
-            return ToolOutcome.failure(
-                "error",
-                "tool_error",
-                f"{self.name} returned a {type(result).__name__}, "
-                f"which is not JSON-serializable: {exc}",
+            logger.info("tool %s raised %s", name, failed)
+            return tool_failure(
+                name, "error", "tool_error", failed, call_id=call_id, session_id=session_id
             )
-        return ToolOutcome(status="success", content=content)
+        if result is None or type(result) in _JSON_SCALARS:
+            content = result
+        else:
+            try:
+                content = pydantic_core.to_jsonable_python(result)
+            except ValueError as exc:  # PydanticSerializationError, or a value nested too deep
+                return tool_failure(
+                    name,
+                    "error",
+                    "tool_error",
+                    f"{name} returned a {type(result).__name__}, "
+                    f"which is not JSON-serializable: {exc}",
+                    call_id=call_id,
+                    session_id=session_id,
+                )
+        return ToolResult(
+            session_id=session_id,
+            call_id=call_id,
+            tool_name=name,
+            status="success",
+            content=content,
+        )
 
     async def _stream(
         self,

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from fleetbus._imports import import_named
 from fleetbus.bus import ToolClient
 from fleetbus.errors import ToolDefinitionError, UnknownToolError
-from fleetbus.protocol import ToolSpec
+from fleetbus.protocol import ToolResult, ToolSpec
 from fleetbus.tools_workers.remote import RemoteToolProxy
-from fleetbus.tools_workers.tool import DEFAULT_GROUP, Tool, ToolOutcome
+from fleetbus.tools_workers.tool import DEFAULT_GROUP, Tool, tool_failure
 
 if TYPE_CHECKING:
     from fleetbus.tools_workers.mcp import MCPTools
@@ -50,8 +50,12 @@ class ToolLike(Protocol):
         timeout: float | None = None,
         call_id: str | None = None,
         session_id: str | None = None,
-    ) -> ToolOutcome:
-        """Run it; never raises for what the tool does."""
+    ) -> ToolResult:
+        """Run it and say how it ended, as a ``tool_result``: ``tool_name``
+        the tool's, ``call_id`` and ``session_id`` those of the call (as
+        given; a call sent on the bus without a ``call_id`` gets one),
+        ``sender`` the worker that answered, empty when nobody sent it (a
+        local run). Never raises for what the tool does."""
         ...
 
 
@@ -294,8 +298,9 @@ class Toolkit:
         call_id: str | None = None,
         session_id: str | None = None,
         on_chunk: Callable[[Any], Awaitable[None]] | None = None,
-    ) -> ToolOutcome:
-        """Run a tool by name; an unknown name is an ``unknown_tool`` outcome.
+    ) -> ToolResult:
+        """Run a tool by name and answer its ``tool_result`` (see
+        :meth:`ToolLike.run`); an unknown name is an ``unknown_tool`` error.
 
         A streaming tool (:meth:`is_streaming`) hands each chunk to ``on_chunk``.
         Never raises for what the tool does, except ``CancelledError``.
@@ -303,7 +308,9 @@ class Toolkit:
         found = self._tools.get(name)
         if found is None:
             message = str(UnknownToolError(name, list(self._tools)))
-            return ToolOutcome.failure("error", "unknown_tool", message)
+            return tool_failure(
+                name, "error", "unknown_tool", message, call_id=call_id, session_id=session_id
+            )
         if on_chunk is not None and isinstance(found, Tool | RemoteToolProxy) and found.streams:
             return await found.run(
                 parameters,

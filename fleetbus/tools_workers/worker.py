@@ -58,15 +58,17 @@ from fleetbus.bus import (
 from fleetbus.errors import BusError, PayloadTooLargeError, ProtocolError, StoreError
 from fleetbus.protocol import (
     Cancel,
+    ErrorCode,
     ErrorMessage,
     Message,
     ToolCall,
     ToolResult,
+    ToolStatus,
     error_reply,
     new_id,
 )
 from fleetbus.protocol.codec import clip
-from fleetbus.tools_workers.tool import Tool, ToolOutcome
+from fleetbus.tools_workers.tool import Tool, tool_failure
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike
 
 __all__ = ["ToolWorker"]
@@ -365,32 +367,25 @@ class ToolWorker(Lifecycle):
                 call, "malformed", "a tool_call needs a call_id", source=self.worker_id
             )
         if call.tool_name != served.name:
-            return self._result(
+            return self._failure(
                 call,
-                ToolOutcome.failure(
-                    "error",
-                    "unknown_tool",
-                    f"this subject serves {served.name!r}, not {call.tool_name!r}",
-                ),
+                "error",
+                "unknown_tool",
+                f"this subject serves {served.name!r}, not {call.tool_name!r}",
             )
         max_payload = self.bus.max_payload  # read once: a property of a property
         limit = self.max_request_bytes or max_payload
         if request.size > limit:
-            return self._result(
+            return self._failure(
                 call,
-                ToolOutcome.failure(
-                    "error",
-                    "invalid_parameters",
-                    f"the call is {request.size} bytes; this worker accepts at most {limit}",
-                ),
+                "error",
+                "invalid_parameters",
+                f"the call is {request.size} bytes; this worker accepts at most {limit}",
             )
         timeout = call.timeout if call.timeout is not None else served.timeout
         timeout = self.default_timeout if timeout is None else timeout
         if not timeout > 0:
-            return self._result(
-                call,
-                ToolOutcome.failure("error", "invalid_parameters", "timeout must be positive"),
-            )
+            return self._failure(call, "error", "invalid_parameters", "timeout must be positive")
         # A call is one client's: two callers that pick the same call_id do
         # not get each other's answers.
         key = (served.name, call.sender, call.call_id)
@@ -444,11 +439,11 @@ class ToolWorker(Lifecycle):
         self.executed += 1
         try:
             if deltas_to:
-                outcome = await cast(Tool, served).run(
+                ran = await cast(Tool, served).run(
                     call.parameters, timeout=timeout, on_chunk=self._deltas(call, deltas_to)
                 )
             else:
-                outcome = await served.run(call.parameters, timeout=timeout)
+                ran = await served.run(call.parameters, timeout=timeout)
         except asyncio.CancelledError:
             if running.cancel_reason is not None and _uncancel(running.task) == 0:
                 # Only the caller's cancel: it is the call's answer.
@@ -458,12 +453,7 @@ class ToolWorker(Lifecycle):
                 # Draining ran out of time: answer so the caller need not wait,
                 # but a retry on another worker should run the call.
                 return (
-                    self._result(
-                        call,
-                        ToolOutcome.failure(
-                            "cancelled", "cancelled", "the worker is shutting down"
-                        ),
-                    ),
+                    self._failure(call, "cancelled", "cancelled", "the worker is shutting down"),
                     False,
                     None,
                 )
@@ -472,7 +462,7 @@ class ToolWorker(Lifecycle):
             task, running.task = running.task, None
         if running.cancel_reason is not None:
             _uncancel(task)  # the tool swallowed the cancel and returned: that is what happened
-        result = self._result(call, outcome)
+        result = self._answer_of(call, ran)
         limit = self.max_result_bytes or max_payload - RESULT_HEADROOM
         try:
             # Encoded as the serving loop sends it, which then takes this payload.
@@ -514,10 +504,7 @@ class ToolWorker(Lifecycle):
         return send
 
     def _cancelled(self, call: ToolCall, reason: str) -> ToolResult:
-        return self._result(
-            call,
-            ToolOutcome.failure("cancelled", "cancelled", f"cancelled by the caller: {reason}"),
-        )
+        return self._failure(call, "cancelled", "cancelled", f"cancelled by the caller: {reason}")
 
     async def _offload(
         self, call: ToolCall, result: ToolResult, size: int, limit: int
@@ -534,14 +521,15 @@ class ToolWorker(Lifecycle):
                 exc,
                 extra={"call_id": call.call_id, "session_id": call.session_id},
             )
-            failed = ToolOutcome.failure(
+            failed = self._failure(
+                call,
                 "error",
                 "tool_error",
                 f"the result is {size} bytes, more than one message carries ({limit}), "
                 f"and it could not be stored: {exc}",
             )
             # Not recorded: a retry runs the call again and may store it.
-            return self._result(call, failed), False, None
+            return failed, False, None
         logger.info(
             "result of call %s (%d bytes) stored by reference",
             clip(call.call_id or "", _LOGGED_CHARS),
@@ -550,16 +538,36 @@ class ToolWorker(Lifecycle):
         )
         return stored, True, None
 
-    def _result(self, call: ToolCall, outcome: ToolOutcome) -> ToolResult:
+    def _answer_of(self, call: ToolCall, ran: ToolResult) -> ToolResult:
+        """This worker's answer to ``call``: how the run went (``ran``'s
+        status, content, error detail and time) in a message of its own, from
+        this worker, with the call's ids. ``ran`` is not sent as it is: the
+        tool runs without the call's ids, and a tool served on the bus
+        answers with its own worker's (and its own message id)."""
         return ToolResult(
             id=new_id(),
+            timestamp=ran.timestamp,
             sender=self.worker_id,
             session_id=call.session_id,
             call_id=call.call_id,
             tool_name=call.tool_name,
-            status=outcome.status,
-            content=outcome.content,
-            error_detail=outcome.error_detail,
+            status=ran.status,
+            content=ran.content,
+            error_detail=ran.error_detail,
+        )
+
+    def _failure(
+        self, call: ToolCall, status: ToolStatus, code: ErrorCode, message: str
+    ) -> ToolResult:
+        """This worker's answer to ``call`` when it did not succeed."""
+        return tool_failure(
+            call.tool_name,
+            status,
+            code,
+            message,
+            call_id=call.call_id,
+            session_id=call.session_id,
+            sender=self.worker_id,
         )
 
     def _recorded(self, key: _Key) -> ToolResult | None:

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from fleetbus.errors import ConfigError, ToolDefinitionError, ToolError
-from fleetbus.tools_workers import MCPTool, MCPTools, Toolkit, ToolOutcome
+from fleetbus.protocol import ToolResult
+from fleetbus.tools_workers import MCPTool, MCPTools, Toolkit
 from tests.helpers import ROOT
 
 SERVER = [sys.executable, str(ROOT / "tests" / "mcp_server.py")]
@@ -30,7 +31,7 @@ def by_name(server: MCPTools, name: str) -> MCPTool:
     return next(t for t in server.tools if t.name == name)
 
 
-def pid_of(outcome: ToolOutcome) -> str:
+def pid_of(outcome: ToolResult) -> str:
     """The process id a ``whoami`` call answered."""
     assert isinstance(outcome.content, str), outcome
     assert outcome.content.isdigit(), outcome

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from fleetbus.agents.permissions import coding_permissions
-from fleetbus.tools_workers import Toolkit, ToolOutcome, coding
+from fleetbus.protocol import ToolResult
+from fleetbus.tools_workers import Toolkit, coding
 from fleetbus.tools_workers.builtin import FileSandbox
 from fleetbus.tools_workers.coding import coding_tools
 
@@ -43,7 +44,7 @@ async def _ok(tools: Toolkit, name: str, **parameters: Any) -> Any:
 
 
 async def _fails(tools: Toolkit, name: str, **parameters: Any) -> str:
-    outcome: ToolOutcome = await tools.get(name).run(parameters)
+    outcome: ToolResult = await tools.get(name).run(parameters)
     assert outcome.status == "error", outcome.content
     assert outcome.error_detail is not None
     return outcome.error_detail.message

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetbus.tools_workers import Tool, ToolOutcome
+from fleetbus.protocol import ToolResult
+from fleetbus.tools_workers import Tool
 from fleetbus.tools_workers.builtin import (
     FILES_ROOT_ENV,
     FileSandbox,
@@ -43,7 +44,7 @@ def tools(root: Path) -> dict[str, Tool]:
     return {t.name: t for t in file_tools(root)}
 
 
-def _error(outcome: ToolOutcome) -> str:
+def _error(outcome: ToolResult) -> str:
     assert outcome.status == "error"
     assert outcome.error_detail is not None
     assert outcome.error_detail.code == "tool_error"
