@@ -372,14 +372,14 @@ async def test_a_replica_that_finds_its_session_taken_when_a_result_arrives_leav
 ) -> None:
     # Two calls run at once; the session is taken over while they run, and
     # the loser learns it when the first result arrives (its write of the
-    # result fails: the new owner fenced the head) before its lease renewal
+    # result fails: the new owner appended its taken fact) before its lease renewal
     # would tell it. The other call, cut short by that, is left running.
     gate = Gate(by_tag={"a": asyncio.Event(), "b": asyncio.Event()})
     url, prefix = nats_server.url, bus.prefix
     worker = ToolWorker(bus, gated_tools(gate), worker_id="w1")
     tools, control = bus.subjects.tool("gated"), bus.subjects.tool_control("gated")
     lost = _Heard("session s4 was lost")
-    host_log = logging.getLogger("fleetbus.agents.serving.host")
+    host_log = logging.getLogger("fleetbus.agents.serving")
     host_log.addHandler(lost)
     try:
         async with (

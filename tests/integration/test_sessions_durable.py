@@ -369,7 +369,7 @@ async def test_a_replica_that_loses_its_session_answers_nothing(
     stops with one log line; no internal-error answer is ever published."""
     runs: list[str] = []
     gate = asyncio.Event()
-    caplog.set_level(logging.WARNING, logger="fleetbus.agents.serving.host")
+    caplog.set_level(logging.WARNING, logger="fleetbus.agents.serving")
     async with step_worker(nats_server.url, bus.prefix, runs, gate):
         events, stop_events = await answers(bus, bus.subjects.events(AGENT, "s3"))
         inbox = bus.nc.new_inbox()

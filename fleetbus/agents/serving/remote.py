@@ -11,19 +11,7 @@ instance unless told otherwise::
     await writer.observe("The release moved to Friday.")
     notes = await writer.reply("As a list.", schema=ReleaseNotes)  # notes.structured
 
-The contract with the server: a ``user_request`` or an ``agent_message`` with
-``reply=True`` is answered by the ``final_answer`` of the reply; an
-``agent_message`` with ``reply=False`` is added to memory and acknowledged by
-an ``event`` named ``observed``; a ``confirm_result`` or ``external_result``
-resumes the paused reply of its session and is answered by its
-``final_answer``; anything it cannot handle is answered by an ``error``
-message. Every event of a reply is also published on
-``<prefix>.events.<agent>.<session_id>`` (the answer is not: it is stored
-once, in the session's journal, and sent once, to the requester); a replica
-that takes a session over after a crash sends the final answer to the
-original request's reply subject. A ``cancel`` published on
-``<prefix>.agent.<name>.control`` interrupts the reply running in its
-session.
+The contract with the server is in :mod:`._remote`.
 
 Where a streamed reply's answer comes from: the request's reply, which
 answers this request and no other, and which the replica that wrote the
@@ -41,27 +29,36 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import msgspec
-import pydantic
 
 from fleetbus import tracing
 from fleetbus.agents.permissions import checked_confirmation
-from fleetbus.bus import RESEND_AFTER, Observation, Subjects
+from fleetbus.agents.serving._remote import (
+    STATUS_CODES,
+    MessageBus,
+    OutputSchema,
+    RemoteInput,
+    Request,
+    flush_through,
+    forward,
+    json_schema,
+    settled,
+    unexpected,
+)
+from fleetbus.bus import RESEND_AFTER
 from fleetbus.errors import (
     BusError,
     CallTimeoutError,
     ConfigError,
     RemoteError,
-    UnexpectedMessageError,
 )
 from fleetbus.protocol import (
     AgentMessage,
     AnyMessage,
     Cancel,
     ConfirmResult,
-    ContentBlock,
     ErrorDetail,
     ErrorMessage,
     Event,
@@ -89,63 +86,6 @@ and then again to be confirmed by the server."""
 SETTLE_TIMEOUT: Final = 2.0
 """Seconds at most the round trip waits that lets in the events published
 just before the answer."""
-
-RemoteInput = str | list[ContentBlock] | UserRequest | AgentMessage | ConfirmResult | ExternalResult
-"""What :meth:`RemoteAgent.reply_stream` sends: text or content blocks (a
-``user_request``), or a message as it is — another agent's message, or a
-``confirm_result`` / ``external_result`` resuming a paused reply."""
-
-# The error code an external result of each failed status carries.
-_STATUS_CODES: dict[str, str] = {
-    "error": "tool_error",
-    "timeout": "timeout",
-    "denied": "denied",
-    "cancelled": "cancelled",
-}
-
-_Request = UserRequest | AgentMessage | ConfirmResult | ExternalResult
-
-OutputSchema = dict[str, Any] | type[pydantic.BaseModel]
-"""The shape a reply's answer is asked in: a JSON Schema, or a pydantic model
-(its JSON Schema is sent)."""
-
-
-class MessageBus(Protocol):
-    """What :class:`RemoteAgent` needs of a :class:`~fleetbus.bus.Bus`."""
-
-    @property
-    def subjects(self) -> Subjects:
-        """The fleet's subject names."""
-        ...
-
-    @property
-    def client_name(self) -> str:
-        """The default ``sender`` of messages."""
-        ...
-
-    async def request(
-        self,
-        subject: str,
-        message: Message,
-        *,
-        timeout: float,
-        attempts: int = 1,
-        resend: float | None = None,
-    ) -> AnyMessage:
-        """Send a request and return its decoded reply."""
-        ...
-
-    async def publish(self, subject: str, message: Message) -> None:
-        """Publish a message."""
-        ...
-
-    async def observe(self, subject: str, *, timeout: float = 5.0) -> Observation:
-        """Subscribe to a subject."""
-        ...
-
-    async def flush(self, timeout: float) -> None:
-        """Wait until the server has processed everything sent so far."""
-        ...
 
 
 class RemoteAgent:
@@ -306,7 +246,7 @@ class RemoteAgent:
             ConfigError: a ``schema`` with a ``confirm_result`` or
                 ``external_result``.
         """
-        message = self._message(inputs, session_id or self._session_id, _json_schema(schema))
+        message = self._message(inputs, session_id or self._session_id, json_schema(schema))
         session = message.session_id
         assert session is not None
         limit = self.timeout if timeout is None else timeout
@@ -334,10 +274,10 @@ class RemoteAgent:
         queue: asyncio.Queue[AnyMessage | None] = asyncio.Queue()
         try:
             try:
-                await _flush(self._bus, max(deadline - loop.time(), 0.001))
+                await flush_through(self._bus, max(deadline - loop.time(), 0.001))
             except CallTimeoutError as exc:
                 raise self._timed_out(message, limit) from exc
-            reader = loop.create_task(_forward(observation, queue))
+            reader = loop.create_task(forward(observation, queue))
             span = tracing.begin(
                 "fleetbus ask",
                 kind=tracing.SpanKind.CLIENT,
@@ -385,7 +325,7 @@ class RemoteAgent:
             yield answer
         finally:
             # A request still unanswered (or timed out) means a reply may still run for nobody.
-            running = asking is not None and not _settled(asking)
+            running = asking is not None and not settled(asking)
             owned = {task for task in (reader, asking) if task is not None}
             for task in owned:
                 task.cancel()
@@ -446,7 +386,7 @@ class RemoteAgent:
             answer = await self._bus.request(self._inbox, message, timeout=self.timeout, attempts=1)
             self._check(answer, message)
             if not (isinstance(answer, Event) and answer.event == OBSERVED_EVENT):
-                raise _unexpected(answer, f"an {OBSERVED_EVENT!r} event", message.call_id)
+                raise unexpected(answer, f"an {OBSERVED_EVENT!r} event", message.call_id)
 
     async def cancel(self, reason: str = "", *, session_id: str | None = None) -> None:
         """Interrupt the reply running in the session (it ends ``interrupted``).
@@ -536,7 +476,7 @@ class RemoteAgent:
             output = ExternalOutput(call_id=call_id, content=content)
         else:
             detail = ErrorDetail(
-                code=_STATUS_CODES.get(status, "internal"),
+                code=STATUS_CODES.get(status, "internal"),
                 message=status if content is None else str(content),
             )
             output = ExternalOutput(call_id=call_id, status=status, error_detail=detail)
@@ -547,7 +487,7 @@ class RemoteAgent:
 
     def _message(
         self, inputs: RemoteInput | None, session: str, schema: dict[str, Any] | None
-    ) -> _Request:
+    ) -> Request:
         """The request to send: in ``session``, with a new ``call_id`` (and
         ``schema`` as its ``output_schema``, when given), asking for a
         receipt unless requests are not sent again."""
@@ -603,7 +543,7 @@ class RemoteAgent:
             raise self._timed_out(message, limit) from exc
         self._check(answer, message)
         if not isinstance(answer, FinalAnswer):
-            raise _unexpected(answer, "a 'final_answer'", message.call_id)
+            raise unexpected(answer, "a 'final_answer'", message.call_id)
         return answer
 
     def _check(self, answer: AnyMessage, message: Message) -> None:
@@ -631,7 +571,7 @@ class RemoteAgent:
         if remaining <= 0:
             return
         try:
-            await _flush(self._bus, min(remaining, SETTLE_TIMEOUT))
+            await flush_through(self._bus, min(remaining, SETTLE_TIMEOUT))
         except BusError as exc:  # the answer is here: do not lose it for late events
             logger.debug("no round trip after the answer: %s", exc)
 
@@ -640,7 +580,7 @@ class RemoteAgent:
         try:
             async with asyncio.timeout(CANCEL_TIMEOUT):
                 await self.cancel("the client stopped reading the reply", session_id=session)
-            await _flush(self._bus, CANCEL_TIMEOUT)
+            await flush_through(self._bus, CANCEL_TIMEOUT)
         except (BusError, TimeoutError) as exc:
             logger.warning(
                 "%s: the cancel of session %s of %s may not have been sent: %s",
@@ -658,59 +598,3 @@ class RemoteAgent:
                 self._name,
                 extra={"session_id": session},
             )
-
-
-def _json_schema(schema: OutputSchema | None) -> dict[str, Any] | None:
-    """``schema`` as a JSON Schema (a model's, without its title, as a local
-    agent offers it)."""
-    if schema is None or isinstance(schema, dict):
-        return schema
-    rendered = schema.model_json_schema()
-    rendered.pop("title", None)
-    return rendered
-
-
-async def _flush(bus: MessageBus, timeout: float) -> None:
-    """A round trip to the server that a cancellation does not cut short.
-
-    nats-py (2.16) leaves the future of a cancelled flush waiting for its PONG,
-    and that PONG then stops the connection's read loop: nothing more arrives
-    on the connection. So the flush runs to its end — its own ``timeout``
-    bounds it — and a cancellation takes effect after.
-
-    Raises:
-        CallTimeoutError: no PONG within ``timeout``.
-        ConnectionClosedError: the bus is closed.
-    """
-    flushing = asyncio.ensure_future(bus.flush(timeout=timeout))
-    try:
-        await asyncio.shield(flushing)
-    except asyncio.CancelledError:
-        await asyncio.wait({flushing})
-        if not flushing.cancelled():
-            flushing.exception()  # the cancellation wins over how the flush ended
-        raise
-
-
-async def _forward(observation: Observation, queue: asyncio.Queue[AnyMessage | None]) -> None:
-    """Hand each message seen on the events subject to the stream."""
-    async for item in observation:
-        queue.put_nowait(item)
-
-
-def _settled(asking: asyncio.Task[AnyMessage]) -> bool:
-    """Whether the request got its answer (or a refusal): nothing runs for it then."""
-    if not asking.done() or asking.cancelled():
-        return False
-    return not isinstance(asking.exception(), CallTimeoutError)
-
-
-def _unexpected(answer: AnyMessage, expected: str, call_id: str | None) -> UnexpectedMessageError:
-    tag = type(answer).__struct_config__.tag
-    got = f"{tag!r} ({answer.event!r})" if isinstance(answer, Event) else repr(tag)
-    return UnexpectedMessageError(
-        f"expected {expected} reply, got {got}",
-        call_id=call_id,
-        session_id=answer.session_id,
-        message_type=tag,  # type: ignore[arg-type]
-    )
