@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetbus.agents import Agent, AgentService, AgentState
+from fleetbus.agents.serving._replies import _redoable
 from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.errors import SessionLost
@@ -217,12 +218,15 @@ async def ghost_reply(
     *,
     freeze_after: int,
     store: SessionStore | None = None,
+    host_points: bool = False,
 ) -> Ghost:
     """A replica of ``agent`` that takes ``request`` like :class:`AgentService`
     does (the lease, the request recorded with it) and dies after
     ``freeze_after`` saves (0: right after taking the request): it stops
     writing and renewing, like a SIGKILLed process. ``store``: the ghost's
-    (one that released the session before takes it back without fencing)."""
+    (one that released the session before takes it back without reading).
+    ``host_points``: it writes only the facts a host writes (not the input,
+    nor a step's last result), so its saves are a host's fact boundaries."""
     session = request.session_id
     assert session is not None
     if store is None:
@@ -239,6 +243,8 @@ async def ghost_reply(
 
     async def checkpoint(state: AgentState) -> None:
         nonlocal saves
+        if host_points and state.reply is not None and _redoable(state, True):
+            return
         if saves >= freeze_after:
             await dead.wait()  # set only to end the test: the process is gone
             raise SessionLost("the ghost is gone", agent=agent.name, session_id=session)

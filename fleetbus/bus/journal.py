@@ -7,22 +7,21 @@ journal's end can add to it, which makes the append a compare-and-set, a
 fence, with no write of its own. An append with a rollup
 (``Nats-Rollup: sub``) replaces every earlier message of the subject, which
 keeps a journal bounded by a snapshot of what it stood for. A journal is read
-in one request (a batched direct get), and followed by a client through an
-ordered consumer of its subject.
+in one request (a batched direct get); a client follows one as it is written
+with a plain subscription to its subject (the appends are messages like any).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime
 
 import nats.errors
 import nats.js.errors
 import orjson
-from nats.js.api import ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+from nats.js.api import StorageType, StreamConfig
 
 from fleetbus.bus._replicas import ensure_replicas, placement_error, wanted_replicas
 from fleetbus.bus.connection import Bus
@@ -175,7 +174,7 @@ class Journal:
                         if status == "404":
                             return entries, False
                         if status != "204":
-                            raise StoreError(f"{what}: the server answered {status}")
+                            raise _status_error(what, status)
                         return entries, int(headers.get("Nats-Num-Pending") or 0) > 0
                     stamp = headers.get("Nats-Time-Stamp")
                     entries.append(
@@ -211,7 +210,7 @@ class Journal:
         if status == "404":
             return None
         if status is not None:
-            raise StoreError(f"{what}: the server answered {status}")
+            raise _status_error(what, status)
         stamp = headers.get("Nats-Time-Stamp")
         return JournalEntry(
             int(headers.get("Nats-Sequence") or 0), msg.data, _parse_time(stamp) if stamp else None
@@ -244,35 +243,11 @@ class Journal:
         except (nats.errors.Error, TimeoutError) as exc:
             raise _store_error(exc, f"purge {key!r}") from exc
 
-    async def follow(self, key: str, *, after: int = 0) -> AsyncIterator[JournalEntry]:
-        """Every message of journal ``key`` after sequence ``after``, then
-        each new one as it is stored, until the caller stops iterating (an
-        ordered consumer: nothing stays on the server once it is left).
 
-        Raises:
-            StoreError: the consumer could not be made.
-        """
-        js = self.bus.nc.jetstream(timeout=self.timeout)
-        try:
-            config = (
-                ConsumerConfig(
-                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after + 1
-                )
-                if after
-                else None
-            )
-            sub = await js.subscribe(
-                self.subject(key), ordered_consumer=True, stream=self.stream, config=config
-            )
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise _store_error(exc, f"follow {key!r}") from exc
-        try:
-            async for msg in sub.messages:
-                meta = msg.metadata
-                yield JournalEntry(meta.sequence.stream, msg.data, meta.timestamp)
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+def _status_error(what: str, status: str) -> StoreError:
+    """A direct get answered with a status: 503 (no responders, the stream
+    electing a leader) and 408 (a timeout) may pass."""
+    return StoreError(f"{what}: the server answered {status}", transient=status in ("503", "408"))
 
 
 def _parse_time(stamp: str) -> datetime | None:
