@@ -29,8 +29,9 @@ to the previous design in the same run; what idle recovery costs; what
      the measured window; ``ratio_between_snapshots`` without the snapshots
      written in it; ``ratio_amortized``, the steady state at that length: a
      snapshot of the session (about its fold at that length, ``S``) every
-     time the facts since the last one pass ``max(SNAPSHOT_BYTES, 2 S)``,
-     as the store does, i.e. ``S * f / max(SNAPSHOT_BYTES, 2 S)`` bytes
+     time the facts since the last one pass ``max(SNAPSHOT_BYTES, M S)``
+     (``M``: ``SNAPSHOT_MULTIPLE``), as the store does, i.e.
+     ``S * f / max(SNAPSHOT_BYTES, M S)`` bytes
      more a reply for ``f`` bytes of facts a reply (the measured window
      holds a snapshot or none by chance); ``lifetime_ratio``, everything
      written while seeding the sessions from empty over their folds then;
@@ -91,7 +92,7 @@ from _ports import free_port
 from _sessions_replies import SNAPSHOTS, STEPS, measure
 
 from fleetbus.agents.messages import Msg
-from fleetbus.agents.serving.sessions import SNAPSHOT_BYTES, Lease, SessionStore
+from fleetbus.agents.serving.sessions import SNAPSHOT_BYTES, SNAPSHOT_MULTIPLE, Lease, SessionStore
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus, EmbeddedServer
 
@@ -212,10 +213,10 @@ def figures(runs: list[dict[str, Any]], length: str, snapshot_min: int | None) -
     }
     if snapshot_min is not None:
         # The steady state: a snapshot of the whole session (about its fold)
-        # each time the facts since the last pass max(SNAPSHOT_BYTES, 2 S).
+        # each time the facts since the last pass max(SNAPSHOT_BYTES, M S).
         size = p["fold_before"] / p["sessions"]
         facts = (between - written.get("leases", 0)) / n
-        every = max(snapshot_min, 2 * size) / facts
+        every = max(snapshot_min, SNAPSHOT_MULTIPLE * size) / facts
         result["snapshot_every_replies"] = round(every, 1)
         result["ratio_amortized"] = round((between / n + size / every) / (added / n), 2)
         result["fold_bytes"] = round(size)

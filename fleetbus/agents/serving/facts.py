@@ -327,6 +327,19 @@ def fold_fact(lease: Lease, entry: JournalEntry, fact: Fact, size: int) -> None:
         lease.since_snapshot += size
 
 
+_OPTIONAL = frozenset({"output_schema", "metadata", "receipt", "structured", "sources"})
+"""Fields of the protocol's messages that a fact leaves out when empty: the
+message decodes the same without them (they default to empty)."""
+
+
+def compact(message: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A protocol message (JSON) as a fact keeps it: its empty optional
+    fields left out."""
+    if message is None:
+        return None
+    return {k: v for k, v in message.items() if k not in _OPTIONAL or v}
+
+
 def read_fact(data: bytes) -> SessionFact:
     """A fact as its journal message holds it (a fact stored by reference
     lists only its kind), for a client that follows journals as they are

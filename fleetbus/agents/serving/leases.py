@@ -104,7 +104,6 @@ class Leases:
             "owner": self.owner,
             "epoch": epoch,
             "renewals": renewals,
-            "ttl": self.ttl,
         }
         if serving is not None:
             value["request"] = serving

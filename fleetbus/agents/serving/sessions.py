@@ -21,6 +21,7 @@ from fleetbus.agents.serving.facts import (
     SessionFact,
     SessionRecord,
     SessionStatus,
+    compact,
     copy_lease,
     read_fact,
     serving_request,
@@ -337,11 +338,11 @@ class SessionStore(SessionJournals):
                     "fleetbus.release": release,
                 },
             ):
-                fact: dict[str, Any] = {"k": "end" if status is not None else "step"}
+                fact: dict[str, Any] = {"k": "end"} if status is not None else {}
                 if status is not None:
                     fact["status"] = status
                 if final is not None:
-                    fact["final"] = final
+                    fact["final"] = compact(final)
                 if input_recorded and lease.record.pending_input is not None:
                     fact["rec"] = True
                 if release:
