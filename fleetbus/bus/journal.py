@@ -25,8 +25,8 @@ from nats.js.api import StorageType, StreamConfig
 
 from fleetbus.bus._replicas import ensure_replicas, placement_error, wanted_replicas
 from fleetbus.bus.connection import Bus
-from fleetbus.bus.store import ADMIN_TIMEOUT, _answered_error, _store_error
-from fleetbus.errors import RevisionMismatchError, StoreError
+from fleetbus.bus.store import ADMIN_TIMEOUT, _store_error, stored_sequence
+from fleetbus.errors import StoreError
 
 __all__ = ["Journal", "JournalEntry", "journal"]
 
@@ -34,8 +34,6 @@ logger = logging.getLogger(__name__)
 
 _EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 _ROLLUP = {"Nats-Rollup": "sub"}
-_WRONG_LAST_SEQUENCE = (10071, 10164)
-_NO_MESSAGE = 10037
 _BATCH = 256
 """Messages one direct get returns at most (a journal is read in pieces of this)."""
 
@@ -124,22 +122,10 @@ class Journal:
         what = f"append to {key!r}"
         try:
             msg = await self.bus._replies.request(self.subject(key), data, self.timeout, headers)
-            ack = orjson.loads(msg.data)
         except (nats.errors.Error, TimeoutError) as exc:
             raise _store_error(exc, what) from exc
-        except orjson.JSONDecodeError:
-            raise StoreError(f"{what}: the server's answer is not JSON") from None
-        error = ack.get("error") if isinstance(ack, dict) else None
-        if error:
-            if error.get("err_code") in _WRONG_LAST_SEQUENCE:
-                raise RevisionMismatchError(
-                    f"journal {key!r} no longer ends at {expected}", key=key, expected=expected
-                )
-            raise _answered_error(what, error)
-        try:
-            return int(ack["seq"])
-        except (KeyError, TypeError, ValueError):
-            raise StoreError(f"{what}: the server's answer has no sequence") from None
+        mismatch = f"journal {key!r} no longer ends at {expected}"
+        return stored_sequence(msg.data, what, key=key, expected=expected, mismatch=mismatch)
 
     async def read(self, key: str, *, after: int = 0) -> list[JournalEntry]:
         """The messages of journal ``key`` after sequence ``after``, in order.

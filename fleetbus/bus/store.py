@@ -121,6 +121,29 @@ def _answered_error(what: str, error: dict[str, Any]) -> StoreError:
     )
 
 
+def stored_sequence(ack: bytes, what: str, *, key: str, expected: int | None, mismatch: str) -> int:
+    """The sequence JetStream's ``ack`` of a write gives it.
+
+    Raises:
+        RevisionMismatchError: (``expected``: a compare-and-set) the subject's
+            last sequence was another (``mismatch`` says so).
+        StoreError: the write was refused, or the answer is unreadable.
+    """
+    try:
+        answer = orjson.loads(ack)
+    except orjson.JSONDecodeError:
+        raise StoreError(f"{what}: the server's answer is not JSON") from None
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if error:
+        if expected is not None and error.get("err_code") in _WRONG_LAST_SEQUENCE:
+            raise RevisionMismatchError(mismatch, key=key, expected=expected)
+        raise _answered_error(what, error)
+    try:
+        return int(answer["seq"])
+    except (KeyError, TypeError, ValueError):
+        raise StoreError(f"{what}: the server's answer has no sequence") from None
+
+
 def transient(exc: BaseException) -> bool:
     """Whether ``exc`` is a store failure that may pass (see ``StoreError.transient``)."""
     return isinstance(exc, StoreError) and exc.transient
@@ -385,23 +408,8 @@ class KeyValueStore:
             msg = await self._request(self._prefix + key, value, headers)
         except (nats.errors.Error, TimeoutError) as exc:
             raise _store_error(exc, what) from exc
-        try:
-            ack = orjson.loads(msg.data)
-        except orjson.JSONDecodeError:
-            raise StoreError(f"{what}: the server's answer is not JSON") from None
-        error = ack.get("error") if isinstance(ack, dict) else None
-        if error:
-            if revision is not None and error.get("err_code") in _WRONG_LAST_SEQUENCE:
-                raise RevisionMismatchError(
-                    f"key {key!r} in bucket {self.bucket} is no longer at revision {revision}",
-                    key=key,
-                    expected=revision,
-                )
-            raise _answered_error(what, error)
-        try:
-            return int(ack["seq"])
-        except (KeyError, TypeError, ValueError):
-            raise StoreError(f"{what}: the server's answer has no sequence") from None
+        mismatch = f"key {key!r} in bucket {self.bucket} is no longer at revision {revision}"
+        return stored_sequence(msg.data, what, key=key, expected=revision, mismatch=mismatch)
 
     async def _request(
         self, subject: str, payload: bytes, headers: dict[str, str] | None

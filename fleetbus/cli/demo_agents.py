@@ -71,7 +71,7 @@ async def converse_with_fleet(bus: Bus, url: str, run_dir: Path) -> int:
             await _wait_for_agent(bus, supervisor, run_dir / "agent.log")
         console.print(
             f"agent [bold]{AGENT}[/]: 2 replica processes in queue group agent.{AGENT}, "
-            f"sessions in JetStream KV; model: [bold]{describe_model()}[/]"
+            f"session journals in JetStream; model: [bold]{describe_model()}[/]"
         )
         return await _conversation(bus)
     finally:
@@ -309,7 +309,7 @@ async def _wait_observed(store: SessionStore, text: str, timeout: float = 10.0) 
 
 
 async def _show_sessions(store: SessionStore) -> None:
-    table = Table(title="sessions in JetStream KV")
+    table = Table(title="session journals in JetStream")
     for column in ("agent", "session", "status", "messages", "last answer"):
         table.add_column(column)
     for record in await store.records(AGENT):

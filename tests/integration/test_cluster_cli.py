@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import sys
 import time
 
 import pytest
@@ -18,7 +16,7 @@ from fleetbus.agents.serving.remote import RemoteAgent
 from fleetbus.bus import Bus
 from fleetbus.protocol import FinalAnswer
 from fleetbus.tools_workers import Toolkit
-from tests.helpers import ROOT, serving
+from tests.helpers import fleetbus_process, serving
 from tests.integration.agent_specs import CommandModel
 from tests.integration.cluster import NatsCluster
 from tests.integration.test_cluster_store import wait_current_replicas
@@ -31,25 +29,7 @@ WAITING = "waiting for the session store"
 
 async def fleetbus(*args: str, timeout: float = 90.0) -> tuple[int, str, str]:
     """``fleetbus ARGS`` as a process: exit code, stdout, stderr."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "fleetbus",
-        *args,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "1000"},
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    return await fleetbus_process(*args, timeout=timeout)
 
 
 async def a_session(cluster: NatsCluster, bus: Bus, session_id: str) -> None:

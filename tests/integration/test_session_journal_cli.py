@@ -5,11 +5,8 @@ as it was. The listing keeps working beside them."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import re
-import sys
 
 from fleetbus.agents import Agent, RemoteAgent
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
@@ -17,35 +14,12 @@ from fleetbus.bus import Bus, EmbeddedServer
 from fleetbus.protocol import FinalAnswer, TextBlock
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
-from tests.helpers import ROOT, serving
+from tests.helpers import fleetbus_process, serving
 
 
 async def fleetbus(*args: str, timeout: float = 90.0) -> tuple[int, str, str]:
     """``fleetbus ARGS`` as a process: exit code, stdout, stderr."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "fleetbus",
-        *args,
-        cwd=ROOT,
-        env={
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "COLUMNS": "1000",
-            "FLEETBUS_CONNECT_TIMEOUT": "5",
-        },
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
+    return await fleetbus_process(*args, timeout=timeout, env={"FLEETBUS_CONNECT_TIMEOUT": "5"})
 
 
 @tool

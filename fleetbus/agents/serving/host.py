@@ -30,11 +30,8 @@ What an agent's inbox takes:
 - ``cancel``: interrupt the session's reply (also on the control subject,
   which every replica hears).
 
-A broadcast on a topic the host observes is recorded by one replica in the
-memory of every agent it serves, in the session the sender names, else in
-the session named after the topic. A durable topic is kept in a JetStream
-stream, read through one durable consumer per host group: a host that was
-down catches up on what it missed.
+A broadcast on a topic the host observes is recorded in the memory of every
+agent it serves (:mod:`._observing`).
 
 Sessions are journals written ahead of every side effect under a lease
 (:mod:`.sessions`); replies run as :mod:`._replies` says. A replica that dies
