@@ -19,9 +19,11 @@ say who runs a session.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
@@ -46,7 +48,7 @@ from fleetbus.agents.serving.facts import (
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus, ObjectStore, check_name, object_store
 from fleetbus.bus.journal import Journal, JournalEntry, journal
-from fleetbus.bus.store import transient
+from fleetbus.bus.store import STORE_WAIT, transient
 from fleetbus.errors import (
     KeyNotFoundError,
     RevisionMismatchError,
@@ -119,18 +121,22 @@ class SessionJournals:
         and its size as written (a fact stored by reference is read back)."""
         facts = []
         for entry in await self.journal.read(key, after=after):
-            fact = decode_fact(entry.data)
-            if fact.ref is not msgspec.UNSET:
-                try:
-                    data = await (await self._blob_store()).get(fact.ref)
-                except KeyNotFoundError:
-                    raise StoreError(f"session fact {fact.ref} is missing") from None
-                whole = decode_fact(data)
-                whole.ref = fact.ref
-                facts.append((entry, whole, len(data)))
-                continue
-            facts.append((entry, fact, len(entry.data)))
+            facts.append((entry, *await self._resolved(entry.data)))
         return facts
+
+    async def _resolved(self, data: bytes) -> tuple[Fact, int]:
+        """The fact ``data`` holds, or the one it references (stored in the
+        object store), with its size as written."""
+        fact = decode_fact(data)
+        if fact.ref is msgspec.UNSET:
+            return fact, len(data)
+        try:
+            whole = await (await self._blob_store()).get(fact.ref)
+        except KeyNotFoundError:
+            raise StoreError(f"session fact {fact.ref} is missing") from None
+        resolved = decode_fact(whole)
+        resolved.ref = fact.ref
+        return resolved, len(whole)
 
     async def _load(self, key: str, base: Lease | None = None) -> Lease | None:
         """The session as its journal folds (``None``: no journal), caught
@@ -210,6 +216,41 @@ class SessionJournals:
         return [
             list_fact(fact, n, entry.seq, entry.time) for n, (entry, fact, _) in enumerate(facts, 1)
         ]
+
+    async def follow(self, agent: str, session_id: str) -> AsyncIterator[SessionFact]:
+        """The facts of a session's journal: those it holds, then each one as
+        it is appended, until the caller stops iterating (catch up, then
+        follow: a client that joins late sees the same facts in the same
+        order as one that was there). A fact appended as the catch-up reads
+        comes once. Live facts have no sequence (``seq`` 0).
+
+        Raises:
+            StoreError: the read failed.
+        """
+        key = session_key(agent, session_id)
+        arrived: asyncio.Queue[bytes] = asyncio.Queue()
+
+        async def heard(msg: Any) -> None:
+            arrived.put_nowait(msg.data)
+
+        sub = await self.bus.nc.subscribe(self.journal.subject(key), cb=heard)
+        try:
+            await self.bus.flush(STORE_WAIT)  # following before the catch-up is read
+            seen: set[tuple[int, int]] = set()
+            n = 0
+            for n, (entry, fact, _) in enumerate(await self._facts(key), 1):
+                seen.add((fact.e, fact.n))
+                yield list_fact(fact, n, entry.seq, entry.time)
+            while True:
+                fact, _ = await self._resolved(await arrived.get())
+                if (fact.e, fact.n) in seen:
+                    continue
+                seen.add((fact.e, fact.n))
+                n += 1
+                yield list_fact(fact, n, 0, utc_now())
+        finally:
+            with contextlib.suppress(Exception):  # (nats-py's errors, on a closed bus)
+                await sub.unsubscribe()
 
     async def fork(
         self, agent: str, session_id: str, *, at: int, new_session: str | None = None
