@@ -12,7 +12,8 @@ Measured: requests answered, errors, requests with no answer in time, how
 many took longer than 2 s (sent again for want of a receipt, or taken over
 after their replica died) and the longest; and at the end, once leases had
 time to lapse, what is left on the server: its subscriptions against those
-at the start, JetStream consumers, leases still held.
+at the start, JetStream consumers, leases still held, and the session
+journals (facts in all, and in the longest).
 
 Prints one JSON line. Targets: every request answered, no consumer, no lease
 held, as many subscriptions at the end as at the start.
@@ -163,6 +164,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 held += entry is not None and lease_owner(entry.value) is not None
             jetstream = monitor(port, "/jsz")
             ends = monitor(port, "/varz")["subscriptions"]
+            # What the journals hold: a subject a session, its facts bounded
+            # by rollups however many replies it had.
+            journals = await store.journal.keys()
+            facts = sorted(journals.values())
             return {
                 "bench": "soak",
                 "cpus": os.cpu_count(),
@@ -175,6 +180,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "subscriptions_end": ends,
                 "consumers": jetstream.get("consumers", 0),
                 "leases_held": held,
+                "sessions": len(journals),
+                "journal_facts": sum(facts),
+                "journal_facts_most_in_a_session": facts[-1] if facts else 0,
                 "targets_met": {
                     "all_answered": counts["answered"] == counts["asked"],
                     "no_consumer": jetstream.get("consumers", 0) == 0,

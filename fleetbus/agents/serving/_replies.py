@@ -205,7 +205,7 @@ class ReplyRunning:
         record = lease.record
         name, session = record.agent, record.session_id
         key = session_key(name, session)
-        if inputs is None:  # a take-over: the request being served is in the head
+        if inputs is None:  # a take-over: the request being served is in the journal
             orphan, orphan_to = record.pending_input, record.reply_to
             if lease.previous != "running" and record.final is not None:
                 # Its owner died after storing the answer: send it, release.
