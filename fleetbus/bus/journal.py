@@ -13,7 +13,6 @@ with a plain subscription to its subject (the appends are messages like any).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,6 +22,7 @@ import nats.js.errors
 import orjson
 from nats.js.api import StorageType, StreamConfig
 
+from fleetbus.bus._client import Received
 from fleetbus.bus._replicas import ensure_replicas, placement_error, wanted_replicas
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.store import ADMIN_TIMEOUT, _store_error, stored_sequence
@@ -143,40 +143,41 @@ class Journal:
             start = batch[-1].seq + 1
 
     async def _batch(self, key: str, start: int) -> tuple[list[JournalEntry], bool]:
-        nc = self.bus.nc
+        """One direct get of up to :data:`_BATCH` messages: each comes to the
+        request's reply subject, then a status (204 ``EOB``, with what is
+        left; 404 when there is nothing) ends it."""
         what = f"read {key!r}"
         query = orjson.dumps({"seq": start, "next_by_subj": self.subject(key), "batch": _BATCH})
-        inbox = nc.new_inbox()
         entries: list[JournalEntry] = []
+
+        def take(msg: Received) -> bool:
+            headers = msg.headers or {}
+            if "Status" in headers:
+                return False  # the end of the batch: the request's answer
+            stamp = headers.get("Nats-Time-Stamp")
+            seq = headers.get("Nats-Sequence", "")
+            entries.append(
+                JournalEntry(
+                    int(seq) if seq.isdigit() else 0,
+                    msg.data,
+                    _parse_time(stamp) if stamp else None,
+                )
+            )
+            return True
+
         try:
-            sub = await nc.subscribe(inbox)
-            try:
-                await nc.publish(self._direct, query, reply=inbox)
-                while True:
-                    msg = await sub.next_msg(self.timeout)
-                    headers = msg.headers or {}
-                    status = headers.get("Status")
-                    if status is not None:
-                        if status == "404":
-                            return entries, False
-                        if status != "204":
-                            raise _status_error(what, status)
-                        return entries, int(headers.get("Nats-Num-Pending") or 0) > 0
-                    stamp = headers.get("Nats-Time-Stamp")
-                    entries.append(
-                        JournalEntry(
-                            int(headers.get("Nats-Sequence") or 0),
-                            msg.data,
-                            _parse_time(stamp) if stamp else None,
-                        )
-                    )
-            finally:
-                with contextlib.suppress(nats.errors.Error):
-                    await sub.unsubscribe()
-        except StoreError:
-            raise
+            end = await self.bus._replies.request(
+                self._direct, query, self.timeout, None, stream=take
+            )
         except (nats.errors.Error, TimeoutError) as exc:
             raise _store_error(exc, what) from exc
+        headers = end.headers or {}
+        status = headers.get("Status")
+        if status == "404":
+            return entries, False
+        if status != "204":
+            raise _status_error(what, str(status))
+        return entries, int(headers.get("Nats-Num-Pending") or 0) > 0
 
     async def last(self, key: str) -> JournalEntry | None:
         """The last message of journal ``key``, or ``None`` when it is empty.
