@@ -68,13 +68,18 @@ async def test_call_and_tools_against_workers(nats_server: EmbeddedServer, bus: 
         assert code == 1
         assert json.loads(out)["error_detail"]["code"] == "tool_error"
 
-        code, out = run_cli("tools", "--json", "--nats", nats_server.url, "--prefix", bus.prefix)
+        # (a generous discovery window: a worker busy elsewhere answers late)
+        code, out = run_cli(
+            "tools", "--json", "--wait", "3", "--nats", nats_server.url, "--prefix", bus.prefix
+        )
         assert code == 0, out
         listed = json.loads(out)
         assert listed["calculator"]["workers"] == 2
         assert {"calculator", "current_time", "read_file", "write_file", "list_dir"} <= set(listed)
 
-        code, out = run_cli("tools", "--nats", nats_server.url, "--prefix", bus.prefix)
+        code, out = run_cli(
+            "tools", "--wait", "3", "--nats", nats_server.url, "--prefix", bus.prefix
+        )
         assert code == 0
         assert re.search(r"calculator\s*│\s*2", out), out
 
