@@ -1,16 +1,38 @@
 """A host in raw nats-py that does a reply's bus work and nothing else: the
 protocol floor ``bench/simulation.py`` measures fleetbus's host against.
 
-For each request on ``<prefix>.agent.*.inbox`` (queue group ``hosts``), what
-a fleetbus host sends for a reply with ``--checkpoints reply``, in order,
-each awaited: take the session's lease (a compare-and-set write on the lease
-stream, at the revision its release was heard with), read the session's
-head (from the second round on), call the tool, write the head
-(compare-and-set), release the lease (a deletion marker, compare-and-set),
-answer. Like a fleetbus host, it follows every lease write the server
-republishes on ``<prefix>.kv.leases.>``. The values have the sizes of the
-fleetbus records they stand for: a lease carrying its request, and a head
-that grows by a reply's messages each round.
+It mimics what a fleetbus host sends for a reply with ``--checkpoints
+reply`` on the session layout of journals (``fleetbus.agents.serving.
+sessions``), on streams fleetbus itself made (``SessionStore.open`` on the
+floor's prefix: the journal stream ``<prefix>_session`` as
+``fleetbus.bus.journal.journal()`` creates it, the lease bucket
+``<prefix>_session_leases``). For each request on
+``<prefix>.agent.*.inbox`` (queue group ``hosts``), in order, each awaited:
+
+1. take the session's lease: a compare-and-set write on the lease bucket
+   against the marker its release left (a create when none is known);
+2. read the session's journal when its end is not known: one direct get
+   batch (``$JS.API.DIRECT.GET.<stream>`` with ``{"seq", "next_by_subj",
+   "batch"}``), every message of the session to its end of batch. Like
+   fleetbus's session cache, the ends of the last 256 sessions released here
+   are known (with 10,000 agents played in order, none is when its turn
+   comes again);
+3. append the ``taken`` fact (``Nats-Expected-Last-Subject-Sequence``: the
+   journal's end);
+4. call the tool on the worker;
+5. append the ``end`` fact against the ``taken`` fact;
+6. answer, then release the lease (a purge leaving a marker that expires,
+   compare-and-set), in fleetbus's order: written, answered, released.
+
+Like a fleetbus host, it follows every lease write the server republishes on
+``<prefix>.kv.session_leases.>`` (a release heard is known for the next
+take). Facts and lease have the sizes fleetbus writes for the benchmark's
+reply (one tool call: four messages): a ``taken`` fact carries the request,
+the ``end`` fact the four messages and the final answer.
+
+What it does not do is fleetbus's work in Python: no fact is decoded nor
+folded, no state built; and a journal read shares one inbox subscription
+(fleetbus's ``Journal.read`` subscribes an inbox per read).
 
 Usage: python bench/_raw_host.py URL PREFIX TOOL_SUBJECT CONCURRENCY
 """
@@ -18,17 +40,19 @@ Usage: python bench/_raw_host.py URL PREFIX TOOL_SUBJECT CONCURRENCY
 from __future__ import annotations
 
 import asyncio
-import base64
 import signal
 import sys
+from collections import OrderedDict
 
 import nats
 import orjson
 from nats.aio.msg import Msg
 
-LEASE_BYTES = 500
-HEAD_BYTES = 800
-HEAD_BYTES_PER_ROUND = 700
+LEASE = orjson.dumps({"owner": "bench@raw-host", "epoch": 0, "renewals": 0, "ttl": 10.0})
+TAKEN_BYTES = 358
+"""A ``taken`` fact of the benchmark's reply (the request it serves, owner, status)."""
+END_BYTES = 1053
+"""An ``end`` fact: the reply's four messages, the final answer, the status."""
 ANSWER = b"a" * 400
 TOOL_CALL = orjson.dumps(
     {
@@ -40,14 +64,20 @@ TOOL_CALL = orjson.dumps(
         "parameters": {},
     }
 )
-_DELETED = "KV-Operation"
+CACHED = 256
+"""Sessions whose journal end is known (fleetbus's session cache)."""
+BATCH = 256
+"""Messages a direct get returns at most (as fleetbus's journal asks)."""
+MARKER_TTL = "60"
+"""Seconds the marker of a released lease stays (as fleetbus's leases)."""
+_OPERATION = "KV-Operation"
 _EXPECTED = "Nats-Expected-Last-Subject-Sequence"
 _SEQUENCE = "Nats-Sequence"
+_WRONG_LAST_SEQUENCE = (10071, 10164)
 
 
-def streams(prefix: str) -> tuple[str, str]:
-    """The names of the floor's head and lease streams."""
-    return f"KV_{prefix}_heads", f"KV_{prefix}_leases"
+class Mismatch(Exception):
+    """A compare-and-set found another last sequence."""
 
 
 async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
@@ -55,42 +85,109 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    heads_stream, _ = streams(prefix)
-    heads, leases = f"$KV.{prefix}_heads.", f"$KV.{prefix}_leases."
-    republished = f"{prefix}.kv.leases."
+    bucket = f"{prefix}_session_leases"
+    leases = f"$KV.{bucket}."
+    journals = f"{prefix}.session."
+    direct = f"$JS.API.DIRECT.GET.{prefix}_session"
+    republished = f"{prefix}.kv.session_leases."
     released: dict[str, int] = {}
+    ends: OrderedDict[str, tuple[int, int]] = OrderedDict()
     limiter = asyncio.Semaphore(concurrency)
+    reads: dict[str, tuple[list[int], asyncio.Future[bool]]] = {}
+    inbox = nc.new_inbox()
+    numbers = iter(range(1 << 62))
 
     async def heard(msg: Msg) -> None:
         headers = msg.headers or {}
-        if headers.get(_DELETED) == "DEL":
+        if headers.get(_OPERATION) == "PURGE":
             released[msg.subject[len(republished) :]] = int(headers.get(_SEQUENCE, "0"))
 
-    async def acked(subject: str, data: bytes, headers: dict[str, str] | None = None) -> int:
+    async def part(msg: Msg) -> None:
+        waiting = reads.get(msg.subject[len(inbox) + 1 :])
+        if waiting is None:
+            return
+        headers = msg.headers or {}
+        status = headers.get("Status")
+        if status is None:
+            waiting[0].append(int(headers.get(_SEQUENCE, "0")))
+        elif not waiting[1].done():
+            waiting[1].set_result(status == "204" and int(headers.get("Nats-Num-Pending") or 0) > 0)
+
+    async def acked(subject: str, data: bytes, headers: dict[str, str]) -> int:
         answer = orjson.loads((await nc.request(subject, data, timeout=60, headers=headers)).data)
-        if "error" in answer:
-            raise RuntimeError(f"{subject}: {answer['error']}")
-        return int(answer.get("seq", 0))
+        error = answer.get("error")
+        if error:
+            if error.get("err_code") in _WRONG_LAST_SEQUENCE:
+                raise Mismatch(subject)
+            raise RuntimeError(f"{subject}: {error}")
+        return int(answer["seq"])
+
+    async def journal_end(key: str) -> int:
+        """The sequence of the journal's last message (0: empty), read whole."""
+        start, end = 1, 0
+        while True:
+            token = str(next(numbers))
+            seqs: list[int] = []
+            done: asyncio.Future[bool] = loop.create_future()
+            reads[token] = (seqs, done)
+            query = {"seq": start, "next_by_subj": journals + key, "batch": BATCH}
+            try:
+                await nc.publish(direct, orjson.dumps(query), reply=f"{inbox}.{token}")
+                more = await asyncio.wait_for(done, 60)
+            finally:
+                del reads[token]
+            if seqs:
+                end = seqs[-1]
+            if not more or not seqs:
+                return end
+            start = end + 1
+
+    async def take(key: str) -> tuple[int, int | None]:
+        """The lease taken: its revision, and the marker it was taken over."""
+        marker = released.pop(key, None)
+        first = marker
+        while True:
+            try:
+                revision = await acked(leases + key, LEASE, {_EXPECTED: str(marker or 0)})
+                return revision, first if marker == first else None
+            except Mismatch:  # the marker expired, or unknown: read the lease
+                query = orjson.dumps({"last_by_subj": leases + key})
+                got = orjson.loads(
+                    (await nc.request(f"$JS.API.STREAM.MSG.GET.KV_{bucket}", query, 60)).data
+                )
+                marker = int(got["message"]["seq"]) if "message" in got else 0
 
     async def reply(msg: Msg) -> None:
         async with limiter:
             key = f"{msg.subject.split('.')[-2]}.game"
-            number = int(msg.data)
-            lease = await acked(
-                leases + key, b"l" * LEASE_BYTES, {_EXPECTED: str(released.get(key, 0))}
-            )
-            head = 0
-            if number > 1:
-                query = orjson.dumps({"last_by_subj": heads + key})
-                got = await nc.request(f"$JS.API.STREAM.MSG.GET.{heads_stream}", query, timeout=60)
-                stored = orjson.loads(got.data)["message"]
-                head = int(stored["seq"])
-                base64.b64decode(stored["data"])
+            lease, marker = await take(key)
+            known = ends.pop(key, None)
+            # Known when nobody took the lease since this host released it.
+            end = known[0] if known is not None and marker == known[1] else None
+            while True:
+                if end is None:
+                    end = await journal_end(key)
+                try:
+                    taken = await acked(journals + key, b"t" * TAKEN_BYTES, {_EXPECTED: str(end)})
+                    break
+                except Mismatch:
+                    end = None
             await nc.request(tool, TOOL_CALL, timeout=60)
-            size = HEAD_BYTES + HEAD_BYTES_PER_ROUND * number
-            await acked(heads + key, b"h" * size, {_EXPECTED: str(head)})
-            await acked(leases + key, b"", {_DELETED: "DEL", _EXPECTED: str(lease)})
+            end = await acked(journals + key, b"e" * END_BYTES, {_EXPECTED: str(taken)})
             await nc.publish(msg.reply, ANSWER)
+            released[key] = marker = await acked(
+                leases + key,
+                b"",
+                {
+                    _OPERATION: "PURGE",
+                    "Nats-Rollup": "sub",
+                    "Nats-TTL": MARKER_TTL,
+                    _EXPECTED: str(lease),
+                },
+            )
+            ends[key] = (end, marker)
+            if len(ends) > CACHED:
+                ends.popitem(last=False)
 
     running: set[asyncio.Task[None]] = set()
 
@@ -99,6 +196,7 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
         running.add(task)
         task.add_done_callback(running.discard)
 
+    await nc.subscribe(f"{inbox}.*", cb=part)
     await nc.subscribe(republished + ">", cb=heard)
     await nc.subscribe(f"{prefix}.agent.*.inbox", queue="hosts", cb=dispatch)
     await nc.flush()
