@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
@@ -285,46 +286,63 @@ def _merged(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def fold_fact(lease: Lease, entry: JournalEntry, fact: Fact, size: int) -> None:
-    """Apply ``fact``, read from the journal, to ``lease``."""
+def fold_facts(lease: Lease, facts: Sequence[tuple[JournalEntry, Fact, int]]) -> None:
+    """Apply ``facts``, read from the journal in order, to ``lease``: the
+    record's fields and the state's patches merged as plain data, memory
+    spliced, and the state validated once at the end (a fact at a time, a
+    long journal cost a validation each)."""
+    if not facts:
+        return
     record = lease.record
-    snapshot = fact.k == "snapshot"
-    update = fact_meta({m: v for m in _META if (v := getattr(fact, m)) is not msgspec.UNSET})
-    update["seq"] = entry.seq
-    if entry.time is not None:
-        update["updated_at"] = entry.time
     state = record.state
     memory = state.memory
-    if fact.add is not msgspec.UNSET or snapshot:
-        try:
-            added = stored_messages(fact.add) if fact.add is not msgspec.UNSET else []
-        except ValueError as exc:
-            raise StoreError(f"session {lease.key} holds unreadable memory: {exc}") from None
-        start = 0 if snapshot else max(0, min(fact.m, len(memory)))
-        memory = [*memory[:start], *added]
-    if fact.set is not msgspec.UNSET or snapshot or memory is not state.memory:
-        base = {} if snapshot else state.model_dump(mode="json", exclude={"memory"})
-        fields = _merged(base, fact.set) if isinstance(fact.set, dict) else base
+    fields: dict[str, Any] | None = None  # (the state's, once a fact changes them)
+    update: dict[str, Any] = {}
+    for entry, fact, size in facts:
+        snapshot = fact.k == "snapshot"
+        update.update(
+            fact_meta({m: v for m in _META if (v := getattr(fact, m)) is not msgspec.UNSET})
+        )
+        update["seq"] = entry.seq
+        if entry.time is not None:
+            update["updated_at"] = entry.time
+        if fact.add is not msgspec.UNSET or snapshot:
+            try:
+                added = stored_messages(fact.add) if fact.add is not msgspec.UNSET else []
+            except ValueError as exc:
+                raise StoreError(f"session {lease.key} holds unreadable memory: {exc}") from None
+            start = 0 if snapshot else max(0, min(fact.m, len(memory)))
+            memory = [*memory[:start], *added]
+        if snapshot:
+            fields = dict(fact.set) if isinstance(fact.set, dict) else {}
+        elif isinstance(fact.set, dict):
+            if fields is None:
+                fields = lease.written or state.model_dump(mode="json", exclude={"memory"})
+            fields = _merged(fields, fact.set)
+        lease.seq = entry.seq
+        if fact.e == lease.epoch and fact.n > lease.writes:
+            lease.writes = fact.n
+        if snapshot:
+            lease.blobs = [fact.ref] if isinstance(fact.ref, str) else []
+            lease.since_snapshot, lease.snapshot_bytes = 0, size
+        else:
+            if isinstance(fact.ref, str):
+                lease.blobs.append(fact.ref)
+            lease.since_snapshot += size
+    if fields is not None or memory is not state.memory:
+        if fields is None:
+            fields = dict(lease.written) or state.model_dump(mode="json", exclude={"memory"})
         fields.setdefault("agent_name", record.agent)
         index = state.__dict__.get("_memory_index")
         state = AgentState.model_validate({**fields, "memory": []})
         state.memory = memory
         if isinstance(index, MemoryIndex):
             state.__dict__["_memory_index"] = index
+        lease.written = state.model_dump(mode="json", exclude={"memory"})
     update["state"] = state
     update["messages"] = len(state.memory)
     lease.record = record.model_copy(update=update)
-    lease.seq = entry.seq
-    if fact.e == lease.epoch and fact.n > lease.writes:
-        lease.writes = fact.n
     lease.persisted, lease.persisted_ends = len(state.memory), memory_ends(state.memory)
-    if snapshot:
-        lease.blobs = [fact.ref] if isinstance(fact.ref, str) else []
-        lease.since_snapshot, lease.snapshot_bytes = 0, size
-    else:
-        if isinstance(fact.ref, str):
-            lease.blobs.append(fact.ref)
-        lease.since_snapshot += size
 
 
 _OPTIONAL = frozenset({"output_schema", "metadata", "receipt", "structured", "sources"})

@@ -39,7 +39,7 @@ from fleetbus.agents.serving.facts import (
     copy_lease,
     decode_fact,
     fact_meta,
-    fold_fact,
+    fold_facts,
     list_fact,
     memory_ends,
     session_key,
@@ -65,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 JOURNAL_NAME = "session"
 _BLOBS = "session_blobs"
-SNAPSHOT_BYTES = 64 * 1024
+SNAPSHOT_BYTES = 16 * 1024
 """Facts since the last snapshot may take this many bytes, or
 :data:`SNAPSHOT_MULTIPLE` times the snapshot, before a new snapshot rolls
 them up."""
@@ -146,10 +146,7 @@ class SessionJournals:
             facts = await self._facts(key, after=base.seq - 1)
             if facts and facts[0][0].seq == base.seq:
                 lease = copy_lease(base)
-                for entry, fact, size in facts[1:]:
-                    fold_fact(lease, entry, fact, size)
-                if len(facts) > 1:
-                    lease.written = lease.record.state.model_dump(mode="json", exclude={"memory"})
+                fold_facts(lease, facts[1:])
                 return lease
         facts = await self._facts(key)
         if not facts:
@@ -159,9 +156,9 @@ class SessionJournals:
             agent=agent, session_id=session_id, state=AgentState(agent_name=agent)
         )
         lease = Lease(record, 0)
-        for entry, fact, size in facts:
-            fold_fact(lease, entry, fact, size)
-        lease.written = lease.record.state.model_dump(mode="json", exclude={"memory"})
+        fold_facts(lease, facts)
+        if not lease.written:
+            lease.written = lease.record.state.model_dump(mode="json", exclude={"memory"})
         return lease
 
     async def get(self, agent: str, session_id: str) -> SessionRecord | None:
@@ -280,8 +277,7 @@ class SessionJournals:
         lease = Lease(
             SessionRecord(agent=agent, session_id=new, state=AgentState(agent_name=agent)), 0
         )
-        for entry, fact, size in facts[:at]:
-            fold_fact(lease, entry, fact, size)
+        fold_facts(lease, facts[:at])
         record = lease.record
         state = record.state
         running = record.pending_input is not None or (state.reply is not None and not state.paused)
