@@ -332,3 +332,27 @@ async def test_a_request_sent_again_while_it_waits_for_its_session_is_taken_once
     assert len(model.requests) == 2
     assert record is not None
     assert [m.text for m in record.state.memory] == ["busy", "busy done", "held", "held done"]
+
+
+async def test_with_checkpoints_per_reply_a_small_session_is_one_snapshot(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """A population's host writes a session when it takes a request and when
+    it answers; a small session ends each reply as one snapshot, so that the
+    next reply, on any host, reads it in one message."""
+    store = await SessionStore.open(bus, owner="reader")
+    async with hosting(nats_server.url, bus.prefix, [scripted("pop", "hi")], checkpoints="reply"):
+        for n in range(5):
+            answer = await bus.request(
+                bus.subjects.agent_inbox("pop"),
+                UserRequest(session_id="p1", content=f"round {n}"),
+                timeout=20,
+            )
+            assert isinstance(answer, FinalAnswer)
+            kinds = [f.kind for f in await store.history("pop", "p1")]
+            assert kinds == ["snapshot"], kinds
+    record = await store.get("pop", "p1")
+    assert record is not None
+    assert [m.text for m in record.state.memory if m.role == "user"] == [
+        f"round {n}" for n in range(5)
+    ]

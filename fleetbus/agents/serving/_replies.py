@@ -325,6 +325,9 @@ class ReplyRunning:
             status=status,
             final=to_builtins(final) if final is not None else None,
             input_recorded=True,
+            # A population's sessions are read from the store at almost every
+            # reply: a small one ends as one snapshot, read in one message.
+            small_rollup=self.checkpoints == "reply",
         )
         if final is not None:
             for to in dict.fromkeys(last_to):

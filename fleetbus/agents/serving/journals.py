@@ -321,10 +321,13 @@ class SessionJournals:
         *,
         taking: bool = False,
         rollup: bool = False,
+        small_rollup: bool = False,
     ) -> None:
         """Append ``fact`` with what ``state`` adds to what is written (a
         snapshot instead when memory was rewritten, or when the facts since
-        the last snapshot outgrew it), then hold it in ``lease``.
+        the last snapshot outgrew it; with ``small_rollup``, also whenever
+        the whole journal is still under :data:`SNAPSHOT_BYTES`), then hold
+        it in ``lease``.
 
         Raises:
             RevisionMismatchError: (``taking``) the journal's end is another.
@@ -338,8 +341,10 @@ class SessionJournals:
         # stopped waiting is never mistaken for a later one.
         n = lease.writes = lease.writes + 1
         data = orjson.dumps({**fact, "e": lease.epoch, "n": n})
-        if not rollup and lease.since_snapshot + len(data) > max(
-            SNAPSHOT_BYTES, SNAPSHOT_MULTIPLE * lease.snapshot_bytes
+        weight = lease.since_snapshot + len(data)
+        if not rollup and (
+            weight > max(SNAPSHOT_BYTES, SNAPSHOT_MULTIPLE * lease.snapshot_bytes)
+            or (small_rollup and weight + lease.snapshot_bytes <= SNAPSHOT_BYTES)
         ):
             rollup = True
         if rollup:

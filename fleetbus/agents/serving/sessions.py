@@ -311,6 +311,7 @@ class SessionStore(SessionJournals):
         final: dict[str, Any] | None = None,
         release: bool = False,
         input_recorded: bool = False,
+        small_rollup: bool = False,
     ) -> None:
         """Append what changed since the last fact: the messages added to
         memory, the rest of the state, the status; maybe release the lease.
@@ -322,6 +323,10 @@ class SessionStore(SessionJournals):
             final: the final answer of the reply that ended.
             release: give the lease up (the reply is over).
             input_recorded: the pending input is in ``state`` now.
+            small_rollup: write a snapshot (and roll the journal up) while
+                the whole journal is under ``SNAPSHOT_BYTES``: the next read
+                of the session is one message (a population's host, which
+                reads most sessions it serves from the store).
 
         Raises:
             SessionLost: another replica appended to the journal since: this
@@ -347,7 +352,9 @@ class SessionStore(SessionJournals):
                     fact["rec"] = True
                 if release:
                     fact["clear"] = True
-                await self._append(lease, fact, state or lease.record.state)
+                await self._append(
+                    lease, fact, state or lease.record.state, small_rollup=small_rollup
+                )
                 if release:
                     marker = await self._leases.drop(lease.key, lease.lease_revision)
                     self._remember(lease, marker)
