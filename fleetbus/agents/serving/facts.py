@@ -124,6 +124,10 @@ class Lease:
     snapshot_bytes: int = 0
     blobs: list[str] = field(default_factory=list)
     """Objects the journal's facts reference."""
+    encoded: list[bytes] = field(default_factory=list)
+    """The JSON of each written message, as written (all of memory's, or
+    none when not known): a snapshot writes them again without encoding them
+    again."""
     renewals: int = 0
     renewed_at: float = field(default_factory=time.monotonic)
     orphan_input: dict[str, Any] | None = None
@@ -178,30 +182,43 @@ def decode_fact(data: bytes) -> Fact:
 
 def add_state(
     lease: Lease, fact: dict[str, Any], state: AgentState, fields: dict[str, Any]
-) -> bool:
+) -> list[bytes] | None:
     """Put into ``fact`` what ``state`` (``fields``: all of it but memory)
     adds to what is written: the messages appended to memory (``add`` from
-    index ``m``) and a patch of the rest (``set``). ``True`` when memory was
-    rewritten: the fact must be a snapshot."""
+    index ``m``) and a patch of the rest (``set``); the JSON of memory's
+    messages once the fact is written (``[]``: not known). ``None`` when
+    memory was rewritten: the fact must be a snapshot."""
     memory = state.memory
     n = lease.persisted
     if n and not (
         len(memory) >= n and memory_ends(memory[:1] + memory[n - 1 : n]) == lease.persisted_ends
     ):
-        return True
-    if len(memory) > n:
+        return None
+    new = [orjson.dumps(m.model_dump(mode="json")) for m in memory[n:]]
+    if new:
         fact["m"] = n
-        fact["add"] = [m.model_dump(mode="json") for m in memory[n:]]
+        fact["add"] = json_array(new)
     patch = _patch(lease.written, fields)
     if patch:
         fact["set"] = patch
-    return False
+    return [*lease.encoded, *new] if len(lease.encoded) == n else []
+
+
+def json_array(encoded: list[bytes]) -> orjson.Fragment:
+    """JSON values, encoded already, as one JSON array (not encoded again)."""
+    return orjson.Fragment(b"[" + b",".join(encoded) + b"]")
 
 
 def snapshot_fact(
-    record: SessionRecord, state: AgentState, fields: dict[str, Any] | None = None
+    record: SessionRecord,
+    state: AgentState,
+    fields: dict[str, Any] | None = None,
+    encoded: list[bytes] | None = None,
 ) -> dict[str, Any]:
-    """A snapshot fact: the whole session."""
+    """A snapshot fact: the whole session (``encoded``: the JSON of memory's
+    messages, when known)."""
+    if encoded is None or len(encoded) != len(state.memory):
+        encoded = [orjson.dumps(m.model_dump(mode="json")) for m in state.memory]
     return {
         "k": "snapshot",
         "owner": record.owner,
@@ -211,7 +228,7 @@ def snapshot_fact(
         "final": record.final,
         "created": record.created_at.isoformat(),
         "m": 0,
-        "add": [m.model_dump(mode="json") for m in state.memory],
+        "add": json_array(encoded),
         "set": fields if fields is not None else state.model_dump(mode="json", exclude={"memory"}),
     }
 
@@ -298,6 +315,7 @@ def fold_facts(lease: Lease, facts: Sequence[tuple[JournalEntry, Fact, int]]) ->
     memory = state.memory
     fields: dict[str, Any] | None = None  # (the state's, once a fact changes them)
     update: dict[str, Any] = {}
+    encoded: list[bytes] | None = list(lease.encoded) if len(lease.encoded) == len(memory) else None
     for entry, fact, size in facts:
         snapshot = fact.k == "snapshot"
         update.update(
@@ -313,6 +331,9 @@ def fold_facts(lease: Lease, facts: Sequence[tuple[JournalEntry, Fact, int]]) ->
                 raise StoreError(f"session {lease.key} holds unreadable memory: {exc}") from None
             start = 0 if snapshot else max(0, min(fact.m, len(memory)))
             memory = [*memory[:start], *added]
+            if encoded is not None:
+                parts = _RAW_LIST.decode(fact.add) if fact.add is not msgspec.UNSET else []
+                encoded = [*encoded[:start], *(bytes(p) for p in parts)]
         if snapshot:
             fields = dict(fact.set) if isinstance(fact.set, dict) else {}
         elif isinstance(fact.set, dict):
@@ -343,6 +364,10 @@ def fold_facts(lease: Lease, facts: Sequence[tuple[JournalEntry, Fact, int]]) ->
     update["messages"] = len(state.memory)
     lease.record = record.model_copy(update=update)
     lease.persisted, lease.persisted_ends = len(state.memory), memory_ends(state.memory)
+    lease.encoded = encoded if encoded is not None and len(encoded) == len(memory) else []
+
+
+_RAW_LIST = msgspec.json.Decoder(list[msgspec.Raw])
 
 
 _OPTIONAL = frozenset({"output_schema", "metadata", "receipt", "structured", "sources"})
@@ -452,4 +477,5 @@ def copy_lease(lease: Lease) -> Lease:
         since_snapshot=lease.since_snapshot,
         snapshot_bytes=lease.snapshot_bytes,
         blobs=list(lease.blobs),
+        encoded=list(lease.encoded),
     )

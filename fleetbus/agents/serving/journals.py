@@ -336,7 +336,8 @@ class SessionJournals:
         state = state if state is not None else lease.record.state
         record = lease.record.model_copy(update=fact_meta(fact))
         fields = state.model_dump(mode="json", exclude={"memory"})
-        rollup = rollup or add_state(lease, fact, state, fields)
+        encoded = add_state(lease, fact, state, fields)
+        rollup = rollup or encoded is None
         # Numbered before it is sent: an append that lands after its writer
         # stopped waiting is never mistaken for a later one.
         n = lease.writes = lease.writes + 1
@@ -348,7 +349,9 @@ class SessionJournals:
         ):
             rollup = True
         if rollup:
-            fact = snapshot_fact(record, state, fields)
+            if encoded is None or len(encoded) != len(state.memory):
+                encoded = [orjson.dumps(m.model_dump(mode="json")) for m in state.memory]
+            fact = snapshot_fact(record, state, fields, encoded)
             data = orjson.dumps({**fact, "e": lease.epoch, "n": n})
         blob = None
         stored = data
@@ -372,6 +375,7 @@ class SessionJournals:
         )
         lease.seq = seq
         lease.persisted, lease.persisted_ends = len(state.memory), memory_ends(state.memory)
+        lease.encoded = encoded if encoded and len(encoded) == len(state.memory) else []
         lease.written = fields
         dropped: list[str] = []
         if rollup:
