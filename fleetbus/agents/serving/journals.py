@@ -333,10 +333,16 @@ class SessionJournals:
             RevisionMismatchError: (``taking``) the journal's end is another.
             SessionLost: the journal's end is another owner's.
         """
-        state = state if state is not None else lease.record.state
+        encoded: list[bytes] | None
+        if state is None and lease.written:  # the state as written: nothing to add
+            state = lease.record.state
+            fields = lease.written
+            encoded = lease.encoded if len(lease.encoded) == lease.persisted else []
+        else:
+            state = state if state is not None else lease.record.state
+            fields = state.model_dump(mode="json", exclude={"memory"})
+            encoded = add_state(lease, fact, state, fields)
         record = lease.record.model_copy(update=fact_meta(fact))
-        fields = state.model_dump(mode="json", exclude={"memory"})
-        encoded = add_state(lease, fact, state, fields)
         rollup = rollup or encoded is None
         # Numbered before it is sent: an append that lands after its writer
         # stopped waiting is never mistaken for a later one.

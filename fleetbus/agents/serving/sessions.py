@@ -263,7 +263,7 @@ class SessionStore(SessionJournals):
             lease.writes = 0
             lease.serving = serving if not take_over else serving_request(record)
             try:
-                await self._append(lease, fact, record.state, taking=True)
+                await self._append(lease, fact, taking=True)  # (the state as read)
             except RevisionMismatchError:
                 continue  # someone appended since it was read: read again
             return lease
