@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetbus.agents import Agent, AgentService, AgentState
-from fleetbus.agents.serving._replies import _redoable
+from fleetbus.agents.serving._replies import redoable
 from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.errors import SessionLost
@@ -243,7 +243,7 @@ async def ghost_reply(
 
     async def checkpoint(state: AgentState) -> None:
         nonlocal saves
-        if host_points and state.reply is not None and _redoable(state, True):
+        if host_points and state.reply is not None and redoable(state, True):
             return
         if saves >= freeze_after:
             await dead.wait()  # set only to end the test: the process is gone

@@ -17,7 +17,7 @@ import asyncio
 import logging
 from typing import Any
 
-from fleetbus.agents.serving._replies import ReplyRunning, _decode_final, _Run
+from fleetbus.agents.serving._replies import ReplyRunning, Run, decode_final
 from fleetbus.agents.serving.sessions import SessionStatus, session_key
 from fleetbus.bus import Request
 from fleetbus.bus.subjects import check_name
@@ -94,7 +94,7 @@ class Observing(ReplyRunning):
                     return lease
                 assert lease is not None  # (None only for a copy of a request with a receipt)
                 state = lease.record.state
-                stored = _decode_final(lease.orphan_final)
+                stored = decode_final(lease.orphan_final)
                 if stored is not None and lease.orphan_reply_to:
                     await self._publish(lease.orphan_reply_to, stored)  # a dead owner's answer
                 if lease.orphan_input is None and (state.reply is None or state.paused):
@@ -107,7 +107,7 @@ class Observing(ReplyRunning):
                     }
                 )
                 # (an observation does not always hold a place of the limiter)
-                if await self._run_reply(lease, None, _Run(), holds_slot=False) is None:
+                if await self._run_reply(lease, None, Run(), holds_slot=False) is None:
                     return self._error(message, "internal", f"session {session} was lost")
             agent = self.definition(name).clone(state=lease.record.state)
             await agent.observe(message)

@@ -96,7 +96,7 @@ class ReplyRunning:
     checkpoints: Literal["step", "reply"]
     events: Literal["all", "final", "none"]
     _running: dict[str, Agent]
-    _runs: dict[str, _Run]
+    _runs: dict[str, Run]
     _limiter: asyncio.Semaphore
     _session_locks: dict[str, asyncio.Lock]
     _lock_users: dict[str, int]
@@ -186,7 +186,7 @@ class ReplyRunning:
         self,
         lease: Lease,
         inputs: AnyMessage | None,
-        run: _Run,
+        run: Run,
         *,
         answer_to: str | None = None,
         holds_slot: bool = True,
@@ -212,7 +212,7 @@ class ReplyRunning:
                 return await self._deliver(lease, record.final, record.reply_to, lease.previous)
         else:
             orphan, orphan_to = lease.orphan_input, lease.orphan_reply_to
-            stored = _decode_final(lease.orphan_final)
+            stored = decode_final(lease.orphan_final)
             if stored is not None and orphan_to:  # a dead owner's answer, maybe unsent
                 await self._publish(orphan_to, stored)
                 orphan_to = None
@@ -228,7 +228,7 @@ class ReplyRunning:
         async def checkpoint(state: AgentState) -> None:
             if state.reply is None or state.paused or self.checkpoints == "reply":
                 return  # the end of a reply: written below with its answer and status
-            if _redoable(state, run.recording):
+            if redoable(state, run.recording):
                 return
             try:
                 await self._save(lease, self.lease_ttl, state=state, input_recorded=run.recording)
@@ -241,7 +241,7 @@ class ReplyRunning:
         )
         # (input, who waits for its answer, whether it is the pending input)
         phases: list[_Phase] = []
-        orphan_message = _decode_input(orphan)
+        orphan_message = decode_input(orphan)
         if agent.state.reply is not None and not agent.state.paused:
             phases.append(_Phase(None, [orphan_to] if orphan_message is None else [], False))
         if orphan_message is not None:
@@ -294,7 +294,7 @@ class ReplyRunning:
         self,
         agent: Agent,
         phases: list[_Phase],
-        run: _Run,
+        run: Run,
         lease: Lease,
     ) -> FinalAnswer | None:
         """Run each phase; write the end, send the last answer, release."""
@@ -341,7 +341,7 @@ class ReplyRunning:
         self, lease: Lease, final: dict[str, Any], reply_to: str | None, status: SessionStatus
     ) -> FinalAnswer | None:
         """Send an answer a dead owner stored, and put the session back as it was."""
-        answer = _decode_final(final)
+        answer = decode_final(final)
         try:
             await self._save(lease, self.lease_ttl, status=status, input_recorded=True)
             if reply_to and answer is not None:
@@ -384,7 +384,7 @@ class ReplyRunning:
             ) from exc
 
     async def _stream(
-        self, agent: Agent, inputs: Any, session: str, events: str, run: _Run
+        self, agent: Agent, inputs: Any, session: str, events: str, run: Run
     ) -> FinalAnswer | None:
         final: FinalAnswer | None = None
         # Events that are not published are not made (but for the middleware
@@ -439,7 +439,7 @@ class ReplyRunning:
 
 
 @dataclass
-class _Run:
+class Run:
     """The requests of one session in this replica, and whether a cancel came."""
 
     users: int = 0
@@ -492,10 +492,10 @@ def _asked_again(
     final = record.final
     if previous != "done" or final is None or final.get("call_id") != call_id:
         return None
-    return _decode_final(final)
+    return decode_final(final)
 
 
-def _redoable(state: AgentState, recording: bool) -> bool:
+def redoable(state: AgentState, recording: bool) -> bool:
     """Whether nothing at this write-ahead point would be lost without a
     write, because what follows writes it before any side effect: the input
     of a request the ``taken`` fact holds (a take-over serves it again from
@@ -541,7 +541,7 @@ def _nests_deeper(value: Any, limit: int) -> bool:
     return False
 
 
-def _decode_input(data: dict[str, Any] | None) -> AnyMessage | None:
+def decode_input(data: dict[str, Any] | None) -> AnyMessage | None:
     if data is None:
         return None
     try:
@@ -551,6 +551,6 @@ def _decode_input(data: dict[str, Any] | None) -> AnyMessage | None:
         return None
 
 
-def _decode_final(data: dict[str, Any] | None) -> FinalAnswer | None:
-    message = _decode_input(data)
+def decode_final(data: dict[str, Any] | None) -> FinalAnswer | None:
+    message = decode_input(data)
     return message if isinstance(message, FinalAnswer) else None

@@ -54,7 +54,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from fleetbus.agents.agent import Agent
 from fleetbus.agents.serving._observing import Observing
-from fleetbus.agents.serving._replies import _Run
+from fleetbus.agents.serving._replies import Run
 from fleetbus.agents.serving.sessions import (
     SessionStore,
     session_key,
@@ -236,7 +236,7 @@ class AgentHost(Observing, Lifecycle):
         self._cache_size = max(1, cache_size)
         # Keyed by session key (<agent>.<session>): only what runs is here.
         self._running: dict[str, Agent] = {}
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, Run] = {}
         self._takeovers: asyncio.TaskGroup | None = None
         self._taking_over: set[str] = set()
         self._takeover_deadlines: set[asyncio.Timeout] = set()
@@ -382,7 +382,7 @@ class AgentHost(Observing, Lifecycle):
             if isinstance(message, Asking) and message.receipt and message.call_id and reply_to
             else None
         )
-        run = self._runs.setdefault(key, _Run())
+        run = self._runs.setdefault(key, Run())
         if receipt is not None:
             if receipt in run.receipts:
                 # Sent again (no receipt came yet) while this replica holds
@@ -525,7 +525,7 @@ class AgentHost(Observing, Lifecycle):
                 lease.previous_owner or "a replica that died",
                 lease.record.step,
             )
-            run = self._runs.setdefault(key, _Run())
+            run = self._runs.setdefault(key, Run())
             run.users += 1
             try:
                 async with self._limiter:
