@@ -378,9 +378,15 @@ class FleetView:
         agent, session_id = tokens
         owner = lease_owner(msg.data)
         self._agent(agent, "leases", owner)
-        view = self._sessions.get((agent, session_id))
+        # A lease taken: the session runs (a clean take writes no fact
+        # before the reply's first).
+        view = (
+            self._session(agent, session_id) if owner else self._sessions.get((agent, session_id))
+        )
         if view is not None:
             view.owner = owner
+            if owner and view.status != "running":
+                view.status, view.pending = "running", []
         self._bump()
 
     def _on_fact(self, msg: _Msg) -> None:

@@ -18,6 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import orjson
 import pytest
 
 from fleetbus.agents import Agent, AgentService, AgentState, ContextConfig, Msg
@@ -179,8 +180,9 @@ async def test_a_replica_killed_at_any_save_is_taken_over_exactly_there(
     each, the same holds.
 
     ``handed_over``: the ghost released the session before, so it takes it
-    back from its own cache, reading nothing: killed before its first save,
-    the taker finds the request in the ghost's ``taken`` fact."""
+    back from its own cache, reading nothing. A clean take (that, or a new
+    session) appends nothing: killed before its first save, the ghost leaves
+    its request in its lease only, and the taker finds it there."""
     runs: list[str] = []
     text = "alpha beta"
     async with step_worker(nats_server.url, bus.prefix, runs):
@@ -201,9 +203,13 @@ async def test_a_replica_killed_at_any_save_is_taken_over_exactly_there(
             store=store,
             host_points=host_points,
         )
-        if handed_over and freeze_after == 0:  # the request is in the journal, nothing after
-            assert store is not None
-            assert [f.kind for f in await store.history(AGENT, "s1")][-1] == "taken"
+        if freeze_after == 0:  # a clean take: the request is in the lease, not the journal
+            reader = store or await SessionStore.open(bus, owner="test")
+            facts = await reader.history(AGENT, "s1") if handed_over else []
+            assert [f.kind for f in facts] == (["taken", "end"] if handed_over else [])
+            lease = await reader.leases.get(session_key(AGENT, "s1"))
+            carried = orjson.loads(lease.value)["request"]
+            assert carried["input"]["content"] == text
         taker_model = StepModel()
         async with serving(nats_server.url, bus.prefix, await make_agent(bus, taker_model)):
             await wait_until(lambda: any(isinstance(m, FinalAnswer) for m in got))

@@ -105,6 +105,11 @@ class Lease:
     lease_revision: int = 0
     epoch: int = 0
     """The lease's revision when it was taken: named in every fact written."""
+    writer: int = 0
+    """The epoch named by the journal's last fact (its writer's)."""
+    untaken: dict[str, Any] | None = None
+    """The ``taken`` fact of a clean take, not written: the first fact this
+    owner appends carries it (its request is in the lease until then)."""
     previous: SessionStatus = "idle"
     """The status before this lease was taken."""
     previous_owner: str | None = None
@@ -340,7 +345,7 @@ def fold_facts(lease: Lease, facts: Sequence[tuple[JournalEntry, Fact, int]]) ->
             if fields is None:
                 fields = lease.written or state.model_dump(mode="json", exclude={"memory"})
             fields = _merged(fields, fact.set)
-        lease.seq = entry.seq
+        lease.seq, lease.writer = entry.seq, fact.e
         if fact.e == lease.epoch and fact.n > lease.writes:
             lease.writes = fact.n
         if snapshot:
@@ -471,6 +476,7 @@ def copy_lease(lease: Lease) -> Lease:
     return Lease(
         record,
         lease.seq,
+        writer=lease.writer,
         persisted=lease.persisted,
         persisted_ends=lease.persisted_ends,
         written=lease.written,

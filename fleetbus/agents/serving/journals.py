@@ -333,6 +333,11 @@ class SessionJournals:
             RevisionMismatchError: (``taking``) the journal's end is another.
             SessionLost: the journal's end is another owner's.
         """
+        if lease.untaken is not None:  # a clean take: written with the first fact
+            taken = lease.untaken
+            if fact.get("status", "running") != "running":  # (an owner only while it runs)
+                taken = {k: v for k, v in taken.items() if k != "owner"}
+            fact = {**taken, **fact}
         encoded: list[bytes] | None
         if state is None and lease.written:  # the state as written: nothing to add
             state = lease.record.state
@@ -379,7 +384,11 @@ class SessionJournals:
                 "messages": len(state.memory),
             }
         )
-        lease.seq = seq
+        lease.seq, lease.writer = seq, lease.epoch
+        if lease.untaken is not None:
+            lease.untaken = None
+            if lease.serving is not None:  # the journal has the request now
+                lease.serving = {k: v for k, v in lease.serving.items() if k != "input"}
         lease.persisted, lease.persisted_ends = len(state.memory), memory_ends(state.memory)
         lease.encoded = encoded if encoded and len(encoded) == len(state.memory) else []
         lease.written = fields

@@ -5,7 +5,10 @@ session, key ``<agent>.<session_id>``: its owner, its *epoch* (the lease's
 revision when it was taken, named in every fact the owner appends), its
 renewals, and the ``call_id`` and reply subject of the request it serves (a
 copy of that request sent again by a client that had no receipt is known by
-them). Idle sessions have no lease. A released lease leaves a marker that
+them) — the whole request until the journal records it: a session taken
+cleanly (released by its last owner) writes nothing to its journal before
+its first fact, and a take-over finds the request in the dead owner's
+lease. Idle sessions have no lease. A released lease leaves a marker that
 expires; whoever knows its revision takes the lease with one
 compare-and-set.
 
@@ -38,7 +41,7 @@ from fleetbus.errors import (
     StoreError,
 )
 
-__all__ = ["Leases", "Recovery", "lease_owner"]
+__all__ = ["DeadRequest", "Leases", "Recovery", "lease_owner"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +54,9 @@ _MARKER_TTL = 60.0
 """Seconds the marker of a released lease stays (at least; 6 lease TTLs)."""
 _RELEASED_KEPT = 20_000
 """Leases released whose marker's revision is remembered (about 100 bytes each)."""
+_CARRIED_BYTES = 16 * 1024
+"""A lease carries the whole request up to this size (a larger one is
+recorded in the journal with the ``taken`` fact)."""
 _GONE_KEPT = 100_000
 """Released lease keys a Recovery remembers, so a resync does not read them."""
 
@@ -64,6 +70,42 @@ class Taken:
     """It was taken from an owner that stopped renewing it."""
     marker: int | None
     """The marker of this replica's own release it was taken over (nobody held it since)."""
+    carried: bool = False
+    """The lease carries the whole request (its ``input``)."""
+    dead: DeadRequest | None = None
+    """The request the lease taken from a dead owner carried whole."""
+
+
+@dataclass
+class DeadRequest:
+    """The request a dead owner's lease carried whole: served by whoever
+    takes the session over when that owner appended nothing (``epoch``)."""
+
+    epoch: int
+    owner: str | None
+    input: dict[str, Any]
+    reply_to: str | None
+
+    @classmethod
+    def of(cls, entry: Entry | None) -> DeadRequest | None:
+        """The request lease ``entry`` carries whole, or ``None``."""
+        if entry is None or not entry.value:
+            return None
+        try:
+            value = orjson.loads(entry.value)
+            request = value.get("request")
+            epoch = int(value.get("epoch") or entry.revision)
+        except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+            return None
+        if not isinstance(request, dict) or not isinstance(request.get("input"), dict):
+            return None
+        owner, reply_to = value.get("owner"), request.get("reply_to")
+        return cls(
+            epoch,
+            owner if isinstance(owner, str) else None,
+            request["input"],
+            reply_to if isinstance(reply_to, str) else None,
+        )
 
 
 class Leases:
@@ -99,7 +141,8 @@ class Leases:
         return cls(bus, bucket, owner=owner, ttl=ttl)
 
     def value(self, epoch: int, renewals: int, serving: dict[str, Any] | None) -> bytes:
-        """A lease record of this owner."""
+        """A lease record of this owner (``serving``: the request served, with
+        its ``input`` when it is carried whole)."""
         value: dict[str, Any] = {
             "owner": self.owner,
             "epoch": epoch,
@@ -123,6 +166,9 @@ class Leases:
         """Take lease ``key``: at once when it is free, else once its owner
         releases it (up to ``wait`` seconds) or stops renewing it.
 
+        ``serving``: the request to serve; its ``input`` is carried whole
+        when it is small (:data:`_CARRIED_BYTES`).
+
         Raises:
             RequestHeldError: (``joins``) its owner serves that very request.
             SessionBusyError: it is held after ``wait``; (``take_over``) it
@@ -131,6 +177,11 @@ class Leases:
         """
         agent, session_id = what
         value = self.value(0, 0, serving)
+        carried = serving is not None and "input" in serving
+        if carried and len(value) > _CARRIED_BYTES:
+            assert serving is not None
+            value = self.value(0, 0, {k: v for k, v in serving.items() if k != "input"})
+            carried = False
         if not take_over:
             # The common cases in one write: a lease nobody wrote since its
             # release (compare-and-set against its marker), or a session never
@@ -144,7 +195,7 @@ class Leases:
             except RevisionMismatchError:
                 pass
             else:
-                return Taken(revision, False, released)
+                return Taken(revision, False, released, carried)
         deadline = time.monotonic() + wait
         delay = 0.02
         seen: tuple[int, float] | None = None
@@ -186,7 +237,8 @@ class Leases:
             except RevisionMismatchError:
                 continue  # someone else moved first: look again
             from_dead = entry is not None and holder is not None and holder != self.owner
-            return Taken(revision, from_dead, None)
+            dead = DeadRequest.of(entry) if from_dead or take_over else None
+            return Taken(revision, from_dead, None, carried, dead)
 
     async def renew(self, key: str, value: bytes, revision: int) -> int | None:
         """Write ``value`` over lease revision ``revision``; its new revision,

@@ -23,6 +23,7 @@ from fleetbus.agents.serving.facts import (
     SessionStatus,
     compact,
     copy_lease,
+    fact_meta,
     read_fact,
     serving_request,
     session_key,
@@ -33,7 +34,7 @@ from fleetbus.agents.serving.journals import (
     SNAPSHOT_MULTIPLE,
     SessionJournals,
 )
-from fleetbus.agents.serving.leases import Leases, Recovery, lease_owner
+from fleetbus.agents.serving.leases import Leases, Recovery, Taken, lease_owner
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus
 from fleetbus.bus.journal import Journal, journal
@@ -155,7 +156,11 @@ class SessionStore(SessionJournals):
         """
         key = session_key(agent, session_id)
         call_id = (pending_input or {}).get("call_id")
-        serving = {"reply_to": reply_to, "call_id": call_id} if isinstance(call_id, str) else None
+        serving = (
+            {"reply_to": reply_to, "call_id": call_id, "input": pending_input}
+            if isinstance(call_id, str)
+            else None
+        )
         span = (
             tracing.span(
                 "fleetbus session take-over",
@@ -182,8 +187,7 @@ class SessionStore(SessionJournals):
                     reply_to,
                     pending_input,
                     take_over=take_over,
-                    from_dead=taken.from_dead,
-                    marker=taken.marker,
+                    taken=taken,
                     create=create,
                     serving=serving,
                 )
@@ -200,16 +204,25 @@ class SessionStore(SessionJournals):
         pending_input: dict[str, Any] | None,
         *,
         take_over: bool,
-        from_dead: bool,
-        marker: int | None,
+        taken: Taken,
         create: bool,
         serving: dict[str, Any] | None,
     ) -> Lease:
         """Append the ``taken`` fact as owner ``epoch`` against the end of the
         journal as read (or as this replica released it, when nobody held
-        the lease since: ``marker``)."""
+        the lease since: ``taken.marker``).
+
+        A clean take — a session released by its last owner, the request
+        carried whole in the lease — appends nothing: nobody is to be fenced
+        (a lease taken from a dead owner always is), and the first fact this
+        owner appends carries the ``taken`` fact's fields. A new session
+        begins with its ``taken`` fact (appended against an empty journal:
+        one deleted meanwhile is not written again). A
+        take-over finds a dead owner's request in its lease when the journal
+        has nothing of that owner (``taken.dead``)."""
         agent, _, session_id = key.partition(".")
         cached = self._cache.get(key)
+        marker, from_dead, dead = taken.marker, taken.from_dead, taken.dead
         known = (
             cached[0] if cached is not None and marker is not None and cached[1] == marker else None
         )
@@ -236,32 +249,54 @@ class SessionStore(SessionJournals):
                 state = (fresh() if callable(fresh) else fresh) or AgentState(agent_name=agent)
                 lease = Lease(SessionRecord(agent=agent, session_id=session_id, state=state), 0)
                 fact["created"] = lease.record.created_at.isoformat()
-                record = lease.record
-            else:
-                record = lease.record
-                undelivered = record.reply_to is not None and record.final is not None
-                if take_over and record.status != "running" and not undelivered:
-                    raise SessionBusyError(
-                        f"session {session_id} of {agent} needs no take-over",
-                        agent=agent,
-                        session_id=session_id,
-                    )
-                lease.previous, lease.previous_owner = record.status, record.owner
-                if not take_over and record.status == "running":  # its owner died
-                    lease.orphan_input = record.pending_input
-                    lease.orphan_reply_to = record.reply_to
-                elif not take_over and from_dead and undelivered:
-                    # Its owner died after writing the answer, maybe before sending it.
-                    lease.orphan_final, lease.orphan_reply_to = record.final, record.reply_to
+            record = lease.record
+            unwritten = dead is not None and lease.writer != dead.epoch
+            if unwritten:
+                # Its owner died before appending anything: the request it
+                # took is in its lease.
+                assert dead is not None
+                record = record.model_copy(
+                    update={
+                        "status": "running",
+                        "owner": dead.owner,
+                        "pending_input": dead.input,
+                        "reply_to": dead.reply_to,
+                    }
+                )
+                lease.record = record
+            undelivered = record.reply_to is not None and record.final is not None
+            if take_over and record.status != "running" and not undelivered:
+                raise SessionBusyError(
+                    f"session {session_id} of {agent} needs no take-over",
+                    agent=agent,
+                    session_id=session_id,
+                )
+            lease.previous, lease.previous_owner = record.status, record.owner
+            if not take_over and record.status == "running":  # its owner died
+                lease.orphan_input = record.pending_input
+                lease.orphan_reply_to = record.reply_to
+            elif not take_over and from_dead and undelivered:
+                # Its owner died after writing the answer, maybe before sending it.
+                lease.orphan_final, lease.orphan_reply_to = record.final, record.reply_to
             fact["status"] = (
                 "running" if record.status == "running" or not take_over else record.status
             )
             if not take_over:
                 fact["to"] = reply_to
                 fact["input"] = pending_input
+            elif unwritten:  # the journal records the dead owner's request now
+                fact["to"], fact["input"] = record.reply_to, record.pending_input
             lease.epoch = lease.lease_revision = epoch
             lease.writes = 0
             lease.serving = serving if not take_over else serving_request(record)
+            clean = not (take_over or from_dead or "created" in fact) and record.status != "running"
+            if clean and taken.carried:
+                del fact["k"]
+                lease.untaken = fact
+                lease.record = record.model_copy(update=fact_meta(fact))
+                return lease
+            if lease.serving is not None:  # the journal records the request
+                lease.serving = {k: v for k, v in lease.serving.items() if k != "input"}
             try:
                 await self._append(lease, fact, taking=True)  # (the state as read)
             except RevisionMismatchError:
@@ -298,7 +333,8 @@ class SessionStore(SessionJournals):
         reply: written, answered, released)."""
         async with lease.lock:
             marker = await self._leases.drop(lease.key, lease.lease_revision)
-            self._remember(lease, marker)
+            if lease.untaken is None:  # (else the fold is not the journal's)
+                self._remember(lease, marker)
 
     # -- writing -----------------------------------------------------------------------
 

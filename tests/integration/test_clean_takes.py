@@ -1,0 +1,116 @@
+"""A session taken cleanly — released by its last owner, the request small
+enough to ride in the lease — appends nothing before its first fact: the
+request is in the lease until then, and whoever takes the session from a
+dead owner that appended nothing serves it from there."""
+
+from __future__ import annotations
+
+from fleetbus.agents.serving.sessions import SessionStore, session_key
+from fleetbus.agents.state import AgentState
+from fleetbus.bus import Bus
+from fleetbus.protocol import UserRequest, to_builtins
+
+
+def _request(content: str, call_id: str) -> dict[str, object]:
+    return to_builtins(UserRequest(content=content, session_id="s", call_id=call_id))
+
+
+async def _released(store: SessionStore, agent: str) -> None:
+    lease = await store.acquire(agent, "s", fresh=AgentState(agent_name=agent))
+    await store.save(lease, status="idle", release=True)
+
+
+async def _kinds(store: SessionStore, agent: str) -> list[str]:
+    return [f.kind for f in await store.history(agent, "s")]
+
+
+async def test_a_clean_take_appends_nothing_before_the_first_fact(bus: Bus) -> None:
+    store = await SessionStore.open(bus, owner="a")
+    await _released(store, "cal")
+    before = await _kinds(store, "cal")
+    request = _request("hi", "q-1")
+    for reader in (store, await SessionStore.open(bus, owner="b")):  # cached, then read
+        lease = await reader.acquire(
+            "cal",
+            "s",
+            fresh=AgentState(agent_name="cal"),
+            reply_to="_INBOX.c",
+            pending_input=request,
+        )
+        assert (lease.record.status, lease.record.pending_input) == ("running", request)
+        assert await _kinds(store, "cal") == before
+        carried = await store.leases.get(session_key("cal", "s"))
+        assert b'"hi"' in carried.value  # the whole request, until the journal has it
+        await reader.save(lease, status="idle", final={"content": "done"}, release=True)
+        before = await _kinds(store, "cal")
+        assert before[-1] in ("end", "snapshot")
+        record = await store.get("cal", "s")
+        assert record is not None
+        assert (record.status, record.owner, record.pending_input) == ("idle", None, None)
+        assert record.final == {"content": "done"}
+
+
+async def test_a_large_request_is_taken_in_the_journal(bus: Bus) -> None:
+    store = await SessionStore.open(bus, owner="a")
+    await _released(store, "lou")
+    request = _request("hi" * 20_000, "q-2")
+    lease = await store.acquire(
+        "lou", "s", fresh=AgentState(agent_name="lou"), reply_to="_INBOX.l", pending_input=request
+    )
+    record = await store.get("lou", "s")  # (taken, rolled up into a snapshot)
+    assert record is not None
+    assert record.pending_input == request
+    carried = await store.leases.get(session_key("lou", "s"))
+    assert b'"hi' not in carried.value
+    assert b'"q-2"' in carried.value
+    await store.save(lease, status="idle", release=True)
+
+
+async def test_a_dead_clean_takers_request_is_served_from_its_lease(bus: Bus) -> None:
+    """Each take-over writes the request it found in the lease into the
+    journal: an heir that dies in turn leaves it there."""
+    dead = await SessionStore.open(bus, owner="a")
+    await _released(dead, "dee")
+    request = _request("hi", "q-3")
+    await dead.acquire(
+        "dee", "s", fresh=AgentState(agent_name="dee"), reply_to="_INBOX.d", pending_input=request
+    )  # ...and its replica dies before appending anything
+    for owner in ("b", "c"):
+        heir = await SessionStore.open(bus, owner=owner)
+        silent = await heir.leases.get(session_key("dee", "s"))
+        lease = await heir.acquire(
+            "dee",
+            "s",
+            fresh=AgentState(agent_name="dee"),
+            take_over=True,
+            lease_revision=silent.revision,
+        )
+        assert lease.record.status == "running"
+        assert (lease.record.pending_input, lease.record.reply_to) == (request, "_INBOX.d")
+        stored = await heir.get("dee", "s")
+        assert stored is not None
+        assert (stored.owner, stored.pending_input) == (owner, request)
+        # ...and this heir dies too: the next finds the request in the journal.
+    await heir.save(lease, status="idle", final={"content": "done"}, release=True)
+
+
+async def test_a_request_after_a_dead_clean_taker_serves_its_request_first(bus: Bus) -> None:
+    dead = await SessionStore.open(bus, owner="a", lease_ttl=0.3)
+    heir = await SessionStore.open(bus, owner="b", lease_ttl=0.3)
+    await _released(dead, "eve")
+    first, second = _request("first", "q-4"), _request("second", "q-5")
+    await dead.acquire(
+        "eve", "s", fresh=AgentState(agent_name="eve"), reply_to="_INBOX.e4", pending_input=first
+    )  # ...and dies
+    lease = await heir.acquire(
+        "eve",
+        "s",
+        fresh=AgentState(agent_name="eve"),
+        reply_to="_INBOX.e5",
+        pending_input=second,
+        wait=10,
+    )
+    assert (lease.orphan_input, lease.orphan_reply_to) == (first, "_INBOX.e4")
+    assert (lease.record.pending_input, lease.record.reply_to) == (second, "_INBOX.e5")
+    assert (await _kinds(heir, "eve"))[-1] == "taken"  # a lease from a dead owner is fenced
+    await heir.save(lease, status="idle", release=True)
