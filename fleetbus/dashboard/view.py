@@ -13,7 +13,8 @@
   request taken, and the end of each reply with its final answer (published
   nowhere else);
 - the lease writes the server repeats (``<prefix>.kv.session_leases.>``): the
-  replicas running sessions, as they take them;
+  sessions running and their replicas, as they take them (a session its last
+  owner released writes no fact before its reply's first);
 - ``$SRV.STATS.fleetbus``, polled: the tool workers of the fleet and their
   counters.
 
@@ -385,8 +386,8 @@ class FleetView:
         )
         if view is not None:
             view.owner = owner
-            if owner and view.status != "running":
-                view.status, view.pending = "running", []
+            if owner and view.status != "running":  # (newer than the store's last write)
+                view.status, view.pending, view.event_at = "running", [], utc_now()
         self._bump()
 
     def _on_fact(self, msg: _Msg) -> None:

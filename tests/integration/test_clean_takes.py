@@ -5,13 +5,15 @@ dead owner that appended nothing serves it from there."""
 
 from __future__ import annotations
 
+import pytest
+
 from fleetbus.agents.serving.sessions import SessionStore, session_key
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus
 from fleetbus.protocol import UserRequest, to_builtins
 
 
-def _request(content: str, call_id: str) -> dict[str, object]:
+def _request(content: str, call_id: str | None) -> dict[str, object]:
     return to_builtins(UserRequest(content=content, session_id="s", call_id=call_id))
 
 
@@ -66,12 +68,16 @@ async def test_a_large_request_is_taken_in_the_journal(bus: Bus) -> None:
     await store.save(lease, status="idle", release=True)
 
 
-async def test_a_dead_clean_takers_request_is_served_from_its_lease(bus: Bus) -> None:
+@pytest.mark.parametrize("call_id", ["q-3", None])
+async def test_a_dead_clean_takers_request_is_served_from_its_lease(
+    bus: Bus, call_id: str | None
+) -> None:
     """Each take-over writes the request it found in the lease into the
-    journal: an heir that dies in turn leaves it there."""
+    journal: an heir that dies in turn leaves it there. (A request without
+    a ``call_id`` rides in the lease too.)"""
     dead = await SessionStore.open(bus, owner="a")
     await _released(dead, "dee")
-    request = _request("hi", "q-3")
+    request = _request("hi", call_id)
     await dead.acquire(
         "dee", "s", fresh=AgentState(agent_name="dee"), reply_to="_INBOX.d", pending_input=request
     )  # ...and its replica dies before appending anything

@@ -24,14 +24,15 @@ import httpx2 as httpx
 import pytest
 import uvicorn
 
-from fleetbus.agents import Agent, Permissions
+from fleetbus.agents import Agent, AgentState, Permissions
 from fleetbus.agents.serving.remote import RemoteAgent
+from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
 from fleetbus.cli import dashboard_cmd
 from fleetbus.cli._common import guarded
 from fleetbus.dashboard import TOKEN_HEADER, FleetView, Limits, create_app
 from fleetbus.errors import ConfigError
-from fleetbus.protocol import Event, FinalAnswer
+from fleetbus.protocol import Event, FinalAnswer, UserRequest, to_builtins
 from fleetbus.tools_workers import Toolkit, ToolWorker
 from tests.helpers import ROOT, free_port, serving, stop
 from tests.integration import resume_specs, worker_tools
@@ -550,3 +551,32 @@ async def test_the_command_serves_until_sigterm(nats_server: EmbeddedServer, bus
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+async def test_a_session_taken_cleanly_shows_running_before_its_first_fact(bus: Bus) -> None:
+    """A session its last owner released is taken with a lease write only:
+    the view says it runs from that write, and the store's polls (which
+    still read it idle) do not say otherwise."""
+    store = await SessionStore.open(bus, owner="quiet@r1")
+    lease = await store.acquire("quiet", "s-clean", fresh=AgentState(agent_name="quiet"))
+    await store.save(lease, status="idle", release=True)
+
+    def status(snap: dict[str, Any]) -> str | None:
+        return next((s["status"] for s in snap["sessions"] if s["session"] == "s-clean"), None)
+
+    async with dashboard(bus) as board:
+        await board.until(lambda s: status(s) == "idle")
+        request = UserRequest(content="hi", session_id="s-clean", call_id="q-clean")
+        lease = await store.acquire(
+            "quiet",
+            "s-clean",
+            fresh=AgentState(agent_name="quiet"),
+            reply_to="_INBOX.quiet",
+            pending_input=to_builtins(request),
+        )
+        assert lease.untaken is not None  # nothing appended
+        await board.until(lambda s: status(s) == "running")
+        await asyncio.sleep(1.0)  # three polls of the store
+        assert status(await board.fleet()) == "running"
+        await store.save(lease, status="done", final={"content": "ok"}, release=True)
+        await board.until(lambda s: status(s) == "done")

@@ -446,6 +446,15 @@ def serving_request(record: SessionRecord) -> dict[str, Any] | None:
     return {"reply_to": record.reply_to, "call_id": call_id}
 
 
+def recorded(serving: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a lease says of the request it serves once the journal holds
+    it: its reply subject and ``call_id`` (``None``: it has no ``call_id``,
+    so no copy of it is to be known)."""
+    if serving is None or not isinstance(serving.get("call_id"), str):
+        return None
+    return {"reply_to": serving.get("reply_to"), "call_id": serving["call_id"]}
+
+
 def memory_ends(memory: list[Msg]) -> tuple[str, str] | None:
     return (memory[0].msg_id, memory[-1].msg_id) if memory else None
 

@@ -42,6 +42,7 @@ from fleetbus.agents.serving.facts import (
     fold_facts,
     list_fact,
     memory_ends,
+    recorded,
     session_key,
     snapshot_fact,
 )
@@ -387,8 +388,7 @@ class SessionJournals:
         lease.seq, lease.writer = seq, lease.epoch
         if lease.untaken is not None:
             lease.untaken = None
-            if lease.serving is not None:  # the journal has the request now
-                lease.serving = {k: v for k, v in lease.serving.items() if k != "input"}
+            lease.serving = recorded(lease.serving)  # the journal holds the request now
         lease.persisted, lease.persisted_ends = len(state.memory), memory_ends(state.memory)
         lease.encoded = encoded if encoded and len(encoded) == len(state.memory) else []
         lease.written = fields

@@ -31,6 +31,7 @@ from typing import Any
 import orjson
 
 from fleetbus._retry import Retry
+from fleetbus.agents.serving.facts import recorded
 from fleetbus.bus import Bus, Entry, KeyUpdates, KeyValueStore, key_value
 from fleetbus.bus.store import transient
 from fleetbus.errors import (
@@ -179,8 +180,7 @@ class Leases:
         value = self.value(0, 0, serving)
         carried = serving is not None and "input" in serving
         if carried and len(value) > _CARRIED_BYTES:
-            assert serving is not None
-            value = self.value(0, 0, {k: v for k, v in serving.items() if k != "input"})
+            value = self.value(0, 0, recorded(serving))
             carried = False
         if not take_over:
             # The common cases in one write: a lease nobody wrote since its

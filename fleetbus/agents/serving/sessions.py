@@ -25,6 +25,7 @@ from fleetbus.agents.serving.facts import (
     copy_lease,
     fact_meta,
     read_fact,
+    recorded,
     serving_request,
     session_key,
 )
@@ -156,11 +157,13 @@ class SessionStore(SessionJournals):
         """
         key = session_key(agent, session_id)
         call_id = (pending_input or {}).get("call_id")
-        serving = (
-            {"reply_to": reply_to, "call_id": call_id, "input": pending_input}
-            if isinstance(call_id, str)
-            else None
+        # The request served, whole (its input carried while the journal
+        # does not hold it); a copy sent again is known by its call_id.
+        serving: dict[str, Any] | None = (
+            {"reply_to": reply_to, "call_id": call_id} if isinstance(call_id, str) else None
         )
+        if pending_input is not None:
+            serving = {**(serving or {"reply_to": reply_to}), "input": pending_input}
         span = (
             tracing.span(
                 "fleetbus session take-over",
@@ -295,8 +298,7 @@ class SessionStore(SessionJournals):
                 lease.untaken = fact
                 lease.record = record.model_copy(update=fact_meta(fact))
                 return lease
-            if lease.serving is not None:  # the journal records the request
-                lease.serving = {k: v for k, v in lease.serving.items() if k != "input"}
+            lease.serving = recorded(lease.serving)  # the journal holds the request
             try:
                 await self._append(lease, fact, taking=True)  # (the state as read)
             except RevisionMismatchError:
