@@ -18,17 +18,18 @@ floor's prefix: the journal stream ``<prefix>_session`` as
    are known (with 10,000 agents played in order, none is when its turn
    comes again);
 3. append the ``taken`` fact (``Nats-Expected-Last-Subject-Sequence``: the
-   journal's end);
+   journal's end) when the session is new; a session its last owner
+   released is taken cleanly, its request carried in the lease;
 4. call the tool on the worker;
-5. append the ``end`` fact against the ``taken`` fact;
+5. append the ``end`` fact against the journal's end;
 6. answer, then release the lease (a purge leaving a marker that expires,
    compare-and-set), in fleetbus's order: written, answered, released.
 
 Like a fleetbus host, it follows every lease write the server republishes on
 ``<prefix>.kv.session_leases.>`` (a release heard is known for the next
 take). Facts and lease have the sizes fleetbus writes for the benchmark's
-reply (one tool call: four messages): a ``taken`` fact carries the request,
-the ``end`` fact the four messages and the final answer.
+reply (one tool call: four messages): the lease and a ``taken`` fact carry
+the request, the ``end`` fact the four messages and the final answer.
 
 What it does not do is fleetbus's work in Python: no fact is decoded nor
 folded, no state built; and a journal read shares one inbox subscription
@@ -48,8 +49,15 @@ import nats
 import orjson
 from nats.aio.msg import Msg
 
-LEASE = orjson.dumps({"owner": "bench@raw-host", "epoch": 0, "renewals": 0, "ttl": 10.0})
 TAKEN_BYTES = 358
+LEASE = orjson.dumps(
+    {
+        "owner": "bench@raw-host",
+        "epoch": 0,
+        "renewals": 0,
+        "request": {"reply_to": "_INBOX.x", "input": "r" * (TAKEN_BYTES - 80)},
+    }
+)
 """A ``taken`` fact of the benchmark's reply (the request it serves, owner, status)."""
 END_BYTES = 1053
 """An ``end`` fact: the reply's four messages, the final answer, the status."""
@@ -164,16 +172,16 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
             known = ends.pop(key, None)
             # Known when nobody took the lease since this host released it.
             end = known[0] if known is not None and marker == known[1] else None
-            while True:
+            while end is None or end == 0:
                 if end is None:
                     end = await journal_end(key)
-                try:
-                    taken = await acked(journals + key, b"t" * TAKEN_BYTES, {_EXPECTED: str(end)})
-                    break
-                except Mismatch:
-                    end = None
+                if end == 0:  # a new session begins with its taken fact
+                    try:
+                        end = await acked(journals + key, b"t" * TAKEN_BYTES, {_EXPECTED: "0"})
+                    except Mismatch:
+                        end = None
             await nc.request(tool, TOOL_CALL, timeout=60)
-            end = await acked(journals + key, b"e" * END_BYTES, {_EXPECTED: str(taken)})
+            end = await acked(journals + key, b"e" * END_BYTES, {_EXPECTED: str(end)})
             await nc.publish(msg.reply, ANSWER)
             released[key] = marker = await acked(
                 leases + key,

@@ -18,6 +18,7 @@ from fleetbus.agents.serving.sessions import (
     session_key,
 )
 from fleetbus.bus import Bus
+from fleetbus.bus.journal import JournalEntry
 from fleetbus.errors import StoreError
 from fleetbus.protocol import TextBlock, ToolResultBlock, ToolUseBlock
 
@@ -178,3 +179,42 @@ async def test_a_release_the_store_refuses_for_a_moment_is_tried_again(
     assert failures == []
     assert await store.leases.get_or_none(key) is not None
     assert "not released (it will lapse)" in caplog.text
+
+
+async def test_a_reader_of_snapshots_reads_the_last_message_first_and_folds_the_rest_whole(
+    bus: Bus,
+) -> None:
+    """A store whose last journal read whole was one snapshot reads a
+    journal's last message first: a snapshot is the whole session (one
+    message); a journal that ends otherwise is still read and folded whole."""
+    writer = await SessionStore.open(bus, owner="writer")
+    turns = [turn(n) for n in range(3)]
+    lease = await writer.acquire(AGENT, "small")
+    lease.record.state.memory.extend(turns[0])
+    await writer.save(
+        lease, state=lease.record.state, status="idle", release=True, small_rollup=True
+    )
+    for messages in turns:
+        await save(writer, "facts", messages)  # three facts: the last is no snapshot
+    reader = await SessionStore.open(bus, owner="reader")
+    reads: list[str] = []
+    whole = reader.journal.read
+
+    async def counted(key: str, *, after: int = 0) -> list[JournalEntry]:
+        reads.append(key)
+        return await whole(key, after=after)
+
+    reader.journal.read = counted  # type: ignore[method-assign]
+    for session, memory, read_whole in [
+        ("small", turns[0], True),  # the first read is whole
+        ("small", turns[0], False),  # then the last message is the snapshot: all of it
+        ("facts", [m for t in turns for m in t], True),  # not a snapshot: read whole
+        ("small", turns[0], True),  # (and the next read whole again)
+        ("small", turns[0], False),
+    ]:
+        reads.clear()
+        reader._cache.clear()
+        record = await reader.get(AGENT, session)
+        assert record is not None
+        assert dumped(record.state.memory) == dumped(memory)
+        assert reads == ([session_key(AGENT, session)] if read_whole else [])

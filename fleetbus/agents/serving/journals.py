@@ -93,6 +93,8 @@ class SessionJournals:
         """Folds of sessions released here, with the lease marker left (see SessionStore)."""
         self._blobs: ObjectStore | None = None
         self._inline_limit = max(4096, bus.max_payload - _HEADROOM)
+        self._snapshots_last = False
+        """The last journal read whole was one snapshot (see :meth:`_whole`)."""
 
     @classmethod
     async def open_journals(cls, bus: Bus) -> SessionJournals:
@@ -125,6 +127,22 @@ class SessionJournals:
             facts.append((entry, *await self._resolved(entry.data)))
         return facts
 
+    async def _whole(self, key: str) -> list[tuple[JournalEntry, Fact, int]]:
+        """The facts of journal ``key``. While the journals read last were
+        each one snapshot (a population's small sessions, each reply ending
+        as one), its last message is read first: a snapshot is the whole
+        journal, read in one message with no end of batch to follow."""
+        if self._snapshots_last:
+            last = await self.journal.last(key)
+            if last is None:
+                return []
+            fact, size = await self._resolved(last.data)
+            if fact.k == "snapshot":
+                return [(last, fact, size)]
+        facts = await self._facts(key)
+        self._snapshots_last = len(facts) == 1 and facts[0][1].k == "snapshot"
+        return facts
+
     async def _resolved(self, data: bytes) -> tuple[Fact, int]:
         """The fact ``data`` holds, or the one it references (stored in the
         object store), with its size as written."""
@@ -149,7 +167,7 @@ class SessionJournals:
                 lease = copy_lease(base)
                 fold_facts(lease, facts[1:])
                 return lease
-        facts = await self._facts(key)
+        facts = await self._whole(key)
         if not facts:
             return None
         agent, _, session_id = key.partition(".")
