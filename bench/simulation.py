@@ -13,8 +13,9 @@ runner. Measured:
   call, answers; with at most ``--in-flight`` requests out at once. For each
   round, what the server stored per reply in each of the fleet's streams
   (journal appends, lease writes: ``--checkpoints reply`` writes a session
-  when a request is taken and when it is answered, 2 appends and 2 lease
-  writes), and the JetStream API requests per reply (reads);
+  when a request is taken and when it is answered — 2 lease writes, and 1
+  append, the end, on a released session, 2 on a new one, its ``taken``
+  fact too), and the JetStream API requests per reply (reads);
 - a broadcast on a topic every agent observes, until it is recorded in the
   session of every agent;
 - the floor: the same number of raw nats-py request/replies between this
@@ -549,7 +550,7 @@ async def measure(
         "checkpoints_reply": {
             "journal_appends_per_reply": appends,
             "lease_writes_per_reply": lease_writes,
-            "holds": appends == 2.0 and lease_writes == 2.0,
+            "holds": appends <= 2.0 and lease_writes == 2.0,
         },
         "protocol_floor": {
             "round_s_median": round(statistics.median(floor_rounds), 2),

@@ -98,25 +98,3 @@ async def test_a_dead_clean_takers_request_is_served_from_its_lease(
         assert (stored.owner, stored.pending_input) == (owner, request)
         # ...and this heir dies too: the next finds the request in the journal.
     await heir.save(lease, status="idle", final={"content": "done"}, release=True)
-
-
-async def test_a_request_after_a_dead_clean_taker_serves_its_request_first(bus: Bus) -> None:
-    dead = await SessionStore.open(bus, owner="a", lease_ttl=0.3)
-    heir = await SessionStore.open(bus, owner="b", lease_ttl=0.3)
-    await _released(dead, "eve")
-    first, second = _request("first", "q-4"), _request("second", "q-5")
-    await dead.acquire(
-        "eve", "s", fresh=AgentState(agent_name="eve"), reply_to="_INBOX.e4", pending_input=first
-    )  # ...and dies
-    lease = await heir.acquire(
-        "eve",
-        "s",
-        fresh=AgentState(agent_name="eve"),
-        reply_to="_INBOX.e5",
-        pending_input=second,
-        wait=10,
-    )
-    assert (lease.orphan_input, lease.orphan_reply_to) == (first, "_INBOX.e4")
-    assert (lease.record.pending_input, lease.record.reply_to) == (second, "_INBOX.e5")
-    assert (await _kinds(heir, "eve"))[-1] == "taken"  # a lease from a dead owner is fenced
-    await heir.save(lease, status="idle", release=True)

@@ -57,7 +57,7 @@ async def test_a_large_request_is_in_the_journal_from_the_start(bus: Bus) -> Non
     await store.save(lease, status="idle", release=True)
 
 
-async def test_a_dead_owners_new_session_is_taken_over_from_its_lease(bus: Bus) -> None:
+async def test_a_dead_owners_new_session_is_taken_over_from_its_journal(bus: Bus) -> None:
     dead = await SessionStore.open(bus, owner="a")
     heir = await SessionStore.open(bus, owner="b")
     request = _request("hi", "q-3")
@@ -87,10 +87,19 @@ async def test_a_dead_owners_new_session_is_taken_over_from_its_lease(bus: Bus) 
     assert record.final == {"content": "done"}
 
 
-async def test_a_request_after_a_new_owner_died_serves_the_dead_ones_first(bus: Bus) -> None:
+@pytest.mark.parametrize("released", [False, True])
+async def test_a_request_after_a_new_owner_died_serves_the_dead_ones_first(
+    bus: Bus, released: bool
+) -> None:
+    """The dead owner took a new session (its request in the journal), or
+    one released before (its request in its lease only): either way the
+    next request's replica serves it first, and fences the dead owner."""
     dead = await SessionStore.open(bus, owner="a", lease_ttl=0.3)
     heir = await SessionStore.open(bus, owner="b", lease_ttl=0.3)
     first, second = _request("first", "q-4"), _request("second", "q-5")
+    if released:
+        before = await dead.acquire("ann", "s", fresh=AgentState(agent_name="ann"))
+        await dead.save(before, status="idle", release=True)
     await dead.acquire(
         "ann", "s", fresh=AgentState(agent_name="ann"), reply_to="_INBOX.x.4", pending_input=first
     )  # ...and dies
@@ -107,6 +116,7 @@ async def test_a_request_after_a_new_owner_died_serves_the_dead_ones_first(bus: 
     stored = await heir.get("ann", "s")
     assert stored is not None
     assert stored.owner == "b"
+    assert [f.kind for f in await heir.history("ann", "s")][-1] == "taken"
     await heir.save(lease, status="idle", release=True)
 
 

@@ -353,9 +353,15 @@ class SessionJournals:
             SessionLost: the journal's end is another owner's.
         """
         if lease.untaken is not None:  # a clean take: written with the first fact
-            taken = lease.untaken
-            if fact.get("status", "running") != "running":  # (an owner only while it runs)
-                taken = {k: v for k, v in taken.items() if k != "owner"}
+            # What the fact itself settles is not written twice: an owner
+            # only while it runs, the request once memory holds it, where
+            # to answer once the reply is over.
+            settled = {
+                "owner": fact.get("status", "running") != "running",
+                "input": bool(fact.get("rec") or fact.get("clear")),
+                "to": bool(fact.get("clear")),
+            }
+            taken = {k: v for k, v in lease.untaken.items() if not settled.get(k)}
             fact = {**taken, **fact}
         encoded: list[bytes] | None
         if state is None and lease.written:  # the state as written: nothing to add
