@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import Header
 
-from fleetbus.bus._client import Client, Received
+from fleetbus.bus._seam import Client, Received
 from fleetbus.errors import PermissionDeniedError
 
 __all__ = [
@@ -276,7 +276,7 @@ class Replies:
     def _take(self, msg: Received) -> bool:
         """Wake the request ``msg`` answers (or note its receipt): straight
         from the connection's read loop
-        (:class:`~fleetbus.bus._client.Client`), or from the subscription's
+        (:class:`~fleetbus.bus._seam.Client`), or from the subscription's
         callback. Always taken."""
         token = msg.subject[len(self._inbox) :]
         if not msg.data and token in self._receipts and not msg.headers:

@@ -1,7 +1,7 @@
 """The serving loop behind :meth:`fleetbus.Bus.serve`.
 
 Each request is handled in a task of its own, owned by the loop: started
-where the connection reads the request (:class:`~fleetbus.bus._client.Client`'s
+where the connection reads the request (:class:`~fleetbus.bus._seam.Client`'s
 route), or, while every place is taken, from the subscription's callback once
 one comes free (both cheaper than nats-py's message iterator, which starts a
 task and an ``asyncio.wait`` per message); bounded by a semaphore, and
@@ -34,8 +34,8 @@ from nats.aio.subscription import Subscription
 from opentelemetry import context as otel_context
 
 from fleetbus import logs, tracing
-from fleetbus.bus._client import Client, Received
 from fleetbus.bus._replies import Reconnects
+from fleetbus.bus._seam import AVAILABLE, Client, Received, give_place, take_place
 from fleetbus.errors import BusError, ConnectionClosedError, PayloadTooLargeError, ProtocolError
 from fleetbus.protocol import (
     AnyMessage,
@@ -251,8 +251,10 @@ class ServeLoop:
         """What a request's span is called (when tracing is on)."""
         self._by_fields = False
         """Whether the limiter's places are taken and given back by its fields
-        (:func:`_take_place`)."""
-        self._publish_now = nc.publish_now if isinstance(nc, Client) else None
+        (:func:`~fleetbus.bus._seam.take_place`)."""
+        self._publish_now = (
+            nc.publish_now if isinstance(nc, Client) and "publish_now" in AVAILABLE else None
+        )
         """Queues a reply without a coroutine, when the connection is plainly up."""
 
     async def run(
@@ -272,8 +274,8 @@ class ServeLoop:
         self._context = contextvars.copy_context()
         try:
             sub = await self._nc.subscribe(self._subject, queue=queue or "", cb=self._dispatch)
-            self._by_fields = _has_places(self._limiter)
-            if isinstance(self._nc, Client) and self._by_fields:
+            self._by_fields = "places" in AVAILABLE and isinstance(self._limiter, asyncio.Semaphore)
+            if isinstance(self._nc, Client) and self._by_fields and "route" in AVAILABLE:
                 self._nc.route(sub, self._take, bare=True)
             await settle(self._nc)
         except nats.errors.ConnectionClosedError as exc:
@@ -374,10 +376,10 @@ class ServeLoop:
 
     def _take(self, msg: Received) -> bool:
         """Start handling ``msg`` now, from the connection's read loop
-        (:class:`~fleetbus.bus._client.Client`), if a place is free and
+        (:class:`~fleetbus.bus._seam.Client`), if a place is free and
         nobody waits for one; else say no (nats-py queues it for
         :meth:`_dispatch`)."""
-        if not _take_place(self._limiter):
+        if not take_place(self._limiter):
             return False
         try:
             self._start(msg)
@@ -453,11 +455,10 @@ class ServeLoop:
             # The task's own bookkeeping: cheaper than a done callback (one
             # more loop callback per request).
             self._tasks.pop(id(msg), None)
-            limiter = self._limiter
-            if self._by_fields and not limiter._waiters:
-                limiter._value += 1  # what release() does when nobody waits, without its two calls
+            if self._by_fields:
+                give_place(self._limiter)
             else:
-                limiter.release()
+                self._limiter.release()
 
     def _undecodable(self, msg: Received, exc: ProtocolError) -> ErrorMessage:
         """The answer to a request that did not decode: its ids come from the error."""
@@ -508,24 +509,6 @@ class ServeLoop:
 
     def _error(self, about: Message, code: ErrorCode, text: str) -> ErrorMessage:
         return error_reply(about, code, clip(text), source=self._source)
-
-
-def _has_places(limiter: asyncio.Semaphore) -> bool:
-    """Whether ``limiter`` has the fields :func:`_take_place` reads (an
-    ``asyncio.Semaphore`` has, from Python 3.11 to 3.13): else requests
-    take nats-py's way."""
-    return isinstance(getattr(limiter, "_value", None), int) and hasattr(limiter, "_waiters")
-
-
-def _take_place(limiter: asyncio.Semaphore) -> bool:
-    """Take a place of ``limiter`` if one is free and nobody waits for one
-    (what ``acquire`` does at once then); whether it did. By its fields:
-    ``locked()`` and ``acquire()`` each make a generator to look at the
-    waiters, a fifth of the serving loop's own cost of a request."""
-    if limiter._value > 0 and not limiter._waiters:
-        limiter._value -= 1
-        return True
-    return False
 
 
 def _span_name(subject: str) -> str:

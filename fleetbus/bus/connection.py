@@ -29,8 +29,8 @@ from nats.aio.subscription import Subscription
 
 from fleetbus import tracing
 from fleetbus._retry import Retry
-from fleetbus.bus._client import Client, Received
 from fleetbus.bus._replies import Denials, Interruption, Reconnects, Replies, permission_denied
+from fleetbus.bus._seam import Client, Received, server_info
 from fleetbus.bus._serve import Handler, Request, ServeLoop, settle
 from fleetbus.bus.settings import ConnectOptions
 from fleetbus.bus.subjects import Subjects
@@ -234,7 +234,7 @@ class Bus:
         if isinstance(reply, Msg):
             return reply
         return Msg(
-            _client=self._nc,
+            self._nc,
             subject=reply.subject,
             reply=reply.reply,
             data=reply.data,
@@ -301,8 +301,8 @@ class Bus:
         """Where replies to this client travel: ``_INBOX_<fleet>.<identity>``
         (nats-py adds a unique token per inbox; see
         :func:`~fleetbus.bus.inbox_prefix`)."""
-        # nats-py keeps it but has no public accessor.
-        return bytes(getattr(self._nc, "_inbox_prefix", b"_INBOX")).decode()
+        # What nats-py's new inboxes start with (it has no accessor for it).
+        return self._nc.new_inbox().rpartition(".")[0]
 
     @property
     def max_payload(self) -> int:
@@ -313,9 +313,7 @@ class Bus:
     def server_info(self) -> dict[str, object]:
         """The INFO the connected server sent (``server_name``, ``cluster``,
         ``connect_urls``, ``jetstream``…), as of the last (re)connection."""
-        # nats-py keeps it but has no public accessor.
-        info = getattr(self._nc, "_server_info", None)
-        return dict(info) if isinstance(info, dict) else {}
+        return server_info(self._nc)
 
     @property
     def is_connected(self) -> bool:

@@ -22,8 +22,8 @@ import nats.js.errors
 import orjson
 from nats.js.api import StorageType, StreamConfig
 
-from fleetbus.bus._client import Received
 from fleetbus.bus._replicas import ensure_replicas, placement_error, wanted_replicas
+from fleetbus.bus._seam import Received
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.store import ADMIN_TIMEOUT, _store_error, stored_sequence
 from fleetbus.errors import StoreError

@@ -22,6 +22,9 @@ environment variable           meaning
                                1 on a single server
 =============================  ==========================================
 
+The rest of the bus layer's environment is :class:`BusSettings`
+(``FLEETBUS_GC_THRESHOLD``, ``FLEETBUS_PRIVATE_OFF``).
+
 Replies travel on inboxes of the fleet and of the client's identity,
 ``_INBOX_<prefix with . as _>.<identity>.<unique>…``: the identity is the
 user name (``FLEETBUS_NATS_USER``, or the user of a URL
@@ -43,11 +46,19 @@ from urllib.parse import unquote, urlsplit
 
 import nkeys  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fleetbus.bus.subjects import DEFAULT_PREFIX, check_prefix
 from fleetbus.errors import ConfigError
 
-__all__ = ["DEFAULT_URL", "INBOX_ROOT", "ConnectOptions", "inbox_prefix", "inbox_wildcard"]
+__all__ = [
+    "DEFAULT_URL",
+    "INBOX_ROOT",
+    "BusSettings",
+    "ConnectOptions",
+    "inbox_prefix",
+    "inbox_wildcard",
+]
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 """Where fleetbus connects when no URL is given anywhere."""
@@ -58,6 +69,31 @@ a server-wide ``_INBOX.>`` permission granted to other applications does not
 reach a fleet's replies."""
 
 _NOT_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
+
+
+class BusSettings(BaseSettings):
+    """The bus layer's settings from the environment, apart from how to reach
+    NATS (:class:`ConnectOptions`). Each field is read from ``FLEETBUS_`` and
+    its name in capitals."""
+
+    model_config = SettingsConfigDict(env_prefix="FLEETBUS_", extra="ignore", frozen=True)
+
+    gc_threshold: int | None = Field(default=None, ge=0)
+    """``FLEETBUS_GC_THRESHOLD``: the first-generation threshold of Python's
+    collector that :func:`~fleetbus.bus.tune_gc` sets (a whole number, at
+    least 0; ``0`` leaves Python's settings alone); unset:
+    :data:`~fleetbus.bus.GC_THRESHOLD`."""
+    private_off: str = ""
+    """``FLEETBUS_PRIVATE_OFF``: the private paths of ``fleetbus.bus._seam``
+    not to take, comma-separated (``route``, ``publish_now``, ``headers``,
+    ``places``, ``server_info``), or ``all``: those then go through nats-py's
+    and asyncio's public API. For measuring what each buys, and for a
+    nats-py release whose internals changed in a way the start-up check
+    cannot see."""
+
+    def private_paths_off(self) -> frozenset[str]:
+        """The names :attr:`private_off` lists."""
+        return frozenset(name.strip() for name in self.private_off.split(",") if name.strip())
 
 
 def inbox_prefix(prefix: str, identity: str | None = None) -> str:

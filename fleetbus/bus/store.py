@@ -25,13 +25,13 @@ from typing import Any, TypeVar
 import nats.errors
 import nats.js.errors
 import orjson
+from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import RePublish
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore as _NatsObjectStore
 
 from fleetbus._retry import Retry
-from fleetbus.bus._client import Received
 from fleetbus.bus._replicas import (
     ensure_replicas,
     kv_stream_name,
@@ -40,6 +40,7 @@ from fleetbus.bus._replicas import (
     wanted_replicas,
 )
 from fleetbus.bus._replies import Replies
+from fleetbus.bus._seam import Received
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.subjects import Subjects
 from fleetbus.errors import (
@@ -186,6 +187,9 @@ async def wait_for_store(
     return await retry.call(attempt)
 
 
+JS_TIMEOUT = 5.0
+"""Seconds a KV read or write waits for JetStream's answer (nats-py's own default)."""
+
 ADMIN_TIMEOUT = 15.0
 """Seconds JetStream may take to make or change a bucket's stream."""
 
@@ -232,7 +236,7 @@ async def key_value(
     bucket = bus.subjects.kv_bucket(name)
     what = f"KV bucket {bucket}"
     wanted = wanted_replicas(bus, replicas)
-    js = bus.nc.jetstream()
+    js = bus.nc.jetstream(timeout=JS_TIMEOUT)
     # Making or changing a stream is a Raft proposal on a cluster: more time
     # than a read or a write gets (an R3 bucket made on three busy nodes took
     # longer than nats-py's 5 s).
@@ -261,7 +265,7 @@ async def key_value(
     except (nats.errors.Error, TimeoutError) as exc:
         error = placement_error(exc, what=what, wanted=wanted, bus=bus)
         raise error or _store_error(exc, f"opening {what}") from exc
-    store = KeyValueStore(kv, bucket, replies=bus._replies)
+    store = KeyValueStore(kv, bucket, js, bus.nc, replies=bus._replies)
     store.expiring_markers = markers
     store.republished = bus.subjects.kv_writes(name, "") if republished else None
     return store
@@ -339,26 +343,36 @@ class KeyValueStore:
     nats-py's KV layer: that layer costs a third more CPU per operation, and
     sessions make several per reply (``bench/simulation.py``). What is sent
     is what nats-py sends.
+
+    Args:
+        kv: nats-py's bucket (what this class does not do itself).
+        bucket: the bucket's name.
+        js: the JetStream context ``kv`` was opened with.
+        nc: the connection the requests go on.
+        replies: the bus's reply inbox, for the requests.
+        timeout: seconds a read or a write waits for its answer.
     """
 
     def __init__(
         self,
         kv: KeyValue,
         bucket: str,
-        js: JetStreamContext | None = None,
+        js: JetStreamContext,
+        nc: NATS,
         *,
         replies: Replies | None = None,
+        timeout: float = JS_TIMEOUT,
     ) -> None:
         self._kv = kv
-        self._js: JetStreamContext = js if js is not None else kv._js
-        self._nc = self._js._nc
+        self._js = js
+        self._nc = nc
         self._replies = replies
         self.bucket = bucket
-        self._prefix: str = getattr(kv, "_pre", None) or Subjects.kv_keys(bucket, "")
-        api = getattr(self._js, "_prefix", None) or "$JS.API"
-        stream = getattr(kv, "_stream", None) or Subjects.kv_stream(bucket)
-        self._msg_get = f"{api}.STREAM.MSG.GET.{stream}"
-        self._timeout = float(getattr(self._js, "_timeout", None) or 5.0)
+        # Subjects by their documented names: fleetbus opens its buckets in
+        # the account's own JetStream (no domain, no API prefix).
+        self._prefix = Subjects.kv_keys(bucket, "")
+        self._msg_get = f"$JS.API.STREAM.MSG.GET.{Subjects.kv_stream(bucket)}"
+        self._timeout = timeout
         self.expiring_markers = False
         """Whether :meth:`purge` can leave a marker that expires (see :func:`key_value`)."""
         self.republished: str | None = None

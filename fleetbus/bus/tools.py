@@ -29,8 +29,8 @@ import msgspec
 import nats.errors
 
 from fleetbus._retry import Retry
-from fleetbus.bus._client import Received
 from fleetbus.bus._replies import Interruption
+from fleetbus.bus._seam import Received
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.micro import EndpointInfo, discover
 from fleetbus.bus.store import ObjectStore, object_store

@@ -1,5 +1,5 @@
 """Requests and replies handed over where the connection reads them
-(``fleetbus.bus._client.Client``'s routes): a serving loop that has every
+(``fleetbus.bus._seam.Client``'s routes): a serving loop that has every
 place taken leaves the rest to nats-py's queue, in their order, and a
 subscription that ends leaves no route behind."""
 
@@ -12,7 +12,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from fleetbus.bus import Bus, Request
-from fleetbus.bus._client import Client
+from fleetbus.bus._seam import Client
 from fleetbus.protocol import Message, ToolCall, ToolResult, encode
 
 

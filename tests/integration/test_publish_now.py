@@ -11,7 +11,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from fleetbus.bus import Bus
-from fleetbus.bus._client import Client
+from fleetbus.bus._seam import Client
 
 
 async def test_a_publish_now_arrives_as_a_publish_does(bus: Bus) -> None:

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from fleetbus import tracing
 from fleetbus.bus import Bus
-from fleetbus.bus._client import Client
+from fleetbus.bus._seam import Client
 from fleetbus.protocol import ToolCall, ToolResult
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from nats.aio.client import Client
 
-from fleetbus.bus._client import Client as BusClient
+from fleetbus.bus._seam import Client as BusClient
 
 BLOCKS = [
     b"",
