@@ -9,14 +9,16 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Annotated, Any, TypeAlias
 
+from pydantic import Field, TypeAdapter, ValidationError
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 
 from fleetbus.bus import Bus, ConnectOptions, tune_gc
-from fleetbus.errors import ConfigError, FleetbusError
+from fleetbus.cli.settings import cli_settings
+from fleetbus.errors import FleetbusError
 from fleetbus.logs import configure, level_from_env
 
 console = Console()
@@ -34,14 +36,12 @@ def setup_logging(verbose: int, log_format: str | None = None) -> None:
         ConfigError: an unknown level or format.
     """
     level = level_from_env(verbose)
-    chosen = (log_format or os.environ.get("FLEETBUS_LOG_FORMAT", "") or "text").strip().lower()
+    chosen = cli_settings(log_format=log_format).log_format
     if chosen == "json":
         configure(level, "json")
-    elif chosen == "text":
+    else:
         handler = RichHandler(console=err_console, show_path=False, rich_tracebacks=False)
         configure(level, "text", handler=handler, text_format="%(message)s")
-    else:
-        raise ConfigError(f"the log format must be text or json, not {chosen!r}")
     _log_settings.update(
         FLEETBUS_LOG_LEVEL=logging.getLevelName(level).lower(), FLEETBUS_LOG_FORMAT=chosen
     )
@@ -64,11 +64,15 @@ def run(main: Coroutine[Any, Any, int]) -> int:
     """Run a command's coroutine, with uvloop when it is installed, and the
     cycle collector tuned for serving (:func:`fleetbus.bus.tune_gc`).
 
-    Set ``FLEETBUS_UVLOOP=0`` to use the standard event loop, and
-    ``FLEETBUS_GC_THRESHOLD=0`` to keep Python's collector settings.
+    ``FLEETBUS_UVLOOP`` (:mod:`fleetbus.cli.settings`) chooses the standard
+    event loop, ``FLEETBUS_GC_THRESHOLD`` (:mod:`fleetbus.bus.settings`)
+    Python's collector settings.
+
+    Raises:
+        ConfigError: ``FLEETBUS_UVLOOP`` is not a boolean.
     """
     tune_gc()
-    if os.environ.get("FLEETBUS_UVLOOP", "1") != "0":
+    if cli_settings().uvloop:
         try:
             import uvloop
         except ImportError:
@@ -101,22 +105,63 @@ def guarded(command: Callable[[], int]) -> int:
         return 141  # as a shell reports a command ended by SIGPIPE
 
 
-def add_connection_options(parser: argparse.ArgumentParser) -> None:
+Subcommands: TypeAlias = Any
+"""What ``ArgumentParser.add_subparsers`` returns, to which a command adds
+its parser with ``add_parser(NAME, help=…)``. Its class is private to argparse
+(``argparse._SubParsersAction``), so it is not named here: ``Any``, and only
+``add_parser`` is called on it."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that knows its subcommands' parsers, and how deep
+    it is among them (argparse itself keeps both in private attributes).
+
+    Every parser made by :meth:`add_subparsers` (``sub.add_parser(…)``) is a
+    :class:`Parser` one level deeper, listed in :attr:`subcommands`.
+
+    Args:
+        depth: 0 for the ``fleetbus`` parser, 1 for a command's, 2 for a
+            subcommand's…
+        *args: ``ArgumentParser``'s.
+        **kwargs: ``ArgumentParser``'s.
+    """
+
+    def __init__(self, *args: Any, depth: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.depth = depth
+        self.subcommands: list[Parser] = []
+        """The parsers of the subcommands, in the order they were added."""
+
+    def add_subparsers(self, **kwargs: Any) -> Subcommands:
+        """``ArgumentParser.add_subparsers``, its parsers made as :class:`Parser`
+        one level deeper and remembered in :attr:`subcommands`."""
+
+        def make(**options: Any) -> Parser:
+            child = Parser(depth=self.depth + 1, **options)
+            self.subcommands.append(child)
+            return child
+
+        kwargs.setdefault("parser_class", make)
+        return super().add_subparsers(**kwargs)
+
+
+def add_connection_options(
+    parser: argparse.ArgumentParser,
+    *,
+    nats_help: str = "NATS server URL(s), comma-separated (default: $FLEETBUS_NATS_URL "
+    "or nats://127.0.0.1:4222)",
+) -> None:
     """The options of every command that connects to NATS: ``--nats``,
     ``--prefix`` and ``--js-replicas`` (``args.nats``, ``args.prefix``,
-    ``args.js_replicas``, each ``None`` when not given)."""
-    parser.add_argument(
-        "--nats",
-        metavar="URL",
-        help="NATS server URL(s), comma-separated (default: $FLEETBUS_NATS_URL "
-        "or nats://127.0.0.1:4222)",
-    )
+    ``args.js_replicas``, each ``None`` when not given); ``nats_help`` is
+    the help of ``--nats``."""
+    parser.add_argument("--nats", metavar="URL", help=nats_help)
     parser.add_argument(
         "--prefix", help="subject prefix of the fleet (default: $FLEETBUS_PREFIX or fleet)"
     )
     parser.add_argument(
         "--js-replicas",
-        type=_replica_count,
+        type=count("a replica count is 1 to 5", ge=1, le=5),
         metavar="N",
         help="copies JetStream keeps of each KV bucket and object store, 1-5 (default: "
         "$FLEETBUS_JS_REPLICAS, else 3 on a NATS cluster and 1 on a single server)",
@@ -179,14 +224,44 @@ def model_option_args(options: dict[str, Any]) -> list[str]:
     return out
 
 
-def _replica_count(text: str) -> int:
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if not 1 <= count <= 5:
-        raise argparse.ArgumentTypeError(f"a replica count is 1 to 5, not {text!r}")
-    return count
+def count(what: str, *, ge: int = 0, le: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number from ``ge`` (to ``le``), checked
+    by pydantic; anything else is refused as ``"{what}, not '{text}'"``."""
+    adapter: TypeAdapter[int] = TypeAdapter(Annotated[int, Field(ge=ge, le=le)])
+
+    def parse(text: str) -> int:
+        try:
+            return adapter.validate_python(text.strip())
+        except ValidationError:
+            raise argparse.ArgumentTypeError(f"{what}, not {text!r}") from None
+
+    return parse
+
+
+def seconds(
+    what: str, *, gt: float | None = None, ge: float | None = None
+) -> Callable[[str], float]:
+    """An argparse ``type``: a duration in seconds over ``gt`` (or from
+    ``ge``), checked by pydantic; anything else is refused as
+    ``"{what}, not '{text}'"``."""
+    adapter: TypeAdapter[float] = TypeAdapter(
+        Annotated[float, Field(gt=gt, ge=ge, allow_inf_nan=False)]
+    )
+
+    def parse(text: str) -> float:
+        try:
+            return adapter.validate_python(text.strip())
+        except ValidationError:
+            raise argparse.ArgumentTypeError(f"{what}, not {text!r}") from None
+
+    return parse
+
+
+POSITIVE = count("a count of 1 or more", ge=1)
+"""An argparse ``type``: a whole number of at least 1."""
+
+COUNT = count("a count of 0 or more")
+"""An argparse ``type``: a whole number of at least 0."""
 
 
 async def connect(

@@ -9,12 +9,19 @@ without importing the agent, the simulation toolkit or the OpenAI SDK.
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from fleetbus.bus.store import STORE_WAIT
-from fleetbus.cli._common import add_model_options
+from fleetbus.cli._common import (
+    COUNT,
+    POSITIVE,
+    Subcommands,
+    add_connection_options,
+    add_model_options,
+    seconds,
+)
 
 __all__ = [
     "FLEET_COMMANDS",
@@ -22,16 +29,33 @@ __all__ = [
     "add_fleet_commands",
     "add_model_worker_parser",
     "add_sim_parser",
+    "fleet_command",
 ]
 
 FLEET_COMMANDS = ("agent", "ask", "sessions", "confirm", "resume", "cancel", "watch")
-"""The commands of :mod:`fleetbus.cli.fleet`."""
+"""The fleet commands: each ``NAME`` is run by ``fleetbus.cli.NAME_cmd.cmd``."""
 
 SESSION_SUBCOMMANDS = ("history", "fork", "migrate")
 """The first words of ``fleetbus sessions`` that are not an agent's name."""
 
 
-def add_fleet_commands(sub: Any, bus_options: Any) -> None:
+def fleet_command(name: str) -> Callable[[argparse.Namespace], int]:
+    """The function that runs the fleet command ``name``, its module imported now.
+
+    Raises:
+        KeyError: ``name`` is not one of :data:`FLEET_COMMANDS`.
+    """
+    if name not in FLEET_COMMANDS:
+        raise KeyError(name)
+    command: Callable[[argparse.Namespace], int] = importlib.import_module(
+        f"fleetbus.cli.{name}_cmd"
+    ).cmd
+    return command
+
+
+def add_fleet_commands(
+    sub: Subcommands, bus_options: Callable[[argparse.ArgumentParser], None]
+) -> None:
     """Add the fleet commands to the ``fleetbus`` parser."""
     p = sub.add_parser("agent", help="serve agents on the bus (module:factory or a TOML file)")
     p.add_argument(
@@ -40,7 +64,7 @@ def add_fleet_commands(sub: Any, bus_options: Any) -> None:
         help="module:factory returning Agent(s) or a population (an AgentSource), or agents.toml",
     )
     p.add_argument(
-        "--replicas", type=int, default=1, help="processes serving each agent (default 1)"
+        "--replicas", type=POSITIVE, default=1, help="processes serving each agent (default 1)"
     )
     p.add_argument(
         "--group",
@@ -221,16 +245,16 @@ def _store_wait_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_sim_parser(sub: Any, bus_options: Any) -> None:
+def add_sim_parser(
+    sub: Subcommands, bus_options: Callable[[argparse.ArgumentParser], None]
+) -> None:
     """Add ``fleetbus sim …`` to the ``fleetbus`` parser."""
     p = sub.add_parser("sim", help="run a simulation: a population of agents, in rounds")
     sim = p.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", required=True)
 
     def spec_options(q: argparse.ArgumentParser) -> None:
         q.add_argument("spec", metavar="SPEC", help="path/to/file.py:attr or module:attr")
-        q.add_argument(
-            "--agents", type=_positive_or_zero, metavar="N", help="population size (if it allows)"
-        )
+        q.add_argument("--agents", type=COUNT, metavar="N", help="population size (if it allows)")
         q.add_argument(
             "--model",
             metavar="MODEL",
@@ -244,55 +268,51 @@ def add_sim_parser(sub: Any, bus_options: Any) -> None:
     q.add_argument(
         "--out", type=Path, metavar="DIR", help="the run's directory (default: sim-<name>)"
     )
-    q.add_argument(
-        "--rounds", type=_positive_or_zero, metavar="N", help="rounds in all (default: the spec's)"
-    )
+    q.add_argument("--rounds", type=COUNT, metavar="N", help="rounds in all (default: the spec's)")
     q.add_argument(
         "--deadline",
-        type=float,
+        type=seconds("a positive number of seconds", gt=0),
         metavar="SECONDS",
         help="seconds each round may take (default: the spec's)",
     )
     q.add_argument(
         "--concurrency",
-        type=_positive,
+        type=POSITIVE,
         default=1000,
         metavar="N",
         help="requests in flight (default 1000)",
     )
     q.add_argument(
         "--hosts",
-        type=_positive_or_zero,
+        type=COUNT,
         default=1,
         metavar="K",
         help="host processes to start (default 1; 0: use running hosts)",
     )
     q.add_argument(
         "--tool-workers",
-        type=_positive_or_zero,
+        type=COUNT,
         default=1,
         metavar="W",
         help="tool worker processes to start (default 1; 0: use running workers)",
     )
     q.add_argument(
         "--host-concurrency",
-        type=_positive,
+        type=POSITIVE,
         default=64,
         metavar="N",
         help="replies each host runs at once (default 64)",
     )
     add_model_options(q)
-    bus_options(q)
-    _reword(
+    add_connection_options(
         q,
-        "nats",
-        "NATS server URL(s) of a running fleet (default: the run starts its own nats-server, "
-        "with JetStream in DIR/jetstream; $FLEETBUS_NATS_URL is not used)",
+        nats_help="NATS server URL(s) of a running fleet (default: the run starts its own "
+        "nats-server, with JetStream in DIR/jetstream; $FLEETBUS_NATS_URL is not used)",
     )
 
     q = sim.add_parser("host", help="serve a simulation's agents (one host process)")
     spec_options(q)
-    q.add_argument("--concurrency", type=_positive, default=64, metavar="N")
+    q.add_argument("--concurrency", type=POSITIVE, default=64, metavar="N")
     q.add_argument("--replica-id", help="this host's id (default: <name>@<host>-<pid>)")
     q.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a session lease lasts")
     q.add_argument("--tool-wait", type=float, default=30.0, help="seconds to wait for the tools")
@@ -301,7 +321,7 @@ def add_sim_parser(sub: Any, bus_options: Any) -> None:
 
     q = sim.add_parser("tools", help="serve a simulation's tools and environment tools")
     spec_options(q)
-    q.add_argument("--concurrency", type=_positive, default=256, metavar="N")
+    q.add_argument("--concurrency", type=POSITIVE, default=256, metavar="N")
     q.add_argument("--worker-id", help="this worker's id")
     bus_options(q)
 
@@ -311,8 +331,7 @@ def add_sim_parser(sub: Any, bus_options: Any) -> None:
 
 
 def add_model_worker_parser(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    bus_options: Callable[[argparse.ArgumentParser], None],
+    sub: Subcommands, bus_options: Callable[[argparse.ArgumentParser], None]
 ) -> None:
     """Add the ``model-worker`` command to ``sub``."""
     p = sub.add_parser("model-worker", help="serve a model on the bus (API key and rate limits)")
@@ -337,29 +356,3 @@ def add_model_worker_parser(
     )
     add_model_options(p, fallback=False)
     bus_options(p)
-
-
-def _reword(parser: argparse.ArgumentParser, dest: str, text: str) -> None:
-    """Give the option ``dest`` of ``parser`` another help text."""
-    for action in parser._actions:
-        if action.dest == dest:
-            action.help = text
-            return
-    raise AssertionError(f"no option {dest!r}")
-
-
-def _positive(text: str) -> int:
-    value = _positive_or_zero(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {text!r}")
-    return value
-
-
-def _positive_or_zero(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a count of 0 or more, not {text!r}")
-    return value

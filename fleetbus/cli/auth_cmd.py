@@ -52,8 +52,14 @@ from pathlib import Path
 
 import nkeys  # type: ignore[import-untyped]
 
-from fleetbus.bus import DEFAULT_PREFIX, SERVICE_NAME, check_name, check_prefix, inbox_wildcard
-from fleetbus.cli._common import err_console
+from fleetbus.bus import (
+    SERVICE_NAME,
+    ConnectOptions,
+    check_name,
+    check_prefix,
+    inbox_wildcard,
+)
+from fleetbus.cli._common import Subcommands, err_console
 from fleetbus.errors import ConfigError
 
 __all__ = [
@@ -357,7 +363,7 @@ def _allow(subjects: Sequence[str]) -> str:
 # -- the command ---------------------------------------------------------------------------
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_parser(sub: Subcommands) -> None:
     """Add the ``auth`` command to ``sub``."""
     p = sub.add_parser(
         "auth",
@@ -418,7 +424,8 @@ def cmd(args: argparse.Namespace) -> int:
     Raises:
         ConfigError: an invalid prefix or name, or a secret file that exists.
     """
-    prefix = check_prefix(args.prefix or os.environ.get("FLEETBUS_PREFIX") or DEFAULT_PREFIX)
+    # The fleet's prefix as a connection would read it (``FLEETBUS_PREFIX``).
+    prefix = ConnectOptions.from_env(prefix=args.prefix).prefix
     fleet = prefix.replace(".", "_")
     wanted: list[tuple[str, str | None]] = [("tool-worker", None)]
     wanted += [("agent", check_name(a, what="agent name")) for a in args.agent] or [("agent", None)]

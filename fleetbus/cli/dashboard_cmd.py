@@ -17,13 +17,16 @@ from typing import Any
 
 from fleetbus.bus.store import STORE_WAIT
 from fleetbus.cli._common import (
+    Subcommands,
     add_connection_options,
     connect,
     console,
+    count,
     err_console,
     guarded,
     on_stop_signals,
     run,
+    seconds,
     setup_logging,
 )
 from fleetbus.errors import ConfigError
@@ -37,14 +40,14 @@ _EXTRA = "pip install 'fleetbus[dashboard]'"
 
 
 def add_parser(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    sub: Subcommands,
     bus_options: Callable[[argparse.ArgumentParser], None] = add_connection_options,
 ) -> None:
     """Add the ``dashboard`` command to ``sub``."""
     p = sub.add_parser("dashboard", help="serve a live web page of the fleet (read from the bus)")
     p.add_argument(
         "--port",
-        type=int,
+        type=count("a port is 0 to 65535", le=65535),
         default=DEFAULT_PORT,
         help=f"HTTP port (0: any free one; default {DEFAULT_PORT})",
     )
@@ -61,11 +64,14 @@ def add_parser(
         help="also answer requests for this host name (behind a proxy); repeatable",
     )
     p.add_argument(
-        "--poll", type=float, default=2.0, help="seconds between reads of sessions and stats"
+        "--poll",
+        type=seconds("a positive number of seconds", gt=0),
+        default=2.0,
+        help="seconds between reads of sessions and stats",
     )
     p.add_argument(
         "--store-wait",
-        type=float,
+        type=seconds("seconds of 0 or more", ge=0),
         default=STORE_WAIT,
         metavar="SECONDS",
         help="seconds a reading of the session store waits out a failure that may pass (a "
@@ -102,12 +108,6 @@ def _allowed_hosts(host: str, extra: Sequence[str]) -> list[str]:
 def cmd(args: argparse.Namespace) -> int:
     """Serve the dashboard until SIGTERM/SIGINT."""
     uvicorn, dashboard = _load()
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port must be 0 to 65535, not {args.port}")
-    if args.poll <= 0:
-        raise ConfigError("--poll must be positive")
-    if args.store_wait < 0:
-        raise ConfigError("--store-wait must not be negative")
 
     class Server(uvicorn.Server):  # type: ignore[misc,name-defined]
         """uvicorn's server without its own signal handling: the command's

@@ -33,7 +33,7 @@ from rich.progress import (
 from rich.table import Table
 
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
-from fleetbus.cli._common import console, fail
+from fleetbus.cli._common import console
 from fleetbus.errors import FleetbusError
 
 __all__ = ["run_demo"]
@@ -118,9 +118,10 @@ def _percentile(values: list[float], q: float) -> float:
 async def run_demo(
     *, calls: int = 2000, workers: int = 2, in_flight: int = 64, agents: bool = True
 ) -> int:
-    """Run the demo; returns the exit code (0 when every call succeeded)."""
-    if calls < 1 or workers < 1 or in_flight < 1:
-        return fail("--calls, --workers and --in-flight must be at least 1")
+    """Run the demo; returns the exit code (0 when every call succeeded).
+
+    ``calls``, ``workers`` and ``in_flight`` are at least 1 (``fleetbus demo``
+    parses them so)."""
     with tempfile.TemporaryDirectory(prefix="fleetbus-demo-") as tmp, EmbeddedServer() as server:
         run_dir = Path(tmp)
         console.rule("[bold]fleetbus demo: distributed tool calls")

@@ -14,12 +14,13 @@ from pathlib import Path
 
 from rich.table import Table
 
+from fleetbus.agents.serving.client import stream_reply
 from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus
 from fleetbus.cli._common import console
 from fleetbus.cli.demo_fleet import describe_model
-from fleetbus.cli.fleet import stream_reply
 from fleetbus.cli.render import ReplyPrinter
+from fleetbus.cli.settings import cli_settings
 from fleetbus.errors import FleetbusError
 from fleetbus.protocol import (
     AgentMessage,
@@ -135,10 +136,6 @@ def _last_line(log: Path) -> str:
 _GRANTS = 3
 """Confirmations the demo gives one reply before it leaves the rest to a person."""
 
-REPLY_TIMEOUT = float(os.environ.get("FLEETBUS_DEMO_TIMEOUT", "900"))
-"""Seconds one reply of the demo may take: a small local model on a shared
-CPU writes a few tokens a second."""
-
 
 @dataclass
 class _Step:
@@ -187,10 +184,10 @@ async def _say(bus: Bus, message: Message, label: str) -> _Step:
             tools.append(str(item.data.get("tool_name", "")))
         printer.handle(item)
 
+    # A small local model on a shared CPU writes a few tokens a second.
+    timeout = cli_settings().demo_timeout
     try:
-        outcome = await stream_reply(
-            bus, AGENT, SESSION, message, on_item=on_item, timeout=REPLY_TIMEOUT
-        )
+        outcome = await stream_reply(bus, AGENT, SESSION, message, on_item=on_item, timeout=timeout)
     except FleetbusError as exc:
         printer.close()
         console.print(f"[red]{exc}[/]")

@@ -23,6 +23,8 @@ from fleetbus._version import __version__
 from fleetbus.bus import EmbeddedServer, ToolClient
 from fleetbus.cli import auth_cmd, dashboard_cmd
 from fleetbus.cli._common import (
+    POSITIVE,
+    Parser,
     add_connection_options,
     connect,
     console,
@@ -37,6 +39,7 @@ from fleetbus.cli._parsers import (
     add_fleet_commands,
     add_model_worker_parser,
     add_sim_parser,
+    fleet_command,
 )
 from fleetbus.errors import ConfigError
 from fleetbus.protocol import PROTOCOL_VERSION, render_schemas, to_builtins
@@ -49,7 +52,7 @@ DEFAULT_SCHEMA_DIR = Path("docs/protocol")
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every command."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fleetbus",
         description="Fleets of LLM agents, tool workers and model workers over NATS.",
     )
@@ -105,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME[=VALUE]",
         help="pass this variable (from this environment, or VALUE) to --mcp servers; repeatable",
     )
-    p.add_argument("--concurrency", type=int, default=64, help="calls run at once (default 64)")
+    p.add_argument(
+        "--concurrency", type=POSITIVE, default=64, help="calls run at once (default 64)"
+    )
     p.add_argument("--worker-id", help="this worker's id (default: worker.<host>-<pid>)")
     p.add_argument(
         "--timeout", type=float, default=30.0, help="default seconds per call (default 30)"
@@ -153,9 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo", help="embedded server, tool workers, 2,000 calculator calls, then an agent fleet"
     )
-    p.add_argument("--calls", type=int, default=2000, help="how many calls (default 2000)")
-    p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
-    p.add_argument("--in-flight", type=int, default=64, help="calls in flight (default 64)")
+    p.add_argument("--calls", type=POSITIVE, default=2000, help="how many calls (default 2000)")
+    p.add_argument("--workers", type=POSITIVE, default=2, help="worker processes (default 2)")
+    p.add_argument("--in-flight", type=POSITIVE, default=64, help="calls in flight (default 64)")
     p.add_argument("--no-agents", action="store_true", help="only the tool-call part")
     _everywhere(parser)
     return parser
@@ -180,15 +185,12 @@ def _logging_options(parser: argparse.ArgumentParser, suffix: str) -> None:
     )
 
 
-def _everywhere(parser: argparse.ArgumentParser, depth: int = 1) -> None:
+def _everywhere(parser: Parser) -> None:
     """Give every subcommand (at every depth) the logging options, so that
     ``fleetbus -v worker`` and ``fleetbus worker -v`` both work."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for child in action.choices.values():
-                if "--log-format" not in child._option_string_actions:
-                    _logging_options(child, f"_{depth}")
-                _everywhere(child, depth + 1)
+    for child in parser.subcommands:
+        _logging_options(child, f"_{child.depth}")
+        _everywhere(child)
 
 
 def _logging_of(args: argparse.Namespace) -> tuple[int, str | None]:
@@ -234,10 +236,7 @@ def _heavy_command(name: str) -> Callable[[argparse.Namespace], int] | None:
     """The command ``name`` when its code is imported only to run it (see
     :mod:`fleetbus.cli._parsers`); ``None`` for the others."""
     if name in FLEET_COMMANDS:
-        from fleetbus.cli.fleet import commands
-
-        found: Callable[[argparse.Namespace], int] = commands()[name]
-        return found
+        return fleet_command(name)
     if name == "sim":
         from fleetbus.cli import sim_cmd
 
@@ -278,8 +277,6 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Serve a toolkit until SIGTERM/SIGINT, then drain and exit 0."""
     from fleetbus.tools_workers import Toolkit, ToolWorker, load_toolkit
 
-    if args.concurrency < 1:
-        raise ConfigError("--concurrency must be at least 1")
     if not (args.spec or args.mcp or args.mcp_url):
         raise ConfigError("give the tools to serve: MODULE[:ATTR], --mcp or --mcp-url")
     servers = _mcp_servers(args)

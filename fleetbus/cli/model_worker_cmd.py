@@ -16,7 +16,6 @@ when the endpoint takes no connection. Also runs on its own as
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
@@ -31,6 +30,7 @@ from fleetbus.cli._common import (
     setup_logging,
 )
 from fleetbus.cli._parsers import add_model_worker_parser as add_parser
+from fleetbus.cli.settings import cli_settings
 from fleetbus.errors import ConfigError
 from fleetbus.models.model import ChatModel
 from fleetbus.models.strings import (
@@ -55,7 +55,7 @@ def _model(args: argparse.Namespace) -> tuple[ChatModel, ModelSettings, str]:
     Raises:
         ConfigError: no model named, ``bus:NAME``, or a model that cannot be configured.
     """
-    text = args.model or os.environ.get("FLEETBUS_MODEL", "").strip()
+    text = args.model or cli_settings().model
     if not text:
         raise ConfigError(
             "name the model to serve: --model openai:NAME (or offline), or set FLEETBUS_MODEL"

@@ -96,8 +96,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run or resume a simulation."""
     _model_environment(args)
     simulation = load_simulation(args.spec, agents=args.agents, rounds=args.rounds)
-    if args.deadline is not None and not args.deadline > 0:
-        raise ConfigError("--deadline must be positive")
     out: Path = args.out or Path(f"sim-{simulation.name}")
     files = RunFiles(out)
     files.prepare()

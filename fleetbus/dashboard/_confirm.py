@@ -2,7 +2,7 @@
 ``fleetbus confirm`` and ``fleetbus resume``: the same ``confirm_result``
 (allowed, denied, edited, rules accepted) or ``external_result`` to the
 agent's inbox, the resumed reply streamed by
-:func:`fleetbus.cli.fleet.stream_reply`."""
+:func:`fleetbus.agents.serving.client.stream_reply`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from fleetbus.agents.serving.client import confirm_result, external_result, stream_reply
 from fleetbus.bus import Bus
-from fleetbus.cli.fleet import confirm_result, external_result, stream_reply
 from fleetbus.errors import FleetbusError, NoRespondersError
 from fleetbus.protocol import AnyMessage, ConfirmResult, ErrorMessage, Event, ExternalResult
 

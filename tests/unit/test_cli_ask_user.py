@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from fleetbus.cli import build_parser, fleet
+from fleetbus.cli import ask_cmd, build_parser
 from fleetbus.protocol import UserRequest
 
 
@@ -21,7 +21,7 @@ def test_ask_sends_the_user_it_is_given(
         sent.append(message)
         return 0
 
-    monkeypatch.setattr(fleet, "_converse", converse)
+    monkeypatch.setattr(ask_cmd, "converse", converse)
     args = build_parser().parse_args(["ask", "helper", "What is my name?", *extra])
-    assert fleet.cmd_ask(args) == 0
+    assert ask_cmd.cmd(args) == 0
     assert [(m.content, m.metadata) for m in sent] == [("What is my name?", metadata)]

@@ -9,8 +9,7 @@ import subprocess
 import sys
 
 from fleetbus.cli import build_parser
-from fleetbus.cli._parsers import FLEET_COMMANDS
-from fleetbus.cli.fleet import commands
+from fleetbus.cli._parsers import FLEET_COMMANDS, fleet_command
 
 
 def test_the_parser_and_the_worker_need_no_agent_simulation_or_openai() -> None:
@@ -28,10 +27,27 @@ def test_the_parser_and_the_worker_need_no_agent_simulation_or_openai() -> None:
 
 
 def test_every_fleet_command_is_parsed_and_run_by_name() -> None:
-    assert set(FLEET_COMMANDS) == set(commands())
     parser = build_parser()
     for name in FLEET_COMMANDS:
         assert parser.parse_args(_minimal(name)).command == name
+        assert callable(fleet_command(name))
+
+
+def test_the_dashboard_and_the_fleet_commands_import_no_other_front_end() -> None:
+    """Nothing below the CLI imports it: the dashboard shares what it needs
+    with the CLI from :mod:`fleetbus.agents.serving.client`. And ``fleetbus
+    ask`` imports its own command's module, not ``agent``'s or ``sessions``'."""
+    code = (
+        "import sys\n"
+        "import fleetbus.dashboard._confirm\n"
+        "print(sorted(m for m in sys.modules if m.startswith('fleetbus.cli')))\n"
+        "from fleetbus.cli._parsers import fleet_command\n"
+        "fleet_command('ask')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('fleetbus.cli.agent_cmd',"
+        " 'fleetbus.cli.sessions_cmd'))))\n"
+    )
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert found.stdout.split("\n")[:2] == ["[]", "[]"], found.stdout + found.stderr
 
 
 def _minimal(name: str) -> list[str]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetbus.cli.fleet import load_agents
+from fleetbus.cli.fleet_file import load_agents
 from fleetbus.errors import ConfigError
 from fleetbus.models import OfflineModel
 
@@ -64,7 +64,7 @@ def test_module_specs() -> None:
 
 
 def test_a_population_spec_is_called_when_it_is_a_class_and_used_as_it_is_otherwise() -> None:
-    from fleetbus.cli.fleet import PopulationSpec, load_served
+    from fleetbus.cli.fleet_file import PopulationSpec, load_served
 
     served = load_served("bench._sim_population:population")  # an instance: used as it is
     assert isinstance(served, PopulationSpec)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetbus.cli.fleet import load_agents
+from fleetbus.cli.fleet_file import load_agents
 from fleetbus.errors import ConfigError
 from fleetbus.models import (
     BusModelRef,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetbus.cli.fleet import external_result
+from fleetbus.agents.serving.client import external_result
 from fleetbus.errors import ConfigError
 
 

@@ -21,7 +21,7 @@ from fleetbus.agents.permissions import (
     checked_confirmation,
     suggest_rules,
 )
-from fleetbus.cli.fleet import confirm_result
+from fleetbus.agents.serving.client import confirm_result
 from fleetbus.cli.main import build_parser, main
 from fleetbus.cli.render import ReplyPrinter
 from fleetbus.errors import ConfigError
