@@ -8,11 +8,13 @@ The only package that imports ``nats``.
 from fleetbus.bus._replies import RESEND_AFTER
 from fleetbus.bus.connection import Bus, Handler, Observation, Request
 from fleetbus.bus.lifecycle import GC_THRESHOLD, Lifecycle, tune_gc
+from fleetbus.bus.listen import Heard, Listener
 from fleetbus.bus.micro import EndpointInfo, EndpointStats, MicroService, ServiceInfo, discover
 from fleetbus.bus.server import EmbeddedServer, find_server_binary
 from fleetbus.bus.settings import (
     DEFAULT_URL,
     INBOX_ROOT,
+    BusSettings,
     ConnectOptions,
     inbox_prefix,
     inbox_wildcard,
@@ -47,6 +49,7 @@ __all__ = [
     "RESULT_HEADROOM",
     "SERVICE_NAME",
     "Bus",
+    "BusSettings",
     "CallScope",
     "ConnectOptions",
     "EmbeddedServer",
@@ -54,9 +57,11 @@ __all__ = [
     "EndpointStats",
     "Entry",
     "Handler",
+    "Heard",
     "KeyUpdates",
     "KeyValueStore",
     "Lifecycle",
+    "Listener",
     "MicroService",
     "ObjectStore",
     "ObjectSummary",

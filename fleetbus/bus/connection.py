@@ -32,6 +32,7 @@ from fleetbus._retry import Retry
 from fleetbus.bus._replies import Denials, Interruption, Reconnects, Replies, permission_denied
 from fleetbus.bus._seam import Client, Received, server_info
 from fleetbus.bus._serve import Handler, Request, ServeLoop, settle
+from fleetbus.bus.listen import Callback, Listener
 from fleetbus.bus.settings import ConnectOptions
 from fleetbus.bus.subjects import Subjects
 from fleetbus.errors import (
@@ -288,8 +289,70 @@ class Bus:
 
     @property
     def nc(self) -> NATS:
-        """The underlying nats-py client, for what fleetbus does not wrap."""
+        """The underlying nats-py client: an escape hatch for tests and for
+        what fleetbus does not wrap. Nothing in fleetbus outside
+        ``fleetbus.bus`` uses it (``tests/unit/test_private_names.py``)."""
         return self._nc
+
+    @property
+    def is_closed(self) -> bool:
+        """Whether the bus is closed or closing (draining)."""
+        return bool(self._nc.is_closed or self._nc.is_draining)
+
+    def new_inbox(self) -> str:
+        """A new unique subject under this client's :attr:`inbox_prefix`, for
+        the answers to one request (:meth:`listen` to it, then
+        :meth:`publish_bytes` the request with it as ``reply``)."""
+        return self._nc.new_inbox()
+
+    async def listen(self, subject: str, *, callback: Callback | None = None) -> Listener:
+        """Listen to every message on ``subject`` (wildcards allowed): read
+        them from the :class:`~fleetbus.bus.listen.Listener`, or have each
+        handed to ``callback`` (which must not raise). For watchers; serve
+        requests with :meth:`serve`.
+
+        Raises:
+            ConnectionClosedError: the bus is closed.
+            BusError: the subscription was refused (a bad subject among reasons).
+        """
+        self._check_open()
+        try:
+            if callback is None:
+                sub = await self._nc.subscribe(subject)
+            else:
+                sub = await self._nc.subscribe(subject, cb=callback)
+        except (nats.errors.Error, OSError) as exc:
+            raise _translate(exc, f"listening on {subject}") from exc
+        return Listener(sub, subject)
+
+    async def publish_bytes(
+        self,
+        subject: str,
+        payload: bytes,
+        *,
+        reply: str = "",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """Publish ``payload`` as it is (not a fleetbus message: an empty
+        ``$SRV`` request, a prompt encoded already), with ``reply`` and
+        ``headers`` if given.
+
+        Raises:
+            PayloadTooLargeError: ``payload`` exceeds the server's limit.
+            ConnectionClosedError: the bus is closed.
+            BusError: it could not be sent (a bad subject among reasons).
+        """
+        self._check_open()
+        try:
+            await self._nc.publish(subject, payload, reply=reply, headers=headers)
+        except nats.errors.MaxPayloadError as exc:
+            raise PayloadTooLargeError(
+                f"{len(payload)} bytes to {subject}: the server accepts at most {self.max_payload}",
+                size=len(payload),
+                limit=self.max_payload,
+            ) from exc
+        except (nats.errors.Error, OSError) as exc:
+            raise _translate(exc, f"publish to {subject}") from exc
 
     @property
     def prefix(self) -> str:

@@ -24,7 +24,6 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Final, Protocol, TypeVar
 
@@ -32,7 +31,7 @@ from rich.console import Console
 from rich.text import Text
 
 from fleetbus.agents.serving.sessions import SessionFact, SessionStore, read_fact
-from fleetbus.bus import INBOX_ROOT, Bus, Subjects, inbox_wildcard
+from fleetbus.bus import INBOX_ROOT, Bus, Listener, Subjects, inbox_wildcard
 from fleetbus.cli.render import STATUS_STYLES, describe
 from fleetbus.errors import ConnectionClosedError, FleetbusError, ProtocolError, StoreError
 from fleetbus.protocol import (
@@ -72,15 +71,6 @@ class _Msg(Protocol):
     subject: str
     reply: str
     data: bytes
-
-
-class _Subscription(Protocol):
-    """What is used of a nats-py subscription."""
-
-    @property
-    def messages(self) -> AsyncIterator[_Msg]: ...
-
-    async def unsubscribe(self, limit: int = 0) -> None: ...
 
 
 K = TypeVar("K")
@@ -346,19 +336,19 @@ async def watch(
         ConnectionClosedError: the bus is closed.
         CallTimeoutError: the server did not confirm the subscriptions in time.
     """
-    if bus.nc.is_closed or bus.nc.is_draining:
+    if bus.is_closed:
         raise ConnectionClosedError("the bus connection is closed")
     watcher = _Watcher(
         bus.subjects, session=session, agent=agent, json_output=json_output, console=console
     )
 
-    async def consume(sub: _Subscription) -> None:
-        async for msg in sub.messages:
+    async def consume(listener: Listener) -> None:
+        async for msg in listener:
             watcher.receive(msg)
 
-    subs: list[_Subscription] = [
-        await bus.nc.subscribe(_fleet_wildcard(bus.subjects)),
-        await bus.nc.subscribe(inbox_wildcard(bus.prefix)),
+    subs = [
+        await bus.listen(_fleet_wildcard(bus.subjects)),
+        await bus.listen(inbox_wildcard(bus.prefix)),
     ]
     try:
         await bus.flush(_FLUSH_TIMEOUT)
@@ -375,11 +365,7 @@ async def watch(
                 task.cancel()
     finally:
         for sub in subs:
-            if not (bus.nc.is_closed or bus.nc.is_draining):
-                try:
-                    await sub.unsubscribe()
-                except Exception as exc:  # nats errors stay inside fleetbus.bus
-                    logger.debug("unsubscribe: %s", exc)
+            await sub.unsubscribe()
     if not json_output and watcher.skipped:
         console.print(
             Text(f"skipped {watcher.skipped} undecodable message(s)", style="dim"),

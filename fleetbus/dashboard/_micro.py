@@ -4,14 +4,13 @@ tool workers answer (docs/protocol.md, section 7)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any
 
 import orjson
 
 from fleetbus.bus import Bus
-from fleetbus.errors import BusError
+from fleetbus.errors import BusError, CallTimeoutError
 
 __all__ = ["collect_stats"]
 
@@ -26,15 +25,16 @@ async def collect_stats(
     for a tenth of that after the first, as discovery does.
 
     Raises:
-        BusError: the request could not be sent.
+        BusError: the request could not be sent, or the connection closed
+            before any answer (:class:`~fleetbus.errors.ConnectionClosedError`).
     """
-    nc = bus.nc
-    inbox = nc.new_inbox()
+    inbox = bus.new_inbox()
+    listener = await bus.listen(inbox)
     try:
-        sub = await nc.subscribe(inbox)
-        await nc.publish(f"$SRV.STATS.{service}", b"", reply=inbox)
-    except Exception as exc:  # nats errors: they stay inside fleetbus.bus
-        raise BusError(f"cannot ask for $SRV.STATS.{service}: {exc}") from exc
+        await bus.publish_bytes(f"$SRV.STATS.{service}", b"", reply=inbox)
+    except BusError:
+        await listener.unsubscribe()
+        raise
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     idle = max(timeout / 10, 0.02)
@@ -45,8 +45,8 @@ async def collect_stats(
             if remaining <= 0:
                 break
             try:
-                msg = await sub.next_msg(timeout=min(remaining, idle) if found else remaining)
-            except TimeoutError:
+                msg = await listener.next(min(remaining, idle) if found else remaining)
+            except CallTimeoutError:
                 break
             try:
                 doc = orjson.loads(msg.data)
@@ -55,10 +55,9 @@ async def collect_stats(
                 continue
             if isinstance(doc, dict):
                 found.append(doc)
-    except Exception as exc:  # the connection closed while collecting
+    except BusError:  # the connection closed while collecting
         if not found:
-            raise BusError(f"$SRV.STATS.{service} failed: {exc}") from exc
+            raise
     finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+        await listener.unsubscribe()
     return found

@@ -42,7 +42,7 @@ import orjson
 
 from fleetbus.agents.permissions import suggest_rules
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore, lease_owner, read_fact
-from fleetbus.bus import SERVICE_NAME, Bus, check_name
+from fleetbus.bus import SERVICE_NAME, Bus, Listener, check_name
 from fleetbus.bus.store import STORE_WAIT, wait_for_store
 from fleetbus.dashboard._confirm import (
     ConfirmOutcome,
@@ -212,11 +212,10 @@ class FleetView:
         Raises:
             ConnectionClosedError: the bus is closed.
         """
-        nc = self.bus.nc
         subs = [
-            await nc.subscribe(self.bus.subjects.all_events()),
-            await nc.subscribe(self.bus.subjects.kv_writes(_LEASES)),
-            await nc.subscribe(self._journals_stem + ">"),
+            await self.bus.listen(self.bus.subjects.all_events()),
+            await self.bus.listen(self.bus.subjects.kv_writes(_LEASES)),
+            await self.bus.listen(self._journals_stem + ">"),
         ]
         try:
             async with asyncio.TaskGroup() as tg:
@@ -241,8 +240,7 @@ class FleetView:
             self._tg = None
             self.close()
             for sub in subs:
-                with contextlib.suppress(Exception):  # nats errors stay in fleetbus.bus
-                    await sub.unsubscribe()
+                await sub.unsubscribe()
 
     def close(self) -> None:
         """Stop: :meth:`run` returns, and streams from :meth:`follow` end."""
@@ -255,8 +253,8 @@ class FleetView:
             for task in self._confirms:
                 task.cancel()
 
-    async def _consume(self, sub: Any, handle: Callable[[_Msg], None]) -> None:
-        async for msg in sub.messages:
+    async def _consume(self, listener: Listener, handle: Callable[[_Msg], None]) -> None:
+        async for msg in listener:
             try:
                 handle(msg)
             except Exception:  # one odd message must not stop the view
@@ -581,7 +579,7 @@ class FleetView:
         # One subscription for the events and the journal (``<prefix>.*.<agent>.<session>``
         # is those two and nothing else): they come in the order they were published.
         subs = [
-            await self.bus.nc.subscribe(f"{self.bus.prefix}.*.{agent}.{session_id}", cb=on_message)
+            await self.bus.listen(f"{self.bus.prefix}.*.{agent}.{session_id}", callback=on_message)
         ]
         try:
             with contextlib.suppress(FleetbusError, TimeoutError):
@@ -618,8 +616,7 @@ class FleetView:
                 yield item
         finally:
             for one in subs:
-                with contextlib.suppress(Exception):  # nats errors stay in fleetbus.bus
-                    await one.unsubscribe()
+                await one.unsubscribe()
 
     # -- confirming ------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ from typing import Protocol
 from fleetbus import tracing
 from fleetbus._retry import Retry
 from fleetbus.bus import Bus
-from fleetbus.errors import ConfigError, ProtocolError
+from fleetbus.errors import BusError, ConfigError, ProtocolError
 from fleetbus.models.model import (
     ModelError,
     ModelRequest,
@@ -171,13 +171,12 @@ class BusChatModel:
                 retryable=False,
             )
         deadline = asyncio.get_running_loop().time() + self.timeout
-        nc = self.bus.nc
-        inbox = nc.new_inbox()
+        inbox = self.bus.new_inbox()
         try:
-            sub = await nc.subscribe(inbox)
-        except Exception as exc:  # nats errors stay inside fleetbus.bus
-            raise ModelError(f"cannot subscribe for the answer: {exc}", retryable=True) from exc
-        call = _Call(call_id, inbox, sub.next_msg, deadline)
+            listener = await self.bus.listen(inbox)
+        except BusError as exc:
+            raise ModelError(f"cannot listen for the answer: {exc}", retryable=True) from exc
+        call = _Call(call_id, inbox, listener.next, deadline)
         # Resent (same call_id) while no worker took it; once one did, never.
         retry = Retry(
             on=_Unserved, attempts=self.attempts, backoff=self.retry_backoff, timeout=self.timeout
@@ -196,10 +195,7 @@ class BusChatModel:
                     return
                 item = await self._next_item(call)
         finally:
-            try:
-                await sub.unsubscribe()
-            except Exception:  # nats errors stay inside fleetbus.bus; already gone
-                pass
+            await listener.unsubscribe()
 
     async def _send(self, call: _Call, payload: bytes) -> ModelStreamItem:
         """One attempt: send the prompt, wait for the first delta or the response.
@@ -210,10 +206,10 @@ class BusChatModel:
         """
         call.sends += 1
         try:
-            await self.bus.nc.publish(
+            await self.bus.publish_bytes(
                 self.subject, payload, reply=call.inbox, headers=tracing.inject(None)
             )
-        except Exception as exc:  # nats errors stay inside fleetbus.bus
+        except BusError as exc:
             raise ModelError(
                 f"cannot send the prompt to {self.subject}: {exc}", retryable=True
             ) from exc
@@ -288,7 +284,7 @@ class BusChatModel:
             raise ModelError(
                 f"model {self._name} did not finish within {self.timeout:g} s", retryable=True
             ) from exc
-        except Exception as exc:  # nats errors stay inside fleetbus.bus
+        except BusError as exc:
             raise ModelError(f"lost the answer of model {self._name}: {exc}") from exc
 
     def _response(self, message: LlmResponse) -> ModelResponse:

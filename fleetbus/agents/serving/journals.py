@@ -249,7 +249,7 @@ class SessionJournals:
         async def heard(msg: Any) -> None:
             arrived.put_nowait(msg.data)
 
-        sub = await self.bus.nc.subscribe(self.journal.subject(key), cb=heard)
+        sub = await self.bus.listen(self.journal.subject(key), callback=heard)
         try:
             await self.bus.flush(STORE_WAIT)  # following before the catch-up is read
             seen: set[tuple[int, int]] = set()

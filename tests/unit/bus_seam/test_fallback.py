@@ -1,0 +1,107 @@
+"""``fleetbus.bus._seam`` falls back to the public path, with one warning,
+when an internal it needs is missing, and takes what
+``FLEETBUS_PRIVATE_OFF`` leaves on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from fleetbus.bus import BusSettings, _seam
+from fleetbus.bus._seam import PATHS, Client, check, give_place, take_place
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "fleetbus.bus._seam" and r.levelno == logging.WARNING
+    ]
+
+
+def test_with_every_internal_there_every_path_is_taken(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert check(BusSettings(private_off="")) == frozenset(PATHS)
+    assert _warnings(caplog) == []
+
+
+def test_a_missing_nats_method_leaves_its_path_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delattr(NATS, "_process_headers")
+    monkeypatch.delattr(NATS, "_parse_header_lines")
+    paths = check(BusSettings(private_off=""))
+    assert paths == frozenset(PATHS) - {"route", "headers"}
+    [warning] = _warnings(caplog)
+    assert "Client._process_headers" in warning
+    assert "Client._parse_header_lines" in warning
+
+
+def test_a_changed_process_msg_leaves_the_route(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def _process_msg(self: NATS, sid: int, subject: bytes, data: bytes) -> None:
+        return None
+
+    monkeypatch.setattr(NATS, "_process_msg", _process_msg)
+    assert "route" not in check(BusSettings(private_off=""))
+    assert len(_warnings(caplog)) == 1
+
+
+def test_a_semaphore_without_its_fields_leaves_the_places(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Plain(asyncio.Semaphore):
+        def __init__(self, value: int = 1) -> None:
+            super().__init__(value)
+            del self._waiters
+
+    monkeypatch.setattr(asyncio, "Semaphore", Plain)
+    assert "places" not in check(BusSettings(private_off=""))
+    [warning] = _warnings(caplog)
+    assert "asyncio.Semaphore._waiters" in warning
+
+
+def test_paths_turned_off_are_not_taken_and_not_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert check(BusSettings(private_off="route, publish_now")) == frozenset(PATHS) - {
+        "route",
+        "publish_now",
+    }
+    assert check(BusSettings(private_off="all")) == frozenset()
+    assert _warnings(caplog) == []
+
+
+def test_without_the_publish_now_path_publish_now_declines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_seam, "AVAILABLE", frozenset(PATHS) - {"publish_now"})
+    assert not Client().publish_now("a.subject", b"x")
+
+
+def test_without_the_headers_path_nats_py_parses_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = b"NATS/1.0\r\nName: value\r\n\r\n"
+    monkeypatch.setattr(_seam, "AVAILABLE", frozenset(PATHS) - {"headers"})
+    parsed = NATS._parse_header_lines(raw)
+    assert Client._parse_header_lines(raw) == parsed
+
+
+async def test_places_are_taken_and_given_back_as_acquire_and_release_do() -> None:
+    limiter = asyncio.Semaphore(1)
+    assert take_place(limiter)
+    assert limiter.locked()
+    assert not take_place(limiter)
+    give_place(limiter)
+    assert not limiter.locked()
+    async with limiter:
+        waiter = asyncio.create_task(limiter.acquire())
+        await asyncio.sleep(0)
+        assert not take_place(limiter)  # somebody waits: not ahead of it
+    await waiter
+    give_place(limiter)  # nobody waits: back by the field
+    assert not limiter.locked()
