@@ -99,10 +99,10 @@ def new_id() -> str:
     """A fresh random message or call id: 32 hex digits of 128 random bits.
 
     The random bytes are read ahead, 256 ids at a time: a ``getrandom``
-    system call per id cost 0.57 µs against 0.2 µs, and a served reply makes
-    a few dozen ids (messages, events, calls, writes). As random; safe across
-    threads (``list.pop`` is atomic) and across ``fork`` (the child drops
-    what it inherited).
+    system call per id would cost more than making the id, and a served
+    reply makes a few dozen ids (messages, events, calls, writes). As
+    random; safe across threads (``list.pop`` is atomic) and across ``fork``
+    (the child drops what it inherited).
     """
     try:
         return _ids.pop()

@@ -271,9 +271,9 @@ class Leases:
 
         A store failing for a moment (a cluster electing the bucket's new
         leader) is tried again for up to a lease's TTL, by when the lease
-        would have lapsed anyway: a lease left to lapse held the session's
-        next request for that long (measured: answers 15-31 s late across a
-        cluster node's death, against 5-7 s for the others)."""
+        would have lapsed anyway: a lease left to lapse holds the session's
+        next request for a whole TTL, which across a cluster node's death
+        made that session's next answer far later than the others'."""
         retry = Retry(on=transient, attempts=None, backoff=0.05, max_backoff=1.0, timeout=self.ttl)
         try:
             try:
