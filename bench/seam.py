@@ -166,7 +166,9 @@ def main() -> None:
                 continue
             figures = report[name]
             figures["ratios"] = {
-                "noop_throughput": round(taken["noop_calls_per_s"] / figures["noop_calls_per_s"], 3),
+                "noop_throughput": round(
+                    taken["noop_calls_per_s"] / figures["noop_calls_per_s"], 3
+                ),
                 "one_ms_throughput": round(
                     taken["one_ms_calls_per_s"] / figures["one_ms_calls_per_s"], 3
                 ),

@@ -260,10 +260,9 @@ class Bus:
         is handed the wait's :class:`Interruption`, which can end it so too.
         """
         # The caller's task waits, and a reconnection cancels it (as
-        # asyncio.timeout would). A task for the request, another for the
-        # event and an asyncio.wait, as before, took 24 us of client CPU per
-        # tool call (bench/tool_calls.py's setup with 3 attempts, uvloop):
-        # more than the rest of the call.
+        # asyncio.timeout would): a task for the request, another for the
+        # event and an asyncio.wait cost more client CPU than the rest of a
+        # tool call (bench/tool_calls.py).
         task = asyncio.current_task()
         assert task is not None  # always inside a task under asyncio
         cancelling = task.cancelling()
@@ -537,7 +536,7 @@ class Bus:
                     raise
             else:
                 # Retry makes its first attempt without stamina (tenacity),
-                # which took 65 of the 122 us of client CPU per tool call
+                # which was half of a tool call's client CPU
                 # (bench/tool_calls.py): only a call unanswered pays for it.
                 retry = Retry(on=_UNANSWERED, attempts=attempts, backoff=max(0.0, retry_backoff))
                 reply = await retry.call(send)

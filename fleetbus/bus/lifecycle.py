@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 
+from fleetbus.bus.settings import BusSettings
 from fleetbus.errors import ConfigError
 
 __all__ = ["GC_THRESHOLD", "Lifecycle", "tune_gc"]
@@ -86,13 +86,14 @@ def tune_gc(threshold: int | None = None) -> int:
             whole number of at least 0.
     """
     if threshold is None:
-        text = os.environ.get("FLEETBUS_GC_THRESHOLD", "").strip()
         try:
-            threshold = int(text) if text else GC_THRESHOLD
-        except ValueError:
+            threshold = BusSettings().gc_threshold
+        except ValueError as exc:  # pydantic's ValidationError is a ValueError
             raise ConfigError(
-                f"FLEETBUS_GC_THRESHOLD must be a whole number, not {text!r}"
+                f"FLEETBUS_GC_THRESHOLD must be a whole number of at least 0: {exc}"
             ) from None
+        if threshold is None:
+            threshold = GC_THRESHOLD
     if threshold < 0:
         raise ConfigError(f"the collector threshold must be at least 0, not {threshold}")
     if threshold == 0:

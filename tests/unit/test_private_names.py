@@ -77,13 +77,16 @@ def private_accesses(source: str, private: frozenset[str]) -> list[str]:
             and node.args[1].value in private
         ):
             found.append(f"{node.lineno}: {ast.unparse(node)}")
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            if node.module.split(".")[0] in LIBRARIES:
-                found.extend(
-                    f"{node.lineno}: from {node.module} import {alias.name}"
-                    for alias in node.names
-                    if alias.name in private
-                )
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] in LIBRARIES
+        ):
+            found.extend(
+                f"{node.lineno}: from {node.module} import {alias.name}"
+                for alias in node.names
+                if alias.name in private
+            )
     return found
 
 
