@@ -2,7 +2,7 @@
 OpenAI-compatible adapter (its wire format and text protocol), the offline
 model, models served on the bus (``BusChatModel`` and the ``ModelWorker`` that
 serves them), model strings and settings (``model_from_string``,
-``ModelSettings``), the default model of a fleet, and the ``SpeechModel`` seam
+``ModelSettings``, ``ModelEnvironment``), the default model of a fleet, and the ``SpeechModel`` seam
 with ``EspeakSpeech``. Never imports ``agents``."""
 
 from typing import TYPE_CHECKING, Any
@@ -21,10 +21,10 @@ from fleetbus.models.model import (
 )
 from fleetbus.models.model_worker import ModelWorker
 from fleetbus.models.offline import OfflineModel
+from fleetbus.models.settings import ModelEnvironment, ModelSettings
 from fleetbus.models.speech import EspeakSpeech, SpeechError, SpeechModel, speak_to_file
 from fleetbus.models.strings import (
     BusModelRef,
-    ModelSettings,
     load_model_settings,
     model_config_from_settings,
     model_from_string,
@@ -50,6 +50,7 @@ __all__ = [
     "ChatModel",
     "EspeakSpeech",
     "ModelConfig",
+    "ModelEnvironment",
     "ModelError",
     "ModelRequest",
     "ModelResponse",

@@ -4,12 +4,11 @@ offline model, which is always announced as such."""
 
 from __future__ import annotations
 
-import os
-
 from fleetbus.bus import Bus
 from fleetbus.errors import ConfigError
 from fleetbus.models.model import ChatModel, ModelConfig
 from fleetbus.models.offline import OfflineModel
+from fleetbus.models.settings import ModelEnvironment
 from fleetbus.models.strings import (
     OFFLINE_DESCRIPTION,
     ModelSettings,
@@ -23,7 +22,7 @@ __all__ = ["default_model", "default_model_config", "describe_default_model"]
 
 
 def _configured() -> str:
-    return os.environ.get("FLEETBUS_MODEL", "").strip()
+    return ModelEnvironment().model or ""
 
 
 def default_model(
@@ -79,9 +78,10 @@ def describe_default_model() -> str:
     text = _configured()
     if not text:
         return OFFLINE_DESCRIPTION
+    env = ModelEnvironment()
     try:
         spec = parse_model_string(text)
-        url = load_model_settings().base_url or os.environ.get("OPENAI_BASE_URL")
+        url = load_model_settings().base_url or env.openai_base_url
     except ConfigError as exc:
         return f"FLEETBUS_MODEL={text}, which is not usable: {exc}"
     if spec.kind == "offline":
@@ -90,6 +90,6 @@ def describe_default_model() -> str:
         return f"bus:{spec.name} (model workers on the bus)"
     if spec.kind == "python":
         return f"{spec.name} (a model made in Python)"
-    if not url and not os.environ.get("OPENAI_API_KEY"):
+    if not url and not env.openai_api_key:
         return f"FLEETBUS_MODEL={text}, which is not usable: set OPENAI_BASE_URL or OPENAI_API_KEY"
     return f"openai:{spec.name} at {url or 'the OpenAI API'}"

@@ -76,7 +76,6 @@ its text as one delta.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -112,6 +111,7 @@ from fleetbus.models.model import (
     TextDelta,
     ThinkingDelta,
 )
+from fleetbus.models.settings import ModelEnvironment
 from fleetbus.protocol import (
     ChatMessage,
     ContentBlock,
@@ -258,7 +258,7 @@ class OpenAIChatModel:
         config: OpenAIConfig | None = None,
         client: AsyncOpenAI | None = None,
     ) -> None:
-        name = model or os.environ.get("FLEETBUS_MODEL")
+        name = model or ModelEnvironment().model
         if not name:
             raise ConfigError(
                 "no model name: pass OpenAIChatModel(model=...) or set FLEETBUS_MODEL"
@@ -287,8 +287,9 @@ class OpenAIChatModel:
         return openai.Timeout(self.config.read_timeout, connect=self.config.connect_timeout)
 
     def _make_client(self, base_url: str | None, api_key: str | None) -> AsyncOpenAI:
-        base_url = base_url or os.environ.get("OPENAI_BASE_URL") or None
-        api_key = api_key or os.environ.get("OPENAI_API_KEY") or None
+        env = ModelEnvironment()
+        base_url = base_url or env.openai_base_url
+        api_key = api_key or env.api_key
         if api_key is None:
             if base_url is None:
                 raise ConfigError(

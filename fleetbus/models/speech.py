@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from fleetbus.errors import ConfigError, FleetbusError
+from fleetbus.models.settings import ModelEnvironment
 
 __all__ = [
     "ESPEAK_INSTALL_HINT",
@@ -110,7 +111,7 @@ class EspeakSpeech:
             raise ConfigError(f"EspeakSpeech: pitch must be 0 to 99, not {pitch}")
         if not timeout > 0:
             raise ConfigError(f"EspeakSpeech: timeout must be > 0 seconds, not {timeout}")
-        program = executable or os.environ.get("FLEETBUS_ESPEAK") or "espeak-ng"
+        program = executable or ModelEnvironment().espeak or "espeak-ng"
         found = shutil.which(program)
         if found is None:
             raise ConfigError(

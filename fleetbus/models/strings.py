@@ -28,15 +28,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 import re
 import sys
 import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import ValidationError
 
 from fleetbus._imports import import_named
 from fleetbus.bus import Bus, check_name, discover
@@ -45,6 +43,7 @@ from fleetbus.models.bus_model import BusChatModel
 from fleetbus.models.model import ChatModel, ModelConfig, ModelError, ModelRequest, ModelStreamItem
 from fleetbus.models.model_worker import MODEL_SERVICE_NAME
 from fleetbus.models.offline import OfflineModel
+from fleetbus.models.settings import ModelEnvironment, ModelSettings
 
 __all__ = [
     "MODEL_SYNTAX",
@@ -70,32 +69,6 @@ OFFLINE_DESCRIPTION = (
 
 _DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 _OPENAI_MODULE = "fleetbus.models.openai_model"
-
-
-class ModelSettings(BaseSettings):
-    """The settings of a model built from a string; ``None`` keeps the default.
-
-    Read from ``FLEETBUS_MODEL_<FIELD>`` environment variables; values passed
-    to the constructor win over the environment.
-    """
-
-    model_config = SettingsConfigDict(env_prefix="FLEETBUS_MODEL_", extra="forbid", frozen=True)
-
-    timeout: float | None = Field(default=None, gt=0)
-    """Seconds one model call may take (``ModelConfig.timeout``, the OpenAI
-    adapter's read timeout, ``BusChatModel``'s and a model worker's deadline);
-    120 s by default, 300 s for a model worker's calls."""
-    retries: int | None = Field(default=None, ge=0)
-    """Retries of a failed call (``ModelConfig.max_retries``, and the OpenAI
-    adapter's ``max_retries``)."""
-    temperature: float | None = Field(default=None, ge=0)
-    max_tokens: int | None = Field(default=None, gt=0)
-    tools: Literal["auto", "on", "off"] | None = None
-    """How an OpenAI-compatible model calls tools (``OpenAIConfig.native_tools``)."""
-    fallback: str | None = None
-    """A model string: the model that takes over when this one keeps failing."""
-    base_url: str | None = None
-    """The OpenAI-compatible endpoint (default: ``OPENAI_BASE_URL``)."""
 
 
 def load_model_settings(
@@ -223,8 +196,9 @@ def model_from_string(
         return BusModelRef(spec.name, settings=settings, bus=bus)
     if spec.kind == "python":
         return _python_model(spec.name)
-    endpoint = settings.base_url or os.environ.get("OPENAI_BASE_URL")
-    if not spec.explicit and not (endpoint or os.environ.get("OPENAI_API_KEY")):
+    env = ModelEnvironment()
+    endpoint = settings.base_url or env.openai_base_url
+    if not spec.explicit and not (endpoint or env.openai_api_key):
         raise ConfigError(
             f"model {text!r}: a bare name is an OpenAI-compatible model, but neither "
             f"OPENAI_BASE_URL nor OPENAI_API_KEY is set; set one, or write {MODEL_SYNTAX}"
@@ -419,7 +393,7 @@ async def check_model(model: ChatModel, *, timeout: float = 10.0) -> None:
             asyncio.open_connection(url.hostname, port), min(timeout, 5.0)
         )
     except OSError as exc:  # TimeoutError included
-        env = (os.environ.get("OPENAI_BASE_URL") or "").rstrip("/")
+        env = (ModelEnvironment().openai_base_url or "").rstrip("/")
         where = " (OPENAI_BASE_URL)" if env == base_url else ""
         reason = exc.strerror or str(exc) or "no connection within the time allowed"
         raise ConfigError(

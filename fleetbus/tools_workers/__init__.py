@@ -4,11 +4,13 @@
 name and group; :class:`ToolWorker` serves a toolkit on the bus. The built-in
 tools are in :mod:`fleetbus.tools_workers.builtin`; :class:`MCPTools` makes
 the tools of an MCP server fleetbus tools (with the ``mcp`` extra);
-:class:`SkillTool` offers skill folders (``Toolkit(skills=[...])``).
+:class:`SkillTool` offers skill folders (``Toolkit(skills=[...])``);
+:class:`ToolSettings` is what the tool workers read from the environment.
 """
 
 from fleetbus.tools_workers.mcp import MCPTool, MCPTools
 from fleetbus.tools_workers.remote import AgentTool, RemoteToolProxy
+from fleetbus.tools_workers.settings import ToolSettings
 from fleetbus.tools_workers.skills import Skill, SkillTool, load_skills, read_skill
 from fleetbus.tools_workers.tool import DEFAULT_GROUP, Tool, tool, tool_failure
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike, load_toolkit
@@ -24,6 +26,7 @@ __all__ = [
     "SkillTool",
     "Tool",
     "ToolLike",
+    "ToolSettings",
     "ToolWorker",
     "Toolkit",
     "load_skills",

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any, Final
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from fleetbus.protocol.codec import clip
 from fleetbus.tools_workers._calculator import evaluate
+from fleetbus.tools_workers.sandbox import MAX_FILE_BYTES, MAX_PATH_CHARS, FileSandbox, _too_big
+from fleetbus.tools_workers.settings import ToolSettings
 from fleetbus.tools_workers.tool import Tool, tool
 from fleetbus.tools_workers.toolkit import Toolkit
 
@@ -35,21 +36,13 @@ __all__ = [
 ]
 
 FILES_ROOT_ENV: Final = "FLEETBUS_FILES_ROOT"
-"""Environment variable naming the root directory of the file tools."""
+"""The variable of :attr:`~fleetbus.tools_workers.settings.ToolSettings.files_root`."""
 
-DEFAULT_FILES_ROOT: Final = "workspace"
+DEFAULT_FILES_ROOT: Final[str] = ToolSettings.model_fields["files_root"].default
 """Root of the file tools when ``FLEETBUS_FILES_ROOT`` is unset, under the current directory."""
-
-MAX_FILE_BYTES: Final = 512 * 1024
-"""Largest file ``read_file`` reads and ``write_file`` writes, in bytes: half of
-NATS's default ``max_payload`` (1 MiB), so a read file always fits in its reply."""
 
 MAX_LIST_ENTRIES: Final = 1000
 """Most entries ``list_dir`` returns; a bigger directory is an error."""
-
-MAX_PATH_CHARS: Final = 4096
-"""Longest path the file tools accept (Linux's ``PATH_MAX``), in characters;
-a longer one is refused before it reaches the file system."""
 
 
 @tool
@@ -90,83 +83,6 @@ def current_time(timezone: str = "UTC") -> dict[str, Any]:
         "unix": now.timestamp(),
         "weekday": now.strftime("%A"),
     }
-
-
-class FileSandbox:
-    """A root directory that paths may not leave.
-
-    Relative paths are taken from the root. An absolute path is allowed when it
-    lies inside the root, and refused otherwise, like a ``..`` escape or a
-    symlink that points outside: every path is checked after symlinks are
-    resolved. The check happens before each operation; a process that swaps a
-    directory for a symlink between the check and the operation is out of
-    scope (the sandbox guards against a model's mistakes, not local attackers).
-
-    Args:
-        root: the root directory; made absolute now, created by :meth:`ensure_root`.
-        max_bytes: the largest file read or written, in bytes.
-    """
-
-    def __init__(self, root: str | Path, *, max_bytes: int = MAX_FILE_BYTES) -> None:
-        self.root = Path(os.path.abspath(Path(root).expanduser()))
-        self.max_bytes = max_bytes
-
-    def __repr__(self) -> str:
-        return f"FileSandbox({str(self.root)!r})"
-
-    def ensure_root(self) -> Path:
-        """Create the root directory if needed, and return its real path."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        return self.root.resolve()
-
-    def resolve(self, path: str | Path) -> Path:
-        """The real path of ``path`` inside the root (which need not exist yet).
-
-        Raises:
-            PermissionError: the path escapes the root.
-            ValueError: the path is malformed, longer than ``MAX_PATH_CHARS``, or
-                cannot be resolved (a symlink loop).
-        """
-        text = str(path)
-        if len(text) > MAX_PATH_CHARS:
-            raise ValueError(
-                f"path {clip(text, 64)!r} is {len(text)} characters long; "
-                f"at most {MAX_PATH_CHARS} are accepted"
-            )
-        if "\x00" in text:
-            raise ValueError(f"path {text!r} contains a NUL byte")
-        root = self.root.resolve()
-        candidate = Path(text)
-        try:
-            target = (candidate if candidate.is_absolute() else root / candidate).resolve()
-        except (RuntimeError, OSError) as exc:
-            raise ValueError(f"cannot resolve path {text!r}: {exc}") from None
-        if not target.is_relative_to(root):
-            raise PermissionError(f"path {text!r} escapes the sandbox root {str(self.root)!r}")
-        return target
-
-    def write_text(self, path: str, content: str) -> dict[str, Any]:
-        """Write ``content`` (UTF-8) to ``path`` inside the root, creating
-        missing parent directories; the relative path and the bytes written.
-
-        Raises:
-            ValueError: the path leaves the root, or the content is too big.
-            IsADirectoryError: ``path`` is a directory.
-        """
-        data = content.encode("utf-8")
-        if len(data) > self.max_bytes:
-            raise ValueError(_too_big(path, len(data), self.max_bytes, "write"))
-        self.ensure_root()
-        target = self.resolve(path)
-        if target.is_dir():
-            raise IsADirectoryError(f"{path!r} is a directory")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-        return {"path": self.relative(target), "bytes": len(data)}
-
-    def relative(self, target: Path) -> str:
-        """``target`` (a result of :meth:`resolve`) relative to the root, ``"."`` for the root."""
-        return target.relative_to(self.root.resolve()).as_posix()
 
 
 def file_tools(root: str | Path | FileSandbox) -> list[Tool]:
@@ -244,10 +160,6 @@ def file_tools(root: str | Path | FileSandbox) -> list[Tool]:
     return [read_file, write_file, list_dir]
 
 
-def _too_big(path: str, size: int, limit: int, verb: str) -> str:
-    return f"{path!r} is {size} bytes; {verb}_file handles at most {limit} bytes"
-
-
 def _describe_entry(entry: os.DirEntry[str]) -> dict[str, Any]:
     # Symlinks are not followed: their target may lie outside the sandbox.
     info = entry.stat(follow_symlinks=False)
@@ -270,7 +182,7 @@ def builtin_toolkit(files_root: str | Path | None = None) -> Toolkit:
             else ``./workspace``. It is created on first use, not here.
     """
     if files_root is None:
-        files_root = os.environ.get(FILES_ROOT_ENV) or DEFAULT_FILES_ROOT
+        files_root = ToolSettings().files_root
     return Toolkit([calculator, current_time, *file_tools(files_root)])
 
 

@@ -8,7 +8,7 @@ them for another root with :func:`coding_tools`. Serve them with
 :data:`toolkit`.
 
 Every path argument (``file_path``, ``path``, ``cwd``) goes through a
-:class:`~fleetbus.tools_workers.builtin.FileSandbox`: ``..``, absolute paths
+:class:`~fleetbus.tools_workers.sandbox.FileSandbox`: ``..``, absolute paths
 outside the root and symlinks that point outside are refused. ``Grep`` skips
 the files under its path that are symlinks to the outside.
 
@@ -43,7 +43,8 @@ from typing import Annotated, Any, Final
 from pydantic import Field
 
 from fleetbus.protocol.codec import clip
-from fleetbus.tools_workers.builtin import FileSandbox
+from fleetbus.tools_workers.sandbox import FileSandbox
+from fleetbus.tools_workers.settings import ToolSettings
 from fleetbus.tools_workers.tool import Tool, tool
 from fleetbus.tools_workers.toolkit import Toolkit
 
@@ -61,7 +62,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 CODING_ROOT_ENV: Final = "FLEETBUS_CODING_ROOT"
-"""Environment variable naming the root directory of the coding tools."""
+"""The variable of :attr:`~fleetbus.tools_workers.settings.ToolSettings.coding_root`."""
 
 DEFAULT_BASH_TIMEOUT: Final = 120.0
 """Seconds a ``Bash`` command may run unless :func:`coding_tools` says otherwise."""
@@ -475,5 +476,5 @@ class _Capture:
         return f"{head}\n[... {cut} bytes of output cut ...]\n{tail}", cut
 
 
-toolkit = coding_tools(os.environ.get(CODING_ROOT_ENV) or os.getcwd())
+toolkit = coding_tools(ToolSettings().coding_root or os.getcwd())
 """The coding tools, served by ``fleetbus worker fleetbus.tools_workers.coding``."""

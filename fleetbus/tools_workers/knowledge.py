@@ -47,6 +47,7 @@ from pydantic import Field
 from fleetbus.errors import ConfigError
 from fleetbus.tools_workers._fts import any_of, query_words
 from fleetbus.tools_workers._knowledge_chunks import DEFAULT_CHUNK_CHARS, Chunk, chunk_document
+from fleetbus.tools_workers.settings import ToolSettings
 from fleetbus.tools_workers.tool import Tool, tool
 from fleetbus.tools_workers.toolkit import Toolkit
 
@@ -71,15 +72,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 KNOWLEDGE_DIR_ENV: Final = "FLEETBUS_KNOWLEDGE_DIR"
-"""Environment variable naming the folder the worker serves."""
+"""The variable of :attr:`~fleetbus.tools_workers.settings.ToolSettings.knowledge_dir`."""
 
 KNOWLEDGE_TOOL_ENV: Final = "FLEETBUS_KNOWLEDGE_TOOL"
-"""Environment variable naming the worker's tool (``knowledge_search`` by default)."""
+"""The variable of :attr:`~fleetbus.tools_workers.settings.ToolSettings.knowledge_tool`."""
 
 KNOWLEDGE_INDEX_ENV: Final = "FLEETBUS_KNOWLEDGE_INDEX"
-"""Environment variable naming a SQLite file to keep the worker's index in."""
+"""The variable of :attr:`~fleetbus.tools_workers.settings.ToolSettings.knowledge_index`."""
 
-DEFAULT_TOOL_NAME: Final = "knowledge_search"
+DEFAULT_TOOL_NAME: Final[str] = ToolSettings.model_fields["knowledge_tool"].default
 """The tool's name when none is given."""
 
 DEFAULT_LIMIT: Final = 5
@@ -634,17 +635,18 @@ def knowledge_toolkit(
         ConfigError: no folder given nor set, or it cannot be indexed.
         ToolDefinitionError: the name cannot be a tool's name.
     """
-    folder = folder or os.environ.get(KNOWLEDGE_DIR_ENV)
+    settings = ToolSettings()
+    folder = folder or settings.knowledge_dir
     if not folder:
         raise ConfigError(
             f"set {KNOWLEDGE_DIR_ENV} to the folder of documents to serve (text and Markdown files)"
         )
-    index = KnowledgeIndex(folder, index_path=index_path or os.environ.get(KNOWLEDGE_INDEX_ENV))
+    index = KnowledgeIndex(folder, index_path=index_path or settings.knowledge_index)
     stats = index.refresh()
     logger.info(
         "knowledge %s: %d passage(s) in %d file(s)", index.folder, stats.chunks, stats.files
     )
-    tool_name = name or os.environ.get(KNOWLEDGE_TOOL_ENV) or DEFAULT_TOOL_NAME
+    tool_name = name or settings.knowledge_tool
     return Toolkit(knowledge_tools(index, name=tool_name))
 
 

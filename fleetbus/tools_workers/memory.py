@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -51,6 +50,7 @@ from pydantic import Field
 
 from fleetbus.errors import ConfigError, StoreError
 from fleetbus.tools_workers._fts import any_of, query_words
+from fleetbus.tools_workers.settings import ToolSettings
 from fleetbus.tools_workers.tool import tool
 from fleetbus.tools_workers.toolkit import Toolkit
 
@@ -76,9 +76,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MEMORY_DB_ENV: Final = "FLEETBUS_MEMORY_DB"
-"""Environment variable naming the SQLite file of the served memory."""
+"""The variable of :attr:`~fleetbus.tools_workers.settings.ToolSettings.memory_db`."""
 
-DEFAULT_MEMORY_DB: Final = "fleetbus-memory.db"
+DEFAULT_MEMORY_DB: Final[str] = ToolSettings.model_fields["memory_db"].default
 """The file when ``FLEETBUS_MEMORY_DB`` is unset, in the working folder."""
 
 RECORD_TOOL: Final = "long_term_memory_record"
@@ -179,7 +179,7 @@ class SQLiteMemory:
 
     def __init__(self, path: str | Path | None = None) -> None:
         if path is None:
-            path = os.environ.get(MEMORY_DB_ENV) or DEFAULT_MEMORY_DB
+            path = ToolSettings().memory_db
         self.path = (
             str(path) if str(path) == ":memory:" else str(Path(path).expanduser().absolute())
         )

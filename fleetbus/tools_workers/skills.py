@@ -42,9 +42,9 @@ from pydantic import Field
 
 from fleetbus.errors import ConfigError
 from fleetbus.tools_workers._frontmatter import FrontMatterError, parse_front_matter
-from fleetbus.tools_workers.builtin import FileSandbox
+from fleetbus.tools_workers.sandbox import FileSandbox
+from fleetbus.tools_workers.settings import ToolSettings
 from fleetbus.tools_workers.tool import Tool
-from fleetbus.tools_workers.toolkit import Toolkit
 
 __all__ = [
     "DEFAULT_MAX_CHARS",
@@ -67,8 +67,7 @@ SKILL_FILE: Final = "SKILL.md"
 """The file that makes a folder a skill."""
 
 SKILLS_ENV: Final = "FLEETBUS_SKILLS"
-"""Environment variable naming the skill folders :func:`toolkit` serves
-(separated by ``os.pathsep``, ``:`` on POSIX)."""
+"""The variable of :attr:`~fleetbus.tools_workers.settings.ToolSettings.skills`."""
 
 SKILL_TOOL_NAME: Final = "load_skill"
 """The name of the tool that loads skills, unless told otherwise."""
@@ -388,21 +387,24 @@ class SkillTool(Tool):
         return f"{header}\n\n{piece}" + (note if end < len(text) else "")
 
 
-def toolkit() -> Toolkit:
+def toolkit() -> SkillTool:
     """What ``fleetbus worker fleetbus.tools_workers.skills`` serves: the
     ``load_skill`` tool of the skill folders named by ``FLEETBUS_SKILLS``
-    (separated by ``os.pathsep``).
+    (separated by ``os.pathsep``), which
+    :func:`~fleetbus.tools_workers.toolkit.load_toolkit` puts in a toolkit of
+    its own. It is a tool, not a :class:`~fleetbus.tools_workers.Toolkit`,
+    because the toolkit module imports this one (``Toolkit(skills=…)``).
 
     Raises:
         ConfigError: ``FLEETBUS_SKILLS`` is unset or empty, or names no usable skills.
     """
-    paths = [p for p in os.environ.get(SKILLS_ENV, "").split(os.pathsep) if p.strip()]
+    paths = ToolSettings().skill_folders
     if not paths:
         raise ConfigError(
             f"set {SKILLS_ENV} to the skill folders to serve (separated by {os.pathsep!r}), "
             f"e.g. {SKILLS_ENV}=./skills"
         )
-    return Toolkit(skills=paths)
+    return SkillTool(load_skills(paths))
 
 
 def _decode(data: bytes, *, whole: bool, source: Path) -> str:

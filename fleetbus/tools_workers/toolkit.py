@@ -18,11 +18,11 @@ from fleetbus.bus import ToolClient
 from fleetbus.errors import ToolDefinitionError, UnknownToolError
 from fleetbus.protocol import ToolResult, ToolSpec
 from fleetbus.tools_workers.remote import RemoteToolProxy
+from fleetbus.tools_workers.skills import SKILL_TOOL_NAME, SkillTool, load_skills
 from fleetbus.tools_workers.tool import DEFAULT_GROUP, Tool, tool_failure
 
 if TYPE_CHECKING:
     from fleetbus.tools_workers.mcp import MCPTools
-    from fleetbus.tools_workers.skills import SkillTool
 
 __all__ = ["ToolLike", "Toolkit", "load_toolkit"]
 
@@ -130,8 +130,6 @@ class Toolkit:
                 or two skills have the same name.
             ToolDefinitionError: ``name`` is taken by a tool that is not a skill tool.
         """
-        from fleetbus.tools_workers.skills import SKILL_TOOL_NAME, SkillTool, load_skills
-
         tool_name = name or SKILL_TOOL_NAME
         loaded = load_skills(skills)
         found = self._tools.get(tool_name)
@@ -358,7 +356,7 @@ def load_toolkit(spec: str) -> Toolkit:
     ``ATTR`` may be a :class:`Toolkit`, a :class:`Tool`, a list of tools, or a
     function returning one of these. Without ``ATTR``: the module's
     ``toolkit`` attribute if it has one (a Toolkit, or a function returning
-    one), else every ``Tool`` defined at its top level.
+    one of these), else every ``Tool`` defined at its top level.
 
     Raises:
         ToolDefinitionError: the module or attribute cannot be loaded, or
