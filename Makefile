@@ -10,7 +10,7 @@ PYTHON ?= $(shell for p in python3.13 python3.12 python3.11 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
 	&& { command -v $$p; break; }; done)
 
-.PHONY: install demo test lint format bench schema clean
+.PHONY: install demo test lint format bench schema versions clean
 
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "fleetbus needs Python 3.11 or newer on PATH"; exit 1; }
@@ -30,12 +30,13 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # Four pytest workers on two cores: the suite mostly waits on the processes
-# and servers it starts (two workers kept the cores 56 % busy: 5 min 41 s;
-# four, 4 min 11 s). The suite starts hundreds of fleetbus processes: their bytecode is compiled
-# once here, so none compiles the sources itself (where PYTHONDONTWRITEBYTECODE
-# is set, each did, 0.35 s of a 1.2 s start).
+# and servers it starts, and two workers leave the cores idle half the time.
+# The suite starts hundreds of fleetbus processes: their bytecode is compiled
+# once here, so that none compiles the sources itself where
+# PYTHONDONTWRITEBYTECODE is set (compiling was a large part of a start).
 test: lint
 	$(PY) -m compileall -q fleetbus tests bench examples
 	$(BIN)/pytest -n 4
@@ -43,6 +44,12 @@ test: lint
 format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# The suite on the lowest and on the newest versions pyproject.toml allows,
+# each in a venv of its own (.venv-lowest, .venv-newest).
+versions:
+	bash scripts/test-versions.sh lowest
+	bash scripts/test-versions.sh newest
 
 bench: install
 	@for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done
