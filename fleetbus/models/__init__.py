@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    # The OpenAI adapter imports the openai SDK (~0.7 s): only when asked for.
+    # The OpenAI adapter imports the openai SDK, slow to import: only when
+    # asked for, so a process that never uses it does not pay for it.
     if name in ("OpenAIChatModel", "OpenAIConfig"):
         from fleetbus.models import openai_model
 

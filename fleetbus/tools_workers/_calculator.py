@@ -120,7 +120,8 @@ def evaluate(expr: str) -> Number:
 
 
 _PLAIN = re.compile(r"[\d\s.+\-*/%()eE_]*")
-"""Numbers and operators only, the common case: 11 µs evaluated instead of 45 µs."""
+"""Numbers and operators only, the common case: such an expression skips the
+token scan, which costs several times the evaluation itself."""
 
 
 def _check_tokens(expr: str) -> None:

@@ -315,9 +315,9 @@ class KnowledgeIndex:
         every word of the question. The query's words as the index has them
         (stemmed) come from a scratch table of the connection; their counts
         in the candidates, and in how many passages they are, from the
-        index's vocabulary. Measured on 8,700 passages (12 MB): 2 to 15 ms
-        for the counts; counting the candidates' words anew in the scratch
-        table took 60 to 120 ms.
+        index's vocabulary, which FTS5 keeps up to date: counting the
+        candidates' words anew for each search is what made a search of a
+        large folder slow.
         """
         match, words = expression
         rows = db.execute(

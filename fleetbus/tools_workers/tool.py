@@ -171,7 +171,8 @@ class Tool:
         Raises:
             pydantic.ValidationError: they do not fit the schema.
         """
-        # What model_validate does, without its wrapper: 40% less per call.
+        # What model_validate does, without its wrapper, which is a large part
+        # of the cost of a small call.
         model = self._model.__pydantic_validator__.validate_python(parameters)
         return dict(model.__dict__)
 
@@ -314,11 +315,11 @@ class Tool:
         Does what ``asyncio.timeout`` does with one timer handle and no
         context-manager state, and arms that timer only once the function
         suspends: one that returns from its first step was never going to be
-        interrupted by a timer. A timer armed and cancelled on every call was
-        2.5 of the 20 us of Python a worker spent on a no-op call (and the
-        cancelled timers pile up in the loop's heap); driving the function
-        through :func:`_resume` costs a fraction of a microsecond per
-        suspension.
+        interrupted by a timer. A timer armed and cancelled on every call is
+        a noticeable part of what a worker spends on a small call, and the
+        cancelled timers pile up in the loop's heap; driving the function
+        through :func:`_resume` costs far less per suspension
+        (``bench/tool_calls.py`` measures a worker's calls).
         """
         call = self.fn(**kwargs) if self.is_async else asyncio.to_thread(self.fn, **kwargs)
         if limit is None:
