@@ -107,9 +107,9 @@ def guarded(command: Callable[[], int]) -> int:
 
 Subcommands: TypeAlias = Any
 """What ``ArgumentParser.add_subparsers`` returns, to which a command adds
-its parser with ``add_parser(NAME, help=…)``. Its class is private to argparse
-(``argparse._SubParsersAction``), so it is not named here: ``Any``, and only
-``add_parser`` is called on it."""
+its parser with ``add_parser(NAME, help=…)``. Its class is private to
+argparse, so it is not named here: ``Any``, and only ``add_parser`` is called
+on it."""
 
 
 class Parser(argparse.ArgumentParser):

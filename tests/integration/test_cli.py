@@ -90,7 +90,6 @@ async def test_call_and_tools_against_workers(nats_server: EmbeddedServer, bus: 
         (["call", "calculator", "{not json"], "parameters are not JSON"),
         (["call", "calculator", "[1]"], "parameters must be a JSON object"),
         (["call", "calculator", "{}", "--nats", "nats://127.0.0.1:1"], "cannot connect to NATS"),
-        (["worker", "fleetbus.tools_workers.builtin", "--concurrency", "0"], "--concurrency"),
         (["call", "no such", "{}", "--nats", "{url}"], "invalid tool name"),
     ],
 )

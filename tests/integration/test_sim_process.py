@@ -160,7 +160,6 @@ def test_a_host_killed_with_requests_queued_loses_none_of_them(
         ("{dir}/spec.py:simulation", [], "people.csv: no column 'background' (columns: name, k)"),
         ("{dir}/spec.py:nothing", [], "has no attribute 'nothing'"),
         ("{dir}/spec.py:fixed", ["--nats", "nats://127.0.0.1:1"], "cannot connect to NATS"),
-        ("{dir}/spec.py:fixed", ["--agents", "3", "--deadline", "0"], "--deadline"),
     ],
 )
 def test_mistakes_get_one_clear_line(

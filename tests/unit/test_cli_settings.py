@@ -44,7 +44,7 @@ def test_a_bad_variable_is_named(monkeypatch: pytest.MonkeyPatch, name: str, val
     ("argv", "message"),
     [
         (["agent", "m:agents", "--replicas", "0"], "a count of 1 or more, not '0'"),
-        (["worker", "m", "--concurrency", "-2"], "a count of 1 or more, not '-2'"),
+        (["worker", "m", "--concurrency", "0"], "a count of 1 or more, not '0'"),
         (["demo", "--calls", "x"], "a count of 1 or more, not 'x'"),
         (["dashboard", "--port", "70000"], "a port is 0 to 65535, not '70000'"),
         (["dashboard", "--poll", "0"], "a positive number of seconds, not '0'"),
