@@ -30,9 +30,9 @@ from fleetbus.cli._common import (
     setup_logging,
 )
 from fleetbus.cli._parsers import add_model_worker_parser as add_parser
-from fleetbus.cli.settings import cli_settings
 from fleetbus.errors import ConfigError
 from fleetbus.models.model import ChatModel
+from fleetbus.models.settings import ModelEnvironment
 from fleetbus.models.strings import (
     ModelSettings,
     check_model,
@@ -55,7 +55,7 @@ def _model(args: argparse.Namespace) -> tuple[ChatModel, ModelSettings, str]:
     Raises:
         ConfigError: no model named, ``bus:NAME``, or a model that cannot be configured.
     """
-    text = args.model or cli_settings().model
+    text = args.model or ModelEnvironment().model
     if not text:
         raise ConfigError(
             "name the model to serve: --model openai:NAME (or offline), or set FLEETBUS_MODEL"

@@ -12,17 +12,13 @@ environment variable           meaning
                                (default 10)
 ``FLEETBUS_DEMO_TIMEOUT``      seconds each reply of ``fleetbus demo`` may
                                take (default 900)
-``FLEETBUS_MODEL``             the model ``fleetbus model-worker`` serves
-                               without ``--model`` (a model string, as
-                               :mod:`fleetbus.models.defaults` reads it)
 =============================  ==========================================
 
 The commands also read the variables of the layers below them, each
 documented where it is read: the bus layer's (``FLEETBUS_NATS_URL``,
 ``FLEETBUS_PREFIX``, ``FLEETBUS_GC_THRESHOLD`` … in
 :mod:`fleetbus.bus.settings`), the model's
-(``FLEETBUS_MODEL`` in :mod:`fleetbus.models.defaults`, ``FLEETBUS_MODEL_*``
-in :mod:`fleetbus.models.strings`),
+(``FLEETBUS_MODEL``, ``FLEETBUS_MODEL_*`` … in :mod:`fleetbus.models.settings`),
 and the log level's (``FLEETBUS_LOG_LEVEL`` in :mod:`fleetbus.logs`).
 """
 
@@ -56,19 +52,11 @@ class CliSettings(BaseSettings):
     demo_timeout: float = Field(default=900.0, gt=0)
     """``FLEETBUS_DEMO_TIMEOUT``: seconds each reply of ``fleetbus demo`` may
     take (a local model can be slow)."""
-    model: str = ""
-    """``FLEETBUS_MODEL``: the model string ``fleetbus model-worker`` serves
-    without ``--model``."""
 
     @field_validator("log_format", mode="before")
     @classmethod
     def _lower(cls, value: Any) -> Any:
         return value.strip().lower() if isinstance(value, str) else value
-
-    @field_validator("model", mode="before")
-    @classmethod
-    def _strip(cls, value: Any) -> Any:
-        return value.strip() if isinstance(value, str) else value
 
 
 def cli_settings(**given: Any) -> CliSettings:
