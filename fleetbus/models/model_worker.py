@@ -40,9 +40,11 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from pydantic import BaseModel, Field
+
 from fleetbus._version import __version__
 from fleetbus.bus import Bus, EndpointInfo, Lifecycle, MicroService, Request, check_name
-from fleetbus.errors import BusError, ConfigError
+from fleetbus.errors import BusError
 from fleetbus.models.model import (
     ChatModel,
     ModelError,
@@ -52,6 +54,7 @@ from fleetbus.models.model import (
     ThinkingDelta,
     supports_required_tool_choice,
 )
+from fleetbus.models.settings import check_ranges
 from fleetbus.protocol import (
     ErrorCode,
     ErrorMessage,
@@ -131,6 +134,13 @@ def _secs(seconds: float) -> str:
     return f"{max(1, round(seconds))} s"
 
 
+class _Limits(BaseModel):
+    concurrency: int = Field(ge=1)
+    requests_per_minute: int | None = Field(ge=1)
+    tokens_per_minute: int | None = Field(ge=1)
+    call_timeout: float = Field(gt=0)
+
+
 class ModelWorker(Lifecycle):
     """Serves one model on the bus, within its concurrency and rate limits.
 
@@ -165,15 +175,14 @@ class ModelWorker(Lifecycle):
         call_timeout: float = 300.0,
     ) -> None:
         self.name = check_name(model.name if name is None else name, what="model name")
-        for what, value in (
-            ("concurrency", concurrency),
-            ("requests_per_minute", requests_per_minute),
-            ("tokens_per_minute", tokens_per_minute),
-        ):
-            if value is not None and value < 1:
-                raise ConfigError(f"{what} must be at least 1")
-        if not call_timeout > 0:
-            raise ConfigError("call_timeout must be positive")
+        check_ranges(
+            _Limits,
+            "ModelWorker",
+            concurrency=concurrency,
+            requests_per_minute=requests_per_minute,
+            tokens_per_minute=tokens_per_minute,
+            call_timeout=call_timeout,
+        )
         self.bus = bus
         self.model = model
         self.worker_id = worker_id or f"model-worker.{socket.gethostname()}-{os.getpid()}"

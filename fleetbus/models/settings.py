@@ -6,16 +6,21 @@ endpoint is (``FLEETBUS_MODEL``, ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``,
 ``FLEETBUS_ESPEAK``); :class:`ModelSettings` tunes a model made from a model
 string (``FLEETBUS_MODEL_<FIELD>``: ``FLEETBUS_MODEL_TIMEOUT``…). Both are
 read when a model is made, not at import, and a value given in code wins.
+
+:func:`check_ranges` checks the numbers a model, a model worker or a speech
+synthesizer is made with against pydantic constraints.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["ModelEnvironment", "ModelSettings"]
+from fleetbus.errors import ConfigError
+
+__all__ = ["ModelEnvironment", "ModelSettings", "check_ranges"]
 
 
 class ModelEnvironment(BaseSettings):
@@ -75,3 +80,27 @@ class ModelSettings(BaseSettings):
     """A model string: the model that takes over when this one keeps failing."""
     base_url: str | None = None
     """The OpenAI-compatible endpoint (default: ``OPENAI_BASE_URL``)."""
+
+
+_Limits = TypeVar("_Limits", bound=BaseModel)
+
+
+def check_ranges(limits: type[_Limits], where: str, **values: Any) -> _Limits:
+    """``limits(**values)``: the values, checked against the constraints the
+    fields of ``limits`` declare (``Field(ge=…)``).
+
+    Args:
+        limits: a pydantic model whose fields are the values' names.
+        where: what takes the values, named in the error (``"EspeakSpeech"``).
+        values: the values, by field name.
+
+    Raises:
+        ConfigError: the first value out of range, named with what was given.
+    """
+    try:
+        return limits(**values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = ".".join(str(part) for part in first["loc"])
+        message = first["msg"].replace("Input", name, 1)
+        raise ConfigError(f"{where}: {message}, not {first['input']!r}") from None

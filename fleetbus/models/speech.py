@@ -24,8 +24,10 @@ import wave
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from pydantic import BaseModel, Field
+
 from fleetbus.errors import ConfigError, FleetbusError
-from fleetbus.models.settings import ModelEnvironment
+from fleetbus.models.settings import ModelEnvironment, check_ranges
 
 __all__ = [
     "ESPEAK_INSTALL_HINT",
@@ -75,6 +77,13 @@ class SpeechModel(Protocol):
         ...
 
 
+class _EspeakLimits(BaseModel):
+    speed: int = Field(ge=80, le=500)
+    """Words per minute espeak-ng can speak at."""
+    pitch: int = Field(ge=0, le=99)
+    timeout: float = Field(gt=0)
+
+
 class EspeakSpeech:
     """Speech from the ``espeak-ng`` program (a formant synthesizer: robotic
     but clear, fast, offline, many languages).
@@ -105,12 +114,7 @@ class EspeakSpeech:
     ) -> None:
         if not voice or any(c.isspace() for c in voice) or voice.startswith("-"):
             raise ConfigError(f"EspeakSpeech: voice {voice!r} is not a voice name (e.g. 'en')")
-        if not 80 <= speed <= 500:
-            raise ConfigError(f"EspeakSpeech: speed must be 80 to 500 words a minute, not {speed}")
-        if not 0 <= pitch <= 99:
-            raise ConfigError(f"EspeakSpeech: pitch must be 0 to 99, not {pitch}")
-        if not timeout > 0:
-            raise ConfigError(f"EspeakSpeech: timeout must be > 0 seconds, not {timeout}")
+        check_ranges(_EspeakLimits, "EspeakSpeech", speed=speed, pitch=pitch, timeout=timeout)
         program = executable or ModelEnvironment().espeak or "espeak-ng"
         found = shutil.which(program)
         if found is None:

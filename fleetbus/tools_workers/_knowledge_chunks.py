@@ -7,7 +7,9 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from fleetbus.errors import ConfigError
+from pydantic import BaseModel, Field
+
+from fleetbus.tools_workers.settings import check_ranges
 
 __all__ = ["DEFAULT_CHUNK_CHARS", "Chunk", "chunk_document"]
 
@@ -36,6 +38,10 @@ class Chunk:
     heading: str = ""
 
 
+class _Limits(BaseModel):
+    max_chars: int = Field(ge=1)
+
+
 def chunk_document(
     text: str, *, markdown: bool = True, max_chars: int = DEFAULT_CHUNK_CHARS
 ) -> list[Chunk]:
@@ -51,8 +57,7 @@ def chunk_document(
     Raises:
         ConfigError: ``max_chars`` is below 1.
     """
-    if max_chars < 1:
-        raise ConfigError(f"max_chars must be at least 1, not {max_chars}")
+    check_ranges(_Limits, "chunk_document", max_chars=max_chars)
     lines = [line.rstrip("\r") for line in text.split("\n")]
     chunks: list[Chunk] = []
     for heading, blocks in _sections(lines, markdown):

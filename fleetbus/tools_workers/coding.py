@@ -40,11 +40,11 @@ import subprocess
 from pathlib import Path
 from typing import Annotated, Any, Final
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from fleetbus.protocol.codec import clip
 from fleetbus.tools_workers.sandbox import FileSandbox
-from fleetbus.tools_workers.settings import ToolSettings
+from fleetbus.tools_workers.settings import ToolSettings, check_ranges
 from fleetbus.tools_workers.tool import Tool, tool
 from fleetbus.tools_workers.toolkit import Toolkit
 
@@ -114,10 +114,9 @@ def coding_tools(
     Raises:
         ValueError: ``bash_timeout`` or ``output_limit`` is not positive.
     """
-    if not bash_timeout > 0:
-        raise ValueError(f"bash_timeout must be positive, not {bash_timeout!r}")
-    if output_limit < 1:
-        raise ValueError(f"output_limit must be positive, not {output_limit!r}")
+    check_ranges(
+        _Limits, "coding_tools", ValueError, bash_timeout=bash_timeout, output_limit=output_limit
+    )
     sandbox = root if isinstance(root, FileSandbox) else FileSandbox(root)
 
     @tool(name="Bash", timeout=bash_timeout + _TOOL_GRACE, concurrency_safe=False)
@@ -297,6 +296,11 @@ def coding_tools(
 
     tools: list[Tool] = [bash, read, write, edit, grep]
     return Toolkit(tools)
+
+
+class _Limits(BaseModel):
+    bash_timeout: float = Field(gt=0)
+    output_limit: int = Field(ge=1)
 
 
 def _check_size(sandbox: FileSandbox, path: str, size: int) -> None:

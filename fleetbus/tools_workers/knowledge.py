@@ -42,12 +42,12 @@ from math import log
 from pathlib import Path
 from typing import Annotated, Any, Final
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from fleetbus.errors import ConfigError
 from fleetbus.tools_workers._fts import any_of, query_words
 from fleetbus.tools_workers._knowledge_chunks import DEFAULT_CHUNK_CHARS, Chunk, chunk_document
-from fleetbus.tools_workers.settings import ToolSettings
+from fleetbus.tools_workers.settings import ToolSettings, check_ranges
 from fleetbus.tools_workers.tool import Tool, tool
 from fleetbus.tools_workers.toolkit import Toolkit
 
@@ -99,6 +99,18 @@ DEFAULT_MAX_FILE_BYTES: Final = 4 * 1024 * 1024
 _MIN_CHUNK_CHARS: Final = 100
 _MAX_CHUNK_CHARS: Final = 20_000
 _MAX_QUERY_CHARS: Final = 8000
+
+
+class _IndexLimits(BaseModel):
+    chunk_chars: int = Field(ge=_MIN_CHUNK_CHARS, le=_MAX_CHUNK_CHARS)
+    refresh_interval: float | None = Field(ge=0)
+    max_file_bytes: int = Field(ge=1)
+
+
+class _SearchLimits(BaseModel):
+    limit: int = Field(ge=1)
+
+
 """Characters of a query read for words: a whole pasted document is not searched word by word."""
 _SCHEMA_VERSION: Final = "1"
 _MARKDOWN: Final = frozenset({".md", ".markdown"})
@@ -217,15 +229,13 @@ class KnowledgeIndex:
         root = Path(folder).expanduser()
         if not root.is_dir():
             raise ConfigError(f"knowledge folder {str(root)!r} is not a directory")
-        if not _MIN_CHUNK_CHARS <= chunk_chars <= _MAX_CHUNK_CHARS:
-            raise ConfigError(
-                f"chunk_chars must be from {_MIN_CHUNK_CHARS} to {_MAX_CHUNK_CHARS}, "
-                f"not {chunk_chars}"
-            )
-        if refresh_interval is not None and not refresh_interval >= 0:
-            raise ConfigError(f"refresh_interval must be 0 or more, not {refresh_interval}")
-        if max_file_bytes < 1:
-            raise ConfigError(f"max_file_bytes must be positive, not {max_file_bytes}")
+        check_ranges(
+            _IndexLimits,
+            "KnowledgeIndex",
+            chunk_chars=chunk_chars,
+            refresh_interval=refresh_interval,
+            max_file_bytes=max_file_bytes,
+        )
         self.folder = root.resolve()
         self.index_path = None if index_path is None else Path(index_path).expanduser()
         self.chunk_chars = chunk_chars
@@ -269,8 +279,7 @@ class KnowledgeIndex:
         Raises:
             ConfigError: ``limit`` is below 1, or the folder is gone.
         """
-        if limit < 1:
-            raise ConfigError(f"limit must be at least 1, not {limit}")
+        check_ranges(_SearchLimits, "KnowledgeIndex.search", limit=limit)
         expression = _match_expression(query)
         with self._lock, self._translated():
             db = self._open()

@@ -46,11 +46,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
+from pydantic import BaseModel, Field
 
 from fleetbus._version import __version__
 from fleetbus.bus.subjects import check_name
 from fleetbus.errors import ConfigError, InvalidSubjectError, ToolDefinitionError, ToolError
 from fleetbus.protocol import DataBlock, ErrorCode, TextBlock, ToolResult, ToolSpec
+from fleetbus.tools_workers.settings import check_ranges
 from fleetbus.tools_workers.tool import tool_failure
 
 if TYPE_CHECKING:
@@ -70,6 +72,11 @@ _MAX_PAGES = 100
 """Pages of ``tools/list`` read at most: a server that pages forever cannot hang the start."""
 
 _NOT_A_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
+
+
+class _Limits(BaseModel):
+    timeout: float | None = Field(gt=0)
+    connect_timeout: float = Field(gt=0)
 
 
 def _require_sdk() -> None:
@@ -225,10 +232,7 @@ class MCPTools:
                 raise ConfigError("the MCP server command is empty")
         if url is not None and not url.startswith(("http://", "https://")):
             raise ConfigError(f"an MCP server URL starts with http:// or https://, not {url!r}")
-        if timeout is not None and not timeout > 0:
-            raise ConfigError("the MCP tools' timeout must be positive")
-        if not connect_timeout > 0:
-            raise ConfigError("the MCP connect timeout must be positive")
+        check_ranges(_Limits, "MCPTools", timeout=timeout, connect_timeout=connect_timeout)
         self.argv = argv
         self.url = url
         self.env = dict(env) if env is not None else None

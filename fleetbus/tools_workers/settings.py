@@ -1,5 +1,6 @@
 """What the tool workers read from the environment, each variable documented
-once: on its field of :class:`ToolSettings`.
+once: on its field of :class:`ToolSettings`; and :func:`check_ranges`, which
+checks the numbers the tools are made with against pydantic constraints.
 
 Each field is read from ``FLEETBUS_<FIELD>`` (``files_root`` from
 ``FLEETBUS_FILES_ROOT``); an empty variable counts as unset. The toolkits
@@ -13,10 +14,14 @@ and a test can set a variable before it makes one.
 from __future__ import annotations
 
 import os
+from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["ToolSettings"]
+from fleetbus.errors import ConfigError
+
+__all__ = ["ToolSettings", "check_ranges"]
 
 
 class ToolSettings(BaseSettings):
@@ -54,3 +59,31 @@ class ToolSettings(BaseSettings):
     def skill_folders(self) -> list[str]:
         """The folders of :attr:`skills`, blanks left out."""
         return [p for p in self.skills.split(os.pathsep) if p.strip()]
+
+
+_Limits = TypeVar("_Limits", bound=BaseModel)
+
+
+def check_ranges(
+    limits: type[_Limits], where: str, error: type[Exception] = ConfigError, **values: Any
+) -> _Limits:
+    """``limits(**values)``: the values, checked against the constraints the
+    fields of ``limits`` declare (``Field(ge=…)``).
+
+    Args:
+        limits: a pydantic model whose fields are the values' names.
+        where: what takes the values, named in the error (``"coding_tools"``).
+        error: the exception raised for a value out of range.
+        values: the values, by field name.
+
+    Raises:
+        ConfigError: (or ``error``) the first value out of range, named with
+            what was given.
+    """
+    try:
+        return limits(**values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        name = ".".join(str(part) for part in first["loc"])
+        message = first["msg"].replace("Input", name, 1)
+        raise error(f"{where}: {message}, not {first['input']!r}") from None

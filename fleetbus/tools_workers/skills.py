@@ -38,12 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Final
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from fleetbus.errors import ConfigError
 from fleetbus.tools_workers._frontmatter import FrontMatterError, parse_front_matter
 from fleetbus.tools_workers.sandbox import FileSandbox
-from fleetbus.tools_workers.settings import ToolSettings
+from fleetbus.tools_workers.settings import ToolSettings, check_ranges
 from fleetbus.tools_workers.tool import Tool
 
 __all__ = [
@@ -93,6 +93,11 @@ agent's default ``tool_result_limit`` (20,000), with room for the file list."""
 
 MAX_READ_BYTES: Final = 4 * 1024 * 1024
 """Largest file of a skill the tool reads (in pieces of ``max_chars``)."""
+
+
+class _Limits(BaseModel):
+    max_chars: int = Field(ge=1)
+
 
 _NAME = re.compile(r"[a-z0-9]+(?:-[a-z0-9]+)*\Z")
 _SKIPPED_DIRS: Final = frozenset({"__pycache__", "node_modules"})
@@ -148,8 +153,7 @@ def read_skill(folder: str | Path, *, max_chars: int = DEFAULT_MAX_CHARS) -> Ski
             UTF-8 text, front matter missing or unreadable, or a missing or
             unusable name or description; the message names the file.
     """
-    if max_chars < 1:
-        raise ConfigError(f"max_chars must be positive, not {max_chars!r}")
+    check_ranges(_Limits, "read_skill", max_chars=max_chars)
     path = Path(folder).expanduser()
     if path.name == SKILL_FILE and path.is_file():
         path = path.parent
@@ -265,8 +269,7 @@ class SkillTool(Tool):
         max_chars: int = DEFAULT_MAX_CHARS,
         group: str = SKILLS_GROUP,
     ) -> None:
-        if max_chars < 1:
-            raise ConfigError(f"max_chars must be positive, not {max_chars!r}")
+        check_ranges(_Limits, "SkillTool", max_chars=max_chars)
         self.skills: dict[str, Skill] = _by_name(list(skills))
         if not self.skills:
             raise ConfigError("a skill tool needs at least one skill")

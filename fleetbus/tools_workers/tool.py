@@ -52,6 +52,7 @@ from fleetbus.bus.subjects import check_name
 from fleetbus.errors import InvalidSubjectError, ToolDefinitionError
 from fleetbus.protocol import ErrorCode, ErrorDetail, ToolResult, ToolSpec, ToolStatus
 from fleetbus.protocol.codec import clip
+from fleetbus.tools_workers.settings import check_ranges
 
 __all__ = ["DEFAULT_GROUP", "Tool", "tool", "tool_failure"]
 
@@ -63,6 +64,10 @@ DEFAULT_GROUP = "default"
 _JSON_SCALARS = frozenset({str, int, float, bool})
 """Results that are JSON as they are (exactly these types: not a subclass,
 such as an enum, which pydantic turns into its value)."""
+
+
+class _Limits(pydantic.BaseModel):
+    timeout: float | None = pydantic.Field(gt=0)
 
 
 def tool_failure(
@@ -139,8 +144,7 @@ class Tool:
         doc = docstring_parser.parse(inspect.getdoc(fn) or "")
         summary = "\n\n".join(p for p in (doc.short_description, doc.long_description) if p)
         self.description = description if description is not None else summary
-        if timeout is not None and timeout <= 0:
-            raise ToolDefinitionError(f"tool {self.name}: timeout must be positive")
+        check_ranges(_Limits, f"tool {self.name}", ToolDefinitionError, timeout=timeout)
         self.timeout = timeout
         self.concurrency_safe = concurrency_safe
         self.external = external

@@ -43,6 +43,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+from pydantic import BaseModel, Field
+
 from fleetbus._version import __version__
 from fleetbus.bus import (
     RESULT_HEADROOM,
@@ -68,10 +70,16 @@ from fleetbus.protocol import (
     new_id,
 )
 from fleetbus.protocol.codec import clip
+from fleetbus.tools_workers.settings import check_ranges
 from fleetbus.tools_workers.tool import Tool, tool_failure
 from fleetbus.tools_workers.toolkit import Toolkit, ToolLike
 
 __all__ = ["ToolWorker"]
+
+
+class _Limits(BaseModel):
+    concurrency: int = Field(ge=1)
+
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +175,7 @@ class ToolWorker(Lifecycle):
         max_result_bytes: int | None = None,
         store_timeout: float = 30.0,
     ) -> None:
-        if concurrency < 1:
-            raise ValueError("concurrency must be at least 1")
+        check_ranges(_Limits, "ToolWorker", ValueError, concurrency=concurrency)
         self.bus = bus
         self.toolkit = toolkit
         self.worker_id = worker_id or f"worker.{socket.gethostname()}-{os.getpid()}"

@@ -213,8 +213,8 @@ async def test_a_server_that_never_answers_times_out() -> None:
         (("",), {}, "command is empty"),
         (("a 'b",), {}, "cannot split"),
         ((), {"url": "ftp://h/mcp"}, "starts with http"),
-        (("x",), {"timeout": 0}, "timeout must be positive"),
-        (("x",), {"connect_timeout": -1}, "connect timeout must be positive"),
+        (("x",), {"timeout": 0}, "timeout should be greater than 0, not 0"),
+        (("x",), {"connect_timeout": -1}, "connect_timeout should be greater than 0, not -1"),
     ],
 )
 def test_wrong_arguments_are_config_errors(

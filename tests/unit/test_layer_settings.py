@@ -1,5 +1,6 @@
 """The settings the tool workers and the models read from the environment:
-read in one settings module per layer, each variable documented once."""
+read in one settings module per layer, each variable documented once; and
+the ranges of their numbers, checked by pydantic constraints."""
 
 from __future__ import annotations
 
@@ -7,15 +8,33 @@ import ast
 import inspect
 import itertools
 import os
+import sys
 from pathlib import Path
 
 import pytest
 from pydantic_settings import BaseSettings
 
 import fleetbus
-from fleetbus.models import default_model, describe_default_model
+from fleetbus.errors import ConfigError
+from fleetbus.models import (
+    EspeakSpeech,
+    ModelWorker,
+    OfflineModel,
+    default_model,
+    describe_default_model,
+)
 from fleetbus.models.settings import ModelEnvironment, ModelSettings
-from fleetbus.tools_workers import builtin, coding, knowledge, load_toolkit, memory, skills
+from fleetbus.tools_workers import (
+    Toolkit,
+    ToolWorker,
+    builtin,
+    coding,
+    knowledge,
+    load_toolkit,
+    memory,
+    skills,
+)
+from fleetbus.tools_workers.knowledge import KnowledgeIndex
 from fleetbus.tools_workers.settings import ToolSettings
 
 PACKAGE = Path(fleetbus.__file__).parent
@@ -162,3 +181,32 @@ def test_model_environment_strips_and_treats_empty_as_unset(
     assert "sk-test" not in repr(env)
     assert describe_default_model().startswith("built-in offline model")
     assert type(default_model()).__name__ == "OfflineModel"
+
+
+def test_ranges_are_checked_by_pydantic_constraints_and_named(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"^ModelWorker: concurrency should be greater than or equal to 1, not 0$"
+    ):
+        ModelWorker(None, OfflineModel(), concurrency=0)  # type: ignore[arg-type]
+    with pytest.raises(
+        ConfigError, match=r"tokens_per_minute should be greater than or equal to 1"
+    ):
+        ModelWorker(None, OfflineModel(), tokens_per_minute=0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"call_timeout should be greater than 0, not nan"):
+        ModelWorker(None, OfflineModel(), call_timeout=float("nan"))  # type: ignore[arg-type]
+    with pytest.raises(
+        ConfigError, match=r"^EspeakSpeech: pitch should be less than or equal to 99, not 100$"
+    ):
+        EspeakSpeech(executable=sys.executable, pitch=100)
+    with pytest.raises(
+        ValueError, match=r"^ToolWorker: concurrency should be greater than or equal to 1"
+    ):
+        ToolWorker(None, Toolkit(), concurrency=0)  # type: ignore[arg-type]
+    with pytest.raises(
+        ConfigError, match=r"chunk_chars should be greater than or equal to 100, not 10"
+    ):
+        KnowledgeIndex(tmp_path, chunk_chars=10)
+    with pytest.raises(
+        ConfigError, match=r"^SkillTool: max_chars should be greater than or equal to 1"
+    ):
+        skills.SkillTool([], max_chars=0)
