@@ -37,7 +37,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fleetbus import Agent, AgentService, Bus, EmbeddedServer, MsgHub, RemoteAgent
-from fleetbus.agents import Participant
+from fleetbus.agents import AgentSettings, Participant
 from fleetbus.models import default_model, describe_default_model
 from fleetbus.protocol import AgentMessage, ContentBlock, TextBlock
 
@@ -69,7 +69,9 @@ def system_prompts(topic: str) -> dict[str, str]:
 
 def build_agent(name: str, topic: str) -> Agent:
     """One debater, reasoning with the default model (see the module docstring)."""
-    return Agent(name, system_prompts(topic)[name], default_model(), max_iters=3)
+    return Agent(
+        name, system_prompts(topic)[name], default_model(), settings=AgentSettings(max_iters=3)
+    )
 
 
 def model_note() -> None:

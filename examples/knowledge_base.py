@@ -40,7 +40,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from fleetbus.agents import Agent, BusKnowledgeBase, KnowledgeBase
+from fleetbus.agents import Agent
+from fleetbus.capabilities import BusKnowledgeBase, Knowledge, KnowledgeBase
 from fleetbus.models import ModelRequest, default_model
 from fleetbus.protocol import TextBlock
 from fleetbus.testing import ScriptedModel
@@ -80,7 +81,7 @@ def agent(knowledge: KnowledgeBase) -> Agent:
     """The help desk, with the stand-in model."""
     stand_in = ScriptedModel([answer_from_passages], repeat_last=True, name="passage-reader")
     model = default_model(otherwise=stand_in)  # FLEETBUS_MODEL's, when set
-    return Agent("helpdesk", SYSTEM_PROMPT, model, knowledge=[knowledge])
+    return Agent("helpdesk", SYSTEM_PROMPT, model, capabilities=[Knowledge([knowledge])])
 
 
 def helpdesk() -> Agent:

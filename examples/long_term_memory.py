@@ -42,7 +42,13 @@ from pathlib import Path
 from typing import get_args
 
 from fleetbus import Agent
-from fleetbus.agents import BusMemory, LongTermMemory, LongTermMemoryConfig, LongTermMemoryMode
+from fleetbus.capabilities import (
+    BusMemory,
+    LongTermMemory,
+    LongTermMemoryConfig,
+    LongTermMemoryMode,
+    Memory,
+)
 from fleetbus.models import ModelRequest, ModelResponse, default_model
 from fleetbus.protocol import ChatMessage, TextBlock, ToolResultBlock, UserRequest
 from fleetbus.testing import ScriptedModel
@@ -104,8 +110,7 @@ def agent(memory: LongTermMemory, mode: LongTermMemoryMode = "static") -> Agent:
         "rememberer",
         "You help, and remember what users tell you.",
         model,
-        long_term_memory=memory,
-        long_term_memory_mode=mode,
+        capabilities=[Memory(memory, mode=mode)],
     )
 
 
@@ -118,9 +123,7 @@ def served() -> Agent:
         "rememberer",
         "You help, and remember what users tell you.",
         model,
-        long_term_memory=BusMemory(),  # bound to the bus by fleetbus agent
-        long_term_memory_mode="both",
-        long_term_memory_config=LongTermMemoryConfig(scope="agent"),
+        capabilities=[Memory(BusMemory(), mode="both", config=LongTermMemoryConfig(scope="agent"))],
     )
 
 

@@ -25,7 +25,7 @@ import wave
 from pathlib import Path
 
 from fleetbus import Agent
-from fleetbus.agents import SpeakReply, Utterance
+from fleetbus.capabilities import SpeakReply, Utterance
 from fleetbus.errors import ConfigError
 from fleetbus.models import EspeakSpeech, default_model
 from fleetbus.testing import ScriptedModel

@@ -1,9 +1,12 @@
 """The ReAct agent and what it is made of — memory, compression, plan,
-permissions, middleware, events, state — and agents on the bus: the agent
-service, sessions in JetStream, remote agents, group conversations. The
-models it reasons with are in :mod:`fleetbus.models`."""
+permissions, middleware, events, state, the capability seam — and agents on
+the bus: the agent service, sessions in JetStream, remote agents, group
+conversations. The models it reasons with are in :mod:`fleetbus.models`; the
+capabilities it can be given (long-term memory, knowledge, planning,
+offloading, speech, talk) in :mod:`fleetbus.capabilities`."""
 
 from fleetbus.agents.agent import Agent, ReplyInput
+from fleetbus.agents.capability import Capability
 from fleetbus.agents.compression import (
     ApproxTokenCounter,
     CompressionResult,
@@ -12,27 +15,11 @@ from fleetbus.agents.compression import (
     TokenCounter,
 )
 from fleetbus.agents.hub import MsgHub, Participant, fanout_pipeline, sequential_pipeline
-from fleetbus.agents.knowledge import (
-    BusKnowledgeBase,
-    KnowledgeBase,
-    KnowledgeConfig,
-    KnowledgeHit,
-    KnowledgeRetrieval,
-    Passage,
-)
-from fleetbus.agents.long_term_memory import (
-    BusMemory,
-    LongTermMemory,
-    LongTermMemoryConfig,
-    LongTermMemoryMode,
-    MemoryScope,
-)
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import BudgetLimit, Middleware, ReplyContext, StepLogger, StopReply
 from fleetbus.agents.offload import DirectoryOffloader, ObjectStoreOffloader, Offloader
 from fleetbus.agents.permissions import Decision, PermissionRule, Permissions
 from fleetbus.agents.plan import Plan, PlanNotebook, SubTask
-from fleetbus.agents.sentences import SentenceSplitter
 from fleetbus.agents.serving import (
     AgentHost,
     AgentService,
@@ -41,40 +28,30 @@ from fleetbus.agents.serving import (
     SessionRecord,
     SessionStore,
 )
-from fleetbus.agents.speech import SpeakReply, Utterance
+from fleetbus.agents.settings import AgentSettings
 from fleetbus.agents.state import AgentState, PendingCall, ReplyState
-from fleetbus.agents.talk import talk_tools
 from fleetbus.agents.tools import ToolSource
 
 __all__ = [
     "Agent",
     "AgentHost",
     "AgentService",
+    "AgentSettings",
     "AgentSource",
     "AgentState",
     "ApproxTokenCounter",
     "BudgetLimit",
-    "BusKnowledgeBase",
-    "BusMemory",
+    "Capability",
     "CompressionResult",
     "ContextConfig",
     "Decision",
     "DirectoryOffloader",
-    "KnowledgeBase",
-    "KnowledgeConfig",
-    "KnowledgeHit",
-    "KnowledgeRetrieval",
-    "LongTermMemory",
-    "LongTermMemoryConfig",
-    "LongTermMemoryMode",
-    "MemoryScope",
     "Middleware",
     "Msg",
     "MsgHub",
     "ObjectStoreOffloader",
     "Offloader",
     "Participant",
-    "Passage",
     "PendingCall",
     "PermissionRule",
     "Permissions",
@@ -84,18 +61,14 @@ __all__ = [
     "ReplyContext",
     "ReplyInput",
     "ReplyState",
-    "SentenceSplitter",
     "SessionRecord",
     "SessionStore",
-    "SpeakReply",
     "StepLogger",
     "StopReply",
     "SubTask",
     "Summary",
     "TokenCounter",
     "ToolSource",
-    "Utterance",
     "fanout_pipeline",
     "sequential_pipeline",
-    "talk_tools",
 ]

@@ -28,7 +28,6 @@ from fleetbus.agents.compression import compress, summarize_with_model
 from fleetbus.agents.long_term_memory import STORE_TOOLS
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import StopReply
-from fleetbus.agents.offload import READ_OFFLOADED_SPEC
 from fleetbus.agents.tools import switchable
 from fleetbus.models.model import (
     ChatModel,
@@ -41,7 +40,7 @@ from fleetbus.models.model import (
 )
 from fleetbus.protocol import ChatMessage, TextBlock, ToolSpec, ToolUseBlock, new_id
 
-__all__ = ["ModelCalls", "ModelFailedError", "tool_specs"]
+__all__ = ["ModelCalls", "ModelFailedError", "layer_tools", "tool_specs"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +56,19 @@ def tool_specs(scope: ReplyScope) -> list[ToolSpec]:
     """The tools offered to the model in this reply, the internal ones too.
 
     With switchable tool groups: only the tools of the groups on in this
-    session, and the ``switch_tool_groups`` meta-tool.
+    session, and the ``switch_tool_groups`` meta-tool. Then the tools the
+    middleware answers itself (a capability's: the plan's, the long-term
+    memory's), which hide the toolkit's of the same names.
 
     Never the memory worker's own tools (``STORE_TOOLS``, which ``fleetbus
     agent`` finds on the bus with the others): they reach any agent's and any
-    user's memory; the model gets the long-term memory's tools instead, bound
-    to this agent and this user.
+    user's memory; a long-term memory gives the model its own tools instead,
+    bound to this agent and this user.
     """
     settings = scope.settings
     state = scope.state
-    memory = settings.long_term_memory
-    memory_specs = memory.tool_specs() if memory is not None else []
-    hidden = STORE_TOOLS | {s.name for s in memory_specs}
+    own = layer_tools(scope)
+    hidden = STORE_TOOLS | {s.name for s in own} if own else STORE_TOOLS
     toolkit = settings.toolkit
     grouped = switchable(toolkit)
     if grouped is not None:
@@ -77,11 +77,7 @@ def tool_specs(scope: ReplyScope) -> list[ToolSpec]:
         specs.append(switch_spec(grouped))
     else:
         specs = [s for s in toolkit.specs() if s.name not in hidden] if toolkit is not None else []
-    if state.plan is not None:
-        specs.extend(state.plan.tool_specs())
-    if settings.offloader is not None:
-        specs.append(READ_OFFLOADED_SPEC)
-    specs.extend(memory_specs)
+    specs.extend(own)
     if scope.structured:
         schema = scope.reply.structured_schema or {}
         specs.append(
@@ -93,6 +89,12 @@ def tool_specs(scope: ReplyScope) -> list[ToolSpec]:
             )
         )
     return specs
+
+
+def layer_tools(scope: ReplyScope) -> list[ToolSpec]:
+    """The tools the reply's middleware offers and answers itself, now."""
+    ctx = scope.ctx
+    return [spec for layer in scope.settings.middlewares for spec in layer.tools(ctx)]
 
 
 class ModelCalls:
@@ -107,17 +109,12 @@ class ModelCalls:
         """The tool specs last counted, and their tokens."""
 
     def prompt(self, *extra: Msg) -> list[ChatMessage]:
-        """The messages of the next model call: system prompt, memory, plan hint, ``extra``."""
+        """The messages of the next model call: system prompt, memory, ``extra``."""
         system = self.settings.system_prompt
         for middleware in self.settings.middlewares:
             system = middleware.system_prompt(system, self.scope.ctx)
         messages = [ChatMessage(role="system", content=[TextBlock(text=system)])] if system else []
         messages += self.state.memory_index().chats
-        if self.state.plan is not None:
-            hint = self.state.plan.hint()
-            if hint:
-                # Injected for this step only: never stored in memory.
-                messages.append(Msg.text_message("user", hint, marks={"hint"}).to_chat())
         messages.extend(m.to_chat() for m in extra)
         return messages
 
@@ -330,8 +327,9 @@ class ModelCalls:
         last = self._specs_tokens
         if last is not None and last[0] == specs:
             return last[1]
-        # msgspec's encoder: json.dumps of the specs as builtins was 4 % of a
-        # reply of one tool call, every reply (this cache lives for one reply).
+        # msgspec's encoder: it encodes the structs directly, where json.dumps
+        # needs them turned into builtins first, on every reply (this cache
+        # lives for one reply).
         text = msgspec.json.encode(specs).decode()
         tokens: int = counter.count_text(text)
         self._specs_tokens = (specs, tokens)

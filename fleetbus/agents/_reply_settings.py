@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fleetbus.agents.compression import ContextConfig
-from fleetbus.agents.long_term_memory import MemoryUse
 from fleetbus.agents.middleware import Middleware
-from fleetbus.agents.offload import Offloader
 from fleetbus.agents.permissions import RuleBook
 from fleetbus.agents.tools import ToolSource
 from fleetbus.models.model import ChatModel, ModelConfig
@@ -25,10 +23,12 @@ __all__ = ["ReplySettings"]
 class ReplySettings:
     """The agent's settings, as one reply runs with them.
 
-    The fields are the :class:`fleetbus.agents.Agent` arguments of the same
-    names (see its docstring). The agent takes them when a reply starts: its
-    attributes stay plain and assignable (``fleetbus fleet`` gives an agent a
-    toolkit after building it), and a new value holds from the next reply.
+    The fields are the :class:`fleetbus.agents.Agent` arguments and the
+    :class:`fleetbus.agents.AgentSettings` fields of the same names;
+    ``middlewares`` are the capabilities' layers around the agent's own. The
+    agent takes them when a reply starts: its attributes stay plain and
+    assignable (``fleetbus fleet`` gives an agent a toolkit after building
+    it), and a new value holds from the next reply.
     """
 
     name: str
@@ -43,10 +43,8 @@ class ReplySettings:
     # Any, as on the agent: the loop calls count_text, which TokenCounter
     # (the protocol) does not declare.
     token_counter: Any
-    offloader: Offloader | None
     tool_timeout: float | None
     max_repeated_failures: int
     max_repeated_calls: int | None
     structured_retries: int
     accepted_rules: RuleBook | None = None
-    long_term_memory: MemoryUse | None = None

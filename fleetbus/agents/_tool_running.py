@@ -6,35 +6,39 @@ succeeded, a short cycle of calls — and, when the reply ends early, closed
 with a result that tells what happened.
 
 A structured answer asked for with a raw JSON Schema (no pydantic model) is
-checked here by hand — required fields, types, enums, nested objects and
-arrays, local ``$ref`` — because the ``jsonschema`` package is not a
-dependency of fleetbus; its length, range and format keywords are not checked.
+checked with the ``jsonschema`` library (the dialect the schema names, else
+the latest); what does not fit is told to the model in a few short lines
+(the field, what it should be), the first five problems. A ``$ref`` to
+another document is not fetched: the answer is taken unchecked.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, NamedTuple, cast
 
+import jsonschema  # type: ignore[import-untyped]
 import msgspec
 import pydantic
+import referencing
+import referencing.exceptions
 
 from fleetbus import tracing
 from fleetbus.agents import events as ev
-from fleetbus.agents._model_calls import tool_specs
+from fleetbus.agents._model_calls import layer_tools, tool_specs
 from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope, tool_result
 from fleetbus.agents._tool_groups import SWITCH_TOOL, inactive_group, switch
 from fleetbus.agents.long_term_memory import STORE_TOOLS
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import StopReply
-from fleetbus.agents.offload import READ_OFFLOADED_SPEC, cut, read_offloaded
+from fleetbus.agents.offload import cut, was_cut
 from fleetbus.agents.state import PendingCall, RecentCall
 from fleetbus.agents.tools import streaming, switchable
-from fleetbus.errors import FleetbusError
 from fleetbus.models.model import FORMAT_ERROR_TOOL
 from fleetbus.protocol import (
     TOOL_STATUSES,
@@ -203,14 +207,15 @@ class ToolRunner:
     def _is_internal(self, name: str) -> bool:
         if name == FINISH_TOOL and self.scope.structured:
             return True
-        if self.state.plan is not None and self.state.plan.handles(name):
-            return True
-        memory = self.settings.long_term_memory
-        if memory is not None and memory.handles(name):
-            return True
         if name == SWITCH_TOOL and switchable(self.settings.toolkit) is not None:
             return True
-        return name == READ_OFFLOADED_SPEC.name and self.settings.offloader is not None
+        return self._answered_by_layer(name)
+
+    def _answered_by_layer(self, name: str) -> bool:
+        """Whether a middleware offers the tool ``name`` and answers it itself."""
+        if not self.settings.middlewares:
+            return False
+        return any(spec.name == name for spec in layer_tools(self.scope))
 
     def _finish_tool(self, use: ToolUseBlock) -> tuple[ToolResultBlock, dict[str, Any] | None]:
         structured_model = self.scope.structured_model
@@ -246,35 +251,33 @@ class ToolRunner:
                 return result
 
         call = self.scope.onion("on_tool_call", execute)
-        return await call(use)
+        result = await call(use)
+        if self._answered_by_layer(use.name):
+            return result  # a layer's own tool: its result is what it says
+        return await self._within_limit(result)
+
+    async def _within_limit(self, block: ToolResultBlock) -> ToolResultBlock:
+        """A successful result cut to the context's limit (a middleware that
+        keeps the whole of it, as the offloading capability's does, has cut
+        it already)."""
+        output = block.output
+        if block.state != "success" or output is None:
+            return block
+        text = output if isinstance(output, str) else json.dumps(output, ensure_ascii=False)
+        limit = self.settings.context.tool_result_limit
+        if len(text) <= limit or was_cut(text, limit):
+            return block
+        shown, _ = await cut(text, limit, None, f"{self.reply.reply_id}-{block.id}")
+        return msgspec.structs.replace(block, output=shown)
 
     async def _execute(self, use: ToolUseBlock) -> ToolResultBlock:
         settings = self.settings
-        plan = self.state.plan
-        if plan is not None and plan.handles(use.name):
-            done = plan.call(use.name, use.input)
-            return tool_result(use, "success" if done.ok else "error", done.text)
-        memory = settings.long_term_memory
-        if memory is not None and memory.handles(use.name):
-            remembered, text = await memory.run_tool(
-                self.scope.ctx, use.name, use.input, record_id=self.call_id_of(use)
-            )
-            return tool_result(use, remembered, text)
+        if self._answered_by_layer(use.name):  # its layer called on instead of answering
+            return tool_result(use, "error", f"tool_error: {use.name} was not answered")
         grouped = switchable(settings.toolkit) if use.name == SWITCH_TOOL else None
         if grouped is not None:
             switched, text = switch(grouped, self.state, use.input)
             return tool_result(use, "success" if switched else "error", text)
-        offloader = settings.offloader
-        if use.name == READ_OFFLOADED_SPEC.name and offloader is not None:
-            # A read brings no more into the context than a tool result may.
-            arguments = dict(use.input)
-            limit = arguments.get("limit")
-            cap = settings.context.tool_result_limit
-            arguments["limit"] = min(limit, cap) if isinstance(limit, int) else cap
-            try:
-                return tool_result(use, "success", await read_offloaded(offloader, arguments))
-            except (pydantic.ValidationError, FleetbusError, KeyError, OSError) as exc:
-                return tool_result(use, "error", f"read_offloaded failed: {_brief(exc)}")
         toolkit = settings.toolkit
         assert toolkit is not None  # _check let only known tools through
         run: Callable[..., Awaitable[ToolResult]] = toolkit.run
@@ -300,13 +303,7 @@ class ToolRunner:
             detail = ran.error_detail
             text = f"{detail.code}: {detail.message}" if detail else f"{status}"
             return tool_result(use, cast(ToolStatus, status), text)
-        content = ran.content
-        text = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
-        limit = settings.context.tool_result_limit
-        if len(text) <= limit:
-            return tool_result(use, "success", content)
-        shown, _ = await cut(text, limit, offloader, f"{self.reply.reply_id}-{use.id}")
-        return tool_result(use, "success", shown)
+        return tool_result(use, "success", ran.content)
 
     def record(
         self, uses: list[ToolUseBlock], results: dict[str, ToolResultBlock], *, watch: bool = True
@@ -509,103 +506,78 @@ def _with_note(block: ToolResultBlock, note: str) -> ToolResultBlock:
 
 
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
-    "object": lambda v: isinstance(v, dict),
-    "array": lambda v: isinstance(v, list),
-    "string": lambda v: isinstance(v, str),
-    "integer": lambda v: (
-        (isinstance(v, int) and not isinstance(v, bool))
-        or (isinstance(v, float) and v.is_integer())
-    ),
-    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-    "boolean": lambda v: isinstance(v, bool),
     "null": lambda v: v is None,
+    "boolean": lambda v: isinstance(v, bool),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    "string": lambda v: isinstance(v, str),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
 }
+"""JSON types by name, the most specific first (to name what a value is)."""
+
+
+@functools.lru_cache(maxsize=64)
+def _validator(schema_json: str) -> Any:
+    """A validator of the schema (given as canonical JSON), built once per
+    schema: a reply checks every answer it is given against the same one."""
+    schema = json.loads(schema_json)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, registry=referencing.Registry())
 
 
 def _check_schema(value: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
-    """``value`` if it fits ``schema`` (the keywords listed in the module docstring).
+    """``value`` if it fits ``schema``.
 
     Raises:
         ValueError: it does not; the message lists the first problems.
     """
-    problems = _problems(value, schema, schema, "")
+    try:
+        validator = _validator(json.dumps(schema, sort_keys=True, default=str))
+        problems: list[str] = []
+        for error in validator.iter_errors(value):
+            problem = _problem(error)
+            if problem not in problems:
+                problems.append(problem)
+    except (jsonschema.SchemaError, referencing.exceptions.Unresolvable):
+        return value  # a schema it cannot read, or a part elsewhere: not checked
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise ValueError("; ".join(problems[:5]) + more)
     return value
 
 
-def _problems(
-    value: Any, schema: Any, root: dict[str, Any], where: str, depth: int = 0
-) -> list[str]:
-    if not isinstance(schema, dict) or depth > 32:
-        return []
+def _problem(error: Any) -> str:
+    """One ``jsonschema`` error as the model is told it: where, then what."""
+    where = ""
+    for part in error.absolute_path:
+        where += f"[{part}]" if isinstance(part, int) else f".{part}" if where else str(part)
     at = f"{where}: " if where else ""
-    ref = schema.get("$ref")
-    if isinstance(ref, str):
-        return _problems(value, _resolve(root, ref), root, where, depth + 1)
-    problems: list[str] = []
-    for sub in schema.get("allOf") or []:
-        problems += _problems(value, sub, root, where, depth + 1)
-    for key in ("anyOf", "oneOf"):
-        options = schema.get(key)
-        if (
-            isinstance(options, list)
-            and options
-            and all(_problems(value, o, root, where, depth + 1) for o in options)
-        ):
-            problems.append(f"{at}fits none of the allowed shapes")
-    types = schema.get("type")
-    names = [types] if isinstance(types, str) else types if isinstance(types, list) else []
-    known = [t for t in names if t in _JSON_TYPES]
-    if known and not any(_JSON_TYPES[t](value) for t in known):
-        return [*problems, f"{at}should be {' or '.join(known)}, not {_json_type(value)}"]
-    enum = schema.get("enum")
-    if isinstance(enum, list) and value not in enum:
-        problems.append(f"{at}should be one of {json.dumps(enum, default=str)}")
-    if "const" in schema and value != schema["const"]:
-        problems.append(f"{at}should be {json.dumps(schema['const'], default=str)}")
-    if isinstance(value, dict):
-        properties = schema.get("properties")
-        properties = properties if isinstance(properties, dict) else {}
-        required = schema.get("required")
-        missing = [k for k in required or [] if isinstance(k, str) and k not in value]
-        if missing:
-            problems.append(f"{at}missing required field(s): {', '.join(missing)}")
-        for key, sub in properties.items():
-            if key in value:
-                path = f"{where}.{key}" if where else key
-                problems += _problems(value[key], sub, root, path, depth + 1)
-        if schema.get("additionalProperties") is False:
-            extra = [k for k in value if k not in properties]
-            if extra:
-                problems.append(f"{at}unexpected field(s): {', '.join(extra)}")
-    items = schema.get("items")
-    if isinstance(value, list) and isinstance(items, dict):
-        for index, item in enumerate(value):
-            problems += _problems(item, items, root, f"{where}[{index}]", depth + 1)
-    return problems
-
-
-def _resolve(root: dict[str, Any], ref: str) -> Any:
-    """The part of ``root`` a local ``$ref`` (``#/$defs/Name``) names; ``None``
-    (nothing checked) for a remote or unknown one."""
-    if not ref.startswith("#"):
-        return None
-    node: Any = root
-    for part in ref[1:].split("/"):
-        if not part:
-            continue
-        part = part.replace("~1", "/").replace("~0", "~")
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
+    keyword = error.validator
+    instance = error.instance
+    if keyword == "required" and isinstance(instance, dict):
+        missing = [k for k in error.validator_value if k not in instance]
+        return f"{at}missing required field(s): {', '.join(map(str, missing))}"
+    if keyword == "type":
+        types = error.validator_value
+        names = [types] if isinstance(types, str) else list(types)
+        return f"{at}should be {' or '.join(names)}, not {_json_type(instance)}"
+    if keyword == "enum":
+        return f"{at}should be one of {json.dumps(error.validator_value, default=str)}"
+    if keyword == "const":
+        return f"{at}should be {json.dumps(error.validator_value, default=str)}"
+    if keyword in ("anyOf", "oneOf"):
+        return f"{at}fits none of the allowed shapes"
+    if keyword == "additionalProperties" and isinstance(instance, dict):
+        known = error.schema.get("properties") or {}
+        extra = [k for k in instance if k not in known]
+        return f"{at}unexpected field(s): {', '.join(extra)}"
+    return f"{at}{error.message}"
 
 
 def _json_type(value: Any) -> str:
-    for name in ("null", "boolean", "integer", "number", "string", "array", "object"):
-        if _JSON_TYPES[name](value):
+    for name, fits in _JSON_TYPES.items():
+        if fits(value):
             return name
     return type(value).__name__
 

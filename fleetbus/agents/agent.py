@@ -3,6 +3,11 @@
 ::
 
     agent = Agent("helper", "You help.", model, toolkit=Toolkit([calculator]))
+    planner = Agent(
+        "planner", "You plan.", model,
+        capabilities=[Planning()],  # fleetbus.capabilities
+        settings=AgentSettings(max_iters=20),
+    )
     answer = await agent.reply("What is 2026 - 1991?")
     async for item in agent.reply_stream("And times two?"):
         ...  # Event messages as they happen, then the FinalAnswer
@@ -22,28 +27,27 @@ import contextlib
 import copy
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import pydantic
 
 from fleetbus import tracing
+from fleetbus.agents._deprecated import (
+    OldKeywords,
+    from_old_keywords,
+    offloader_of,
+    with_offloader,
+)
 from fleetbus.agents._reply import ReplyRun
 from fleetbus.agents._reply_scope import ReplyScope
 from fleetbus.agents._reply_settings import ReplySettings
+from fleetbus.agents.capability import Capability
 from fleetbus.agents.compression import (
     ApproxTokenCounter,
     CompressionResult,
     ContextConfig,
-    TokenCounter,
     compress,
     summarize_with_model,
-)
-from fleetbus.agents.knowledge import KnowledgeBase, KnowledgeConfig, knowledge_layer
-from fleetbus.agents.long_term_memory import (
-    LongTermMemory,
-    LongTermMemoryConfig,
-    LongTermMemoryMode,
-    MemoryUse,
 )
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import Middleware
@@ -55,6 +59,7 @@ from fleetbus.agents.permissions import (
     checked_confirmation,
 )
 from fleetbus.agents.plan import PlanNotebook
+from fleetbus.agents.settings import AgentSettings
 from fleetbus.agents.state import AgentState, ReplyState
 from fleetbus.agents.tools import ToolSource
 from fleetbus.errors import ConfigError
@@ -96,50 +101,33 @@ class Agent:
         system_prompt: who it is and how it works.
         model: the model it reasons with.
         toolkit: its tools (``fleetbus.Toolkit``: local and remote alike).
-        max_iters: reasoning steps per reply before it must answer.
-        parallel_tool_calls: run a step's calls at once when every tool of
-            the step is concurrency-safe.
-        plan: give it a plan notebook (``True``, or one to start from).
         permissions: allow / deny / ask rules checked before every call.
         accepted_rules: the allow rules a person accepted when confirming
             calls (rule texts, or a ``RuleBook`` keeping them elsewhere),
             shared with the agent's clones: a rule accepted in one session
             holds in the later ones (each reply loads them as it starts).
         middlewares: hooks around the reply, reasoning, model and tool calls.
-        context: context length and compression settings.
-        model_config: retries, backoff, timeout and fallback of model calls.
+        capabilities: what it is given beyond the loop
+            (:class:`~fleetbus.agents.Capability`; the built-in ones are in
+            :mod:`fleetbus.capabilities`: long-term memory, knowledge,
+            planning, offloading, speech, talk). Their layers wrap the
+            agent's middleware, the first outermost.
+        settings: the loop's tuning knobs (steps, parallel calls, timeouts,
+            loop detection, structured retries, context, model calls,
+            token counting); the defaults of :class:`AgentSettings` when
+            ``None``.
         state: a saved state to continue from (its name must match).
-        token_counter: estimates tokens; a tokenizer-free one by default.
-        offloader: keeps whole tool results that are cut in the context, and
-            gives the model ``read_offloaded`` to read them.
-        tool_timeout: seconds each tool call may run (the tool's own, else
-            the worker's, when ``None``).
-        max_repeated_failures: the same failing call this many times in a
-            row ends the reply (``repeated_action``).
-        max_repeated_calls: loop detection. The same call (tool and
-            arguments) made this many times in a reply after it succeeded, or
-            a short cycle of calls gone round twice (A, B, A, B), is shown to
-            the model in the call's result; going on ends the reply
-            (``repeated_action``). ``None`` turns it off.
-        structured_retries: invalid or missing structured answers tolerated.
         checkpoint: awaited with the state ahead of every side effect (the
             input recorded, a step's tool calls before they are sent, each
             result as it arrives, each step, the end): to save it.
-        long_term_memory: a memory kept across conversations (see
-            :mod:`fleetbus.agents.long_term_memory`): ``SQLiteMemory``
-            in-process, or ``BusMemory`` for the one served on the bus.
-        long_term_memory_mode: ``static`` (what the memory has for the
-            user's input is shown to the model as a hint, the exchange is
-            recorded after the reply), ``agent`` (the model gets
-            ``record_to_memory`` and ``retrieve_from_memory``) or ``both``.
-        long_term_memory_config: what the memory is keyed by (user, session
-            or agent), how much one retrieval brings, and its timeout.
-        knowledge: knowledge bases searched before the first reasoning step
-            of each reply (see :mod:`fleetbus.agents.knowledge`): what they
-            find is shown to the model with its sources, which the final
-            answer lists (``sources``).
-        knowledge_config: passages per base, score threshold, query rewrite,
-            bounds and timeout of that search.
+        **old_keywords: the keywords this took before ``settings`` and
+            ``capabilities`` (``max_iters=``, ``plan=``, ``knowledge=``,
+            ``long_term_memory=``, ``offloader=``, …): still taken for one
+            release, with a ``DeprecationWarning``.
+
+    Raises:
+        ConfigError: no model, a state of another agent, a capability that
+            is not one, or an old keyword out of range.
     """
 
     def __init__(
@@ -149,59 +137,40 @@ class Agent:
         model: ChatModel | None = None,
         *,
         toolkit: ToolSource | None = None,
-        max_iters: int = 10,
-        parallel_tool_calls: bool = False,
-        plan: bool | PlanNotebook = False,
         permissions: Permissions | None = None,
         accepted_rules: RuleBook | Iterable[str] = (),
         middlewares: Iterable[Middleware] = (),
-        context: ContextConfig | None = None,
-        model_config: ModelConfig | None = None,
+        capabilities: Iterable[Capability] = (),
+        settings: AgentSettings | None = None,
         state: AgentState | None = None,
-        token_counter: TokenCounter | None = None,
-        offloader: Offloader | None = None,
-        tool_timeout: float | None = None,
-        max_repeated_failures: int = 3,
-        max_repeated_calls: int | None = 3,
-        structured_retries: int = 2,
         checkpoint: Callable[[AgentState], Awaitable[None]] | None = None,
-        long_term_memory: LongTermMemory | None = None,
-        long_term_memory_mode: LongTermMemoryMode = "static",
-        long_term_memory_config: LongTermMemoryConfig | None = None,
-        knowledge: Iterable[KnowledgeBase] = (),
-        knowledge_config: KnowledgeConfig | None = None,
+        **old_keywords: Unpack[OldKeywords],
     ) -> None:
         if model is None:
             raise ConfigError(f"agent {name!r} needs a model")
-        if max_iters < 1:
-            raise ConfigError("max_iters must be at least 1")
-        if max_repeated_failures < 1:
-            raise ConfigError("max_repeated_failures must be at least 1")
-        if max_repeated_calls is not None and max_repeated_calls < 2:
-            raise ConfigError("max_repeated_calls must be at least 2 (or None: no loop detection)")
+        capabilities = list(capabilities)
+        start_plan: PlanNotebook | None = None
+        if old_keywords:
+            settings, older, start_plan = from_old_keywords(old_keywords, settings)
+            capabilities = [*older, *capabilities]
+        for capability in capabilities:
+            if not isinstance(capability, Capability):
+                raise ConfigError(
+                    f"{capability!r} is not a capability "
+                    "(it has no middlewares() and prepare_state())"
+                )
         self.name = name
         self.system_prompt = system_prompt
         self.model = model
         self.toolkit = toolkit
-        self.max_iters = max_iters
-        self.parallel_tool_calls = parallel_tool_calls
         self.middlewares = list(middlewares)
-        self.context = context or ContextConfig()
-        self.model_config = model_config or ModelConfig()
-        self.token_counter: Any = token_counter or ApproxTokenCounter()
-        self.offloader = offloader
-        self.tool_timeout = tool_timeout
-        self.max_repeated_failures = max_repeated_failures
-        self.max_repeated_calls = max_repeated_calls
-        self.structured_retries = structured_retries
+        self.capabilities: list[Capability] = capabilities
+        """What the agent is given beyond the loop (its layers are asked for at each reply)."""
+        self.settings = settings or AgentSettings()
+        """The loop's tuning knobs (a new value holds from the next reply)."""
+        self._approx_counter = ApproxTokenCounter()
+        """The token counter when the settings name none (shared with the clones: its cache)."""
         self._checkpoint = checkpoint
-        self.long_term_memory = long_term_memory
-        self.long_term_memory_mode: LongTermMemoryMode = long_term_memory_mode
-        self.long_term_memory_config = long_term_memory_config or LongTermMemoryConfig()
-        self._memory_use()  # a bad memory or mode fails here, not at the first reply
-        self.knowledge = list(knowledge)
-        self.knowledge_config = knowledge_config or KnowledgeConfig()
-        knowledge_layer(self.knowledge, self.knowledge_config, model)  # bad bases fail here
         if state is not None:
             if state.agent_name != name:
                 raise ConfigError(f"the state is agent {state.agent_name!r}'s, not {name!r}'s")
@@ -210,15 +179,14 @@ class Agent:
             self._state = AgentState(agent_name=name)
         if permissions is not None:
             self._state.permissions = permissions
-        if plan is True and self._state.plan is None:
-            self._state.plan = PlanNotebook()
-        elif isinstance(plan, PlanNotebook):
-            self._state.plan = plan
+        if start_plan is not None:
+            self._state.plan = start_plan
+        for capability in self.capabilities:
+            capability.prepare_state(self._state)
         # What a new session of this agent starts from (see clone()).
         self._initial_permissions = (
             permissions.model_copy(deep=True) if permissions is not None else None
         )
-        self._plan_enabled = plan is not False
         self.accepted_rules: RuleBook = (
             AcceptedRules(accepted_rules)
             if isinstance(accepted_rules, Iterable)
@@ -232,6 +200,28 @@ class Agent:
         self._stalled = False
         """The running reply waits for a reader that has not read its events."""
 
+    @property
+    def model_config(self) -> ModelConfig:
+        """Retries, backoff, timeout and fallback of model calls
+        (``settings.model_calls``; assigning it replaces that setting)."""
+        return self.settings.model_calls
+
+    @model_config.setter
+    def model_config(self, value: ModelConfig) -> None:
+        self.settings = self.settings.model_copy(update={"model_calls": value})
+
+    @property
+    def offloader(self) -> Offloader | None:
+        """Where the offloading capability keeps whole the tool results cut
+        in the context (``None`` without one); assigning one gives the agent
+        ``fleetbus.capabilities.Offloading(offloader)``, last, in place of
+        any it had."""
+        return offloader_of(self.capabilities)
+
+    @offloader.setter
+    def offloader(self, value: Offloader | None) -> None:
+        self.capabilities = with_offloader(self.capabilities, value)
+
     def clone(
         self,
         *,
@@ -239,14 +229,14 @@ class Agent:
         checkpoint: Callable[[AgentState], Awaitable[None]] | None = None,
     ) -> Agent:
         """The same agent (model, tools, settings) with another state: a saved
-        session's, or a fresh one with the permissions and plan it was built
-        with (:meth:`initial_state`). Used to serve many sessions from one
+        session's, or a fresh one with the permissions it was built with and
+        what its capabilities set up (:meth:`initial_state`). Used to serve many sessions from one
         definition.
 
         The settings are shared, not validated again: a host makes a clone
         for every message it serves, and building one through ``__init__``
-        (six settings models, a deep copy of the permissions) was 7 % of a
-        simulation host's CPU (``bench/simulation.py``).
+        would validate the settings and deep-copy the permissions each time,
+        a cost that shows on a busy simulation host (``bench/simulation.py``).
 
         Raises:
             ConfigError: ``state`` is another agent's.
@@ -256,6 +246,7 @@ class Agent:
         twin = object.__new__(Agent)
         twin.__dict__.update(self.__dict__)
         twin.middlewares = list(self.middlewares)
+        twin.capabilities = list(self.capabilities)
         twin._state = state if state is not None else self.initial_state()
         twin._checkpoint = checkpoint
         twin._lock = asyncio.Lock()
@@ -265,12 +256,13 @@ class Agent:
 
     def initial_state(self) -> AgentState:
         """The state a new session of this agent starts from: empty memory,
-        the permissions and the plan it was built with."""
+        the permissions it was built with, and what its capabilities set up
+        (an empty plan notebook, with planning)."""
         state = AgentState(agent_name=self.name)  # (default permissions: the state's own)
         if self._initial_permissions is not None:
             state.permissions = self._initial_permissions.model_copy(deep=True)
-        if self._plan_enabled:
-            state.plan = PlanNotebook()
+        for capability in self.capabilities:
+            capability.prepare_state(state)
         return state
 
     @property
@@ -303,7 +295,7 @@ class Agent:
         ``reserve_ratio`` to keep less verbatim.
         """
         async with self._lock:
-            counter = self.token_counter
+            counter = self._token_counter()
             model = self.model
 
             async def summarize(messages: list[Msg]) -> Any:
@@ -311,7 +303,7 @@ class Agent:
 
             result = await compress(
                 self._state.memory,
-                config or self.context,
+                config or self.settings.context,
                 counter,
                 summarize,
                 system_tokens=counter.count_text(self.system_prompt),
@@ -435,7 +427,7 @@ class Agent:
         The arguments are those of :meth:`reply`; with ``events=False`` only
         the final message is yielded, and events are not made at all (but for
         the middleware that watches them): a host that publishes only final
-        answers spent a tenth of its agents' time on events it dropped.
+        answers would otherwise make every event only to drop it.
 
         Leaving the iteration early (``break``) interrupts the reply: it starts
         no model call and no tool call until its events are read, so nothing
@@ -587,47 +579,36 @@ class Agent:
     def _reply_settings(self) -> ReplySettings:
         """The settings of a reply about to start, taken from the attributes
         now: assigned ones (``agent.toolkit = …``) hold from the next reply."""
+        settings = self.settings
         return ReplySettings(
             name=self.name,
             system_prompt=self.system_prompt,
             model=self.model,
             toolkit=self.toolkit,
-            max_iters=self.max_iters,
-            parallel_tool_calls=self.parallel_tool_calls,
+            max_iters=settings.max_iters,
+            parallel_tool_calls=settings.parallel_tool_calls,
             middlewares=self._reply_middlewares(),
-            context=self.context,
-            model_config=self.model_config,
-            token_counter=self.token_counter,
-            offloader=self.offloader,
-            tool_timeout=self.tool_timeout,
-            max_repeated_failures=self.max_repeated_failures,
-            max_repeated_calls=self.max_repeated_calls,
-            structured_retries=self.structured_retries,
+            context=settings.context,
+            model_config=settings.model_calls,
+            token_counter=self._token_counter(),
+            tool_timeout=settings.tool_timeout,
+            max_repeated_failures=settings.max_repeated_failures,
+            max_repeated_calls=settings.max_repeated_calls,
+            structured_retries=settings.structured_retries,
             accepted_rules=self.accepted_rules,
-            long_term_memory=self._memory_use(),
         )
 
-    def _memory_use(self) -> MemoryUse | None:
-        """How the reply uses the long-term memory, if the agent has one.
-
-        Raises:
-            ConfigError: not a memory, or an unknown mode.
-        """
-        if self.long_term_memory is None:
-            return None
-        return MemoryUse(
-            self.long_term_memory, self.long_term_memory_mode, self.long_term_memory_config
-        )
+    def _token_counter(self) -> Any:
+        counter = self.settings.token_counter
+        return counter if counter is not None else self._approx_counter
 
     def _reply_middlewares(self) -> tuple[Middleware, ...]:
-        """The agent's middleware, inside the static long-term memory's (when on):
-        every other layer sees the model calls with the memory's hint."""
-        memory = self._memory_use()
-        static = memory.middleware() if memory is not None else None
-        # The knowledge bases' hint too, outermost: every layer sees it.
-        knowledge = knowledge_layer(self.knowledge, self.knowledge_config, self.model)
-        inner = (static, *self.middlewares) if static is not None else tuple(self.middlewares)
-        return (*knowledge, *inner)
+        """The capabilities' layers (the first outermost), then the agent's
+        middleware: every layer of the agent sees the hints they add."""
+        if not self.capabilities:
+            return tuple(self.middlewares)
+        layers = [m for c in self.capabilities for m in c.middlewares(self)]
+        return (*layers, *self.middlewares)
 
     def _prepare(
         self,

@@ -13,7 +13,10 @@ the fallback included, so it sees them all); ``on_tool_call`` around each
 tool call, after the permission check. ``system_prompt`` is applied in list
 order before each model call. ``on_event`` sees each event of the reply as it
 is emitted (the ``text_delta`` pieces while the model streams, among others),
-in list order.
+in list order. ``tools`` names the tools a layer offers the model and
+answers itself in ``on_tool_call`` (a plan notebook's, a long-term memory's):
+they are offered with the toolkit's, and a call to one skips the toolkit and
+its permission rules.
 
 A middleware ends a reply early by raising :class:`StopReply` — a signal,
 not an error.
@@ -23,12 +26,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fleetbus.models.model import ModelRequest, ModelResponse
-from fleetbus.protocol import Event, FinalAnswer, FinishedReason, ToolResultBlock, ToolUseBlock
+from fleetbus.protocol import (
+    Event,
+    FinalAnswer,
+    FinishedReason,
+    ToolResultBlock,
+    ToolSpec,
+    ToolUseBlock,
+)
 
 if TYPE_CHECKING:
     from fleetbus.agents.messages import Msg
@@ -123,6 +133,13 @@ class Middleware:
     def system_prompt(self, prompt: str, ctx: ReplyContext) -> str:
         """Transform the system prompt before a model call."""
         return prompt
+
+    def tools(self, ctx: ReplyContext) -> Sequence[ToolSpec]:
+        """The tools this layer offers the model now and answers itself, in
+        ``on_tool_call`` without calling ``call_next``. A toolkit's tool of
+        the same name is not offered; permission rules do not apply to them.
+        Asked at every step: return at once."""
+        return ()
 
     def on_event(self, ctx: ReplyContext, event: Event) -> None:
         """See one event of the reply, just after it is emitted.

@@ -22,7 +22,7 @@ import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Final, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,6 +40,7 @@ __all__ = [
     "ReadOffloadedArgs",
     "cut",
     "read_offloaded",
+    "was_cut",
 ]
 
 logger = logging.getLogger(__name__)
@@ -237,7 +238,7 @@ async def cut(
         return text, None
     shown = text[:limit]
     missing = len(text) - limit
-    head = f"\n\n[{missing} of {len(text)} characters of this result were cut"
+    head = f"{_NOTE_START}{missing} of {len(text)}{_NOTE_MARK}"
     if offloader is None:
         return f"{shown}{head}; the rest is not available.]", None
     try:
@@ -250,6 +251,17 @@ async def cut(
         f'read_offloaded(ref="{ref}", offset={limit}, limit={min(missing, DEFAULT_READ_LIMIT)}).]'
     )
     return f"{shown}{note}", ref
+
+
+_NOTE_START: Final = "\n\n["
+_NOTE_MARK: Final = " characters of this result were cut"
+
+
+def was_cut(text: str, limit: int) -> bool:
+    """Whether ``text`` is what :func:`cut` made of a longer one at ``limit``
+    (its first ``limit`` characters, then the note): not to be cut again."""
+    note = text[limit : limit + 200]
+    return note.startswith(_NOTE_START) and _NOTE_MARK in note
 
 
 class ReadOffloadedArgs(BaseModel):

@@ -1,20 +1,10 @@
-"""Tools with which an agent on the bus talks from its own loop.
+"""Who a reply running here speaks as, when a host serves it: the bus, the
+agent's name, the session and the host's slot.
 
-Opt in per agent by adding them to its toolkit::
-
-    agent = Agent("alice", "...", model, toolkit=Toolkit(talk_tools()))
-
-- ``send_message(to, message, wait_for_reply=False)``: a direct message to
-  another agent's inbox, recorded in the recipient's memory in this reply's
-  session; with ``wait_for_reply`` the recipient answers and the answer is
-  the tool's result.
-- ``publish(topic, message)``: a broadcast on ``<prefix>.topic.<topic>``,
-  recorded by every agent observing the topic.
-
-They work while the agent is served by an
-:class:`~fleetbus.agents.serving.AgentHost` (or ``AgentService``), which
-tells them the bus, the agent's name and the session; elsewhere they answer
-with an error the model sees.
+The host sets it around each reply (:func:`speaking`); what talks from the
+reply's own loop reads it — the talk tools of
+:mod:`fleetbus.capabilities.talk`, the clients of a store served on the bus
+(:func:`served_on`).
 """
 
 from __future__ import annotations
@@ -22,52 +12,44 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from dataclasses import dataclass
-from typing import Final
 
-from fleetbus.bus import RESEND_AFTER, Bus
-from fleetbus.bus.subjects import check_name
-from fleetbus.errors import BusError, FleetbusError, ToolError
-from fleetbus.protocol import AgentMessage, ErrorMessage, Event, FinalAnswer, TextBlock, new_id
-from fleetbus.tools_workers.tool import Tool, tool
+from fleetbus.bus import Bus
 
-__all__ = ["MAX_TALK_CHARS", "REPLY_TIMEOUT", "publish", "send_message", "talk_tools"]
-
-MAX_TALK_CHARS: Final = 8000
-"""Longest message the talk tools send, in characters."""
-
-REPLY_TIMEOUT: Final = 120.0
-"""Seconds ``send_message(wait_for_reply=True)`` waits for the answer."""
-
-_DELIVERY_TIMEOUT: Final = 30.0
+__all__ = ["Speaker", "hush", "served_on", "speaker", "speaking"]
 
 
 @dataclass(frozen=True, slots=True)
-class _Speaker:
+class Speaker:
+    """Who the reply running here speaks as."""
+
     bus: Bus
+    """The bus its host serves it on."""
     name: str
+    """The agent's name."""
     session: str
+    """The reply's session."""
     slot: asyncio.Semaphore | None
     """The host's bound on running replies, which this reply holds a place
     of: given back while it waits for another agent's answer."""
 
 
-_speaker: contextvars.ContextVar[_Speaker | None] = contextvars.ContextVar(
+_speaker: contextvars.ContextVar[Speaker | None] = contextvars.ContextVar(
     "fleetbus_speaker", default=None
 )
 
 
 def speaking(
     bus: Bus, name: str, session: str, slot: asyncio.Semaphore | None = None
-) -> contextvars.Token[_Speaker | None]:
+) -> contextvars.Token[Speaker | None]:
     """Let the talk tools of the reply about to run speak as ``name`` in
     ``session`` (the host calls this; tasks started later inherit it).
     ``slot``: the semaphore bounding the host's replies, of which the reply
     holds a place; it is given back while the reply waits for an answer from
     another agent, who may need a place in the same host to give it."""
-    return _speaker.set(_Speaker(bus, name, session, slot))
+    return _speaker.set(Speaker(bus, name, session, slot))
 
 
-def hush(token: contextvars.Token[_Speaker | None]) -> None:
+def hush(token: contextvars.Token[Speaker | None]) -> None:
     """Undo :func:`speaking`."""
     _speaker.reset(token)
 
@@ -79,102 +61,6 @@ def served_on() -> tuple[Bus, str] | None:
     return None if speaker is None else (speaker.bus, speaker.name)
 
 
-def _who() -> _Speaker:
-    speaker = _speaker.get()
-    if speaker is None:
-        raise ToolError("this agent is not served on the bus: it cannot send messages")
-    return speaker
-
-
-def _note(me: _Speaker, message: str, *, reply: bool) -> AgentMessage:
-    """The message ``me`` sends, in its reply's session.
-
-    Raises:
-        ToolError: the text is empty or too long.
-    """
-    if not message.strip():
-        raise ToolError("the message is empty")
-    if len(message) > MAX_TALK_CHARS:
-        raise ToolError(f"the message is {len(message)} characters; the limit is {MAX_TALK_CHARS}")
-    return AgentMessage(
-        sender=me.name,
-        session_id=me.session,
-        name=me.name,
-        content=[TextBlock(text=message)],
-        reply=reply,
-        call_id=new_id(),
-        receipt=reply,
-    )
-
-
-async def _send_message(to: str, message: str, wait_for_reply: bool = False) -> str:
-    """Send a direct message to another agent of the fleet.
-
-    Args:
-        to: the other agent's name.
-        message: what to tell it.
-        wait_for_reply: wait for its answer and return it (it replies in
-            this conversation); otherwise it only hears the message.
-    """
-    me = _who()
-    try:
-        check_name(to, what="agent name")
-    except FleetbusError as exc:
-        raise ToolError(str(exc)) from exc
-    if to == me.name:
-        raise ToolError("that is yourself; name another agent")
-    note = _note(me, message, reply=wait_for_reply)
-    timeout = REPLY_TIMEOUT if wait_for_reply else _DELIVERY_TIMEOUT
-    # A question asks for a receipt: sent again until a replica has taken it.
-    resend = RESEND_AFTER if wait_for_reply else None
-    subject = me.bus.subjects.agent_inbox(to)
-    try:
-        if wait_for_reply and me.slot is not None:
-            me.slot.release()  # a full host must still serve the agent asked
-            try:
-                answer = await me.bus.request(subject, note, timeout=timeout, resend=resend)
-            finally:
-                await me.slot.acquire()
-        else:
-            answer = await me.bus.request(subject, note, timeout=timeout, resend=resend)
-    except BusError as exc:
-        raise ToolError(f"the message to {to} was not delivered: {exc}") from exc
-    if isinstance(answer, ErrorMessage):
-        raise ToolError(f"{to} could not take the message: {answer.message}")
-    if isinstance(answer, FinalAnswer):
-        return str(answer.content)
-    if isinstance(answer, Event):
-        return f"delivered to {to}"
-    raise ToolError(f"{to} answered with an unexpected {type(answer).__name__}")
-
-
-async def _publish(topic: str, message: str) -> str:
-    """Publish a message on a topic: every agent observing the topic hears it.
-
-    Args:
-        topic: the topic's name.
-        message: what to announce.
-    """
-    me = _who()
-    try:
-        subject = me.bus.subjects.topic(topic)
-    except FleetbusError as exc:
-        raise ToolError(str(exc)) from exc
-    note = _note(me, message, reply=False)
-    try:
-        await me.bus.publish(subject, note)
-    except BusError as exc:
-        raise ToolError(f"the message was not published on {topic}: {exc}") from exc
-    return f"published on {topic}"
-
-
-send_message: Tool = tool(name="send_message", concurrency_safe=True)(_send_message)
-"""The tool ``send_message``."""
-
-publish: Tool = tool(name="publish", concurrency_safe=True)(_publish)
-"""The tool ``publish``."""
-
-
-def talk_tools() -> list[Tool]:
-    """``send_message`` and ``publish``, to add to an agent's toolkit."""
-    return [send_message, publish]
+def speaker() -> Speaker | None:
+    """Who the reply running here speaks as; ``None`` when no host serves it."""
+    return _speaker.get()

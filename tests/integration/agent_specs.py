@@ -18,7 +18,7 @@ import json
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 
-from fleetbus.agents import Agent, Permissions
+from fleetbus.agents import Agent, AgentSettings, Permissions
 from fleetbus.models import ModelRequest, ModelResponse
 from fleetbus.models.model import ModelStreamItem
 from fleetbus.protocol import TextBlock, ToolResultBlock, ToolUseBlock, Usage
@@ -75,7 +75,9 @@ def _text(blocks: Sequence[object]) -> str:
 
 def echo() -> Agent:
     """An agent with only remote tools (added from the bus by ``fleetbus agent``)."""
-    return Agent("echo", "", CommandModel(), toolkit=Toolkit(), max_iters=10)
+    return Agent(
+        "echo", "", CommandModel(), toolkit=Toolkit(), settings=AgentSettings(max_iters=10)
+    )
 
 
 def careful() -> Agent:
@@ -112,7 +114,13 @@ class Crowd:
         return name[1:].isdigit() and int(name[1:]) < self.size
 
     def agent(self, name: str) -> Agent:
-        return Agent(name, f"You are {name}.", self._model, toolkit=Toolkit(), max_iters=3)
+        return Agent(
+            name,
+            f"You are {name}.",
+            self._model,
+            toolkit=Toolkit(),
+            settings=AgentSettings(max_iters=3),
+        )
 
 
 def crowd_member(index: int) -> str:

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from fleetbus.agents import Agent
+from fleetbus.agents import Agent, AgentSettings
 from fleetbus.agents.serving.sessions import session_key
 from fleetbus.bus import KeyValueStore
 from fleetbus.bus.journal import Journal
@@ -121,7 +121,7 @@ def _text(blocks: Sequence[object]) -> str:
 
 def chaos() -> Agent:
     """The agent of the chaos tests; ``chaos_step`` comes from the bus."""
-    return Agent(AGENT, "", ChaosModel(), toolkit=Toolkit(), max_iters=10)
+    return Agent(AGENT, "", ChaosModel(), toolkit=Toolkit(), settings=AgentSettings(max_iters=10))
 
 
 @tool

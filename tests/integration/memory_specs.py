@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Sequence
 
-from fleetbus.agents import Agent, BusMemory
+from fleetbus.agents import Agent
+from fleetbus.capabilities import BusMemory, Memory
 from fleetbus.models import ModelRequest, ModelResponse
 from fleetbus.models.model import ModelStreamItem
 from fleetbus.protocol import TextBlock, ToolResultBlock, ToolUseBlock, Usage
@@ -76,13 +77,12 @@ def _text(blocks: Sequence[object]) -> str:
 def agents() -> list[Agent]:
     """``keeper`` (static mode) and ``chooser`` (agent mode), one memory worker for both."""
     return [
-        Agent("keeper", "", MemoryModel(), toolkit=Toolkit(), long_term_memory=BusMemory()),
+        Agent("keeper", "", MemoryModel(), toolkit=Toolkit(), capabilities=[Memory(BusMemory())]),
         Agent(
             "chooser",
             "",
             MemoryModel(),
             toolkit=Toolkit(),
-            long_term_memory=BusMemory(),
-            long_term_memory_mode="agent",
+            capabilities=[Memory(BusMemory(), mode="agent")],
         ),
     ]

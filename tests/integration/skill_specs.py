@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from fleetbus.agents import Agent
+from fleetbus.agents import Agent, AgentSettings
 from fleetbus.tools_workers import Toolkit
 from tests.integration.agent_specs import CommandModel
 
@@ -15,4 +15,10 @@ from tests.integration.agent_specs import CommandModel
 def skilled() -> Agent:
     """Skills loaded in the agent's own process."""
     folders = os.environ["FLEETBUS_TEST_SKILLS"].split(os.pathsep)
-    return Agent("skilled", "", CommandModel(), toolkit=Toolkit(skills=folders), max_iters=5)
+    return Agent(
+        "skilled",
+        "",
+        CommandModel(),
+        toolkit=Toolkit(skills=folders),
+        settings=AgentSettings(max_iters=5),
+    )

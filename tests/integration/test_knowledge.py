@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetbus.agents import Agent, BusKnowledgeBase
+from fleetbus.agents import Agent
 from fleetbus.bus import Bus, EmbeddedServer
+from fleetbus.capabilities import BusKnowledgeBase, Knowledge
 from fleetbus.models import ModelRequest, ModelResponse
 from fleetbus.models.model import ModelStreamItem
 from fleetbus.protocol import FinalAnswer, TextBlock, UserRequest
@@ -45,7 +46,7 @@ class HintEcho:
 def librarian() -> Agent:
     """Served by ``fleetbus agent``: its knowledge base is the worker's tool,
     reached over the host's bus (no bus given here)."""
-    return Agent("librarian", "", HintEcho(), knowledge=[BusKnowledgeBase(TOOL)])
+    return Agent("librarian", "", HintEcho(), capabilities=[Knowledge([BusKnowledgeBase(TOOL)])])
 
 
 async def ask(bus: Bus, text: str, session: str, *, timeout: float) -> FinalAnswer:
@@ -99,7 +100,9 @@ async def test_a_worker_process_serves_the_folder_to_agents_here_and_served(
 
         # An agent in this process, its base bound to this bus.
         model = ScriptedModel(["Within 30 days."])
-        agent = Agent("clerk", "", model, knowledge=[BusKnowledgeBase(TOOL, bus=bus)])
+        agent = Agent(
+            "clerk", "", model, capabilities=[Knowledge([BusKnowledgeBase(TOOL, bus=bus)])]
+        )
         here = await agent.reply(QUESTION)
 
         # The agent served by `fleetbus agent`.

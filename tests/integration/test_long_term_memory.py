@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from fleetbus import Agent
-from fleetbus.agents import BusMemory
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
+from fleetbus.capabilities import BusMemory, Memory
 from fleetbus.errors import RemoteError
 from fleetbus.protocol import FinalAnswer, TextBlock, UserRequest
 from fleetbus.testing import ScriptedModel
@@ -81,7 +81,7 @@ async def test_an_agent_served_here_gets_its_bus_memory_bound_by_the_host(
     memory: BusMemory, nats_server: EmbeddedServer, bus: Bus
 ) -> None:
     model = ScriptedModel(["Noted.", "It is 4711."])
-    agent = Agent("keeper", "", model, long_term_memory=BusMemory())  # no bus: the host's
+    agent = Agent("keeper", "", model, capabilities=[Memory(BusMemory())])  # no bus: the host's
     async with serving(nats_server.url, bus.prefix, agent):
         for session, text in (("s1", "My locker code is 4711."), ("s2", "My locker code?")):
             reply = await bus.request(

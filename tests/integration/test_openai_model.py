@@ -15,7 +15,7 @@ import pytest
 from openai import AsyncOpenAI
 from pydantic import BaseModel
 
-from fleetbus.agents import Agent
+from fleetbus.agents import Agent, AgentSettings
 from fleetbus.errors import ConfigError
 from fleetbus.models import ModelConfig, ModelError, ModelRequest, ModelResponse
 from fleetbus.models.model import ModelStreamItem, TextDelta, ThinkingDelta
@@ -265,7 +265,10 @@ async def test_without_sdk_retries_a_server_error_stays_retryable(
         assert error.retryable is True
         # The agent's own retries apply then.
         agent = Agent(
-            "a", "You help.", m, model_config=NO_RETRY.model_copy(update={"max_retries": 1})
+            "a",
+            "You help.",
+            m,
+            settings=AgentSettings(model_calls=NO_RETRY.model_copy(update={"max_retries": 1})),
         )
         final = await asyncio.wait_for(agent.reply("hello"), timeout=10)
 
@@ -308,7 +311,7 @@ async def test_the_agent_falls_back_when_the_endpoint_keeps_failing(
     server.add(*[error_reply(500, "boom", headers=SOON) for _ in range(3)])
     fallback = ScriptedModel(["The fallback answers."], name="backup")
     config = NO_RETRY.model_copy(update={"max_retries": 2, "fallback": fallback})
-    agent = Agent("a", "You help.", model, model_config=config)
+    agent = Agent("a", "You help.", model, settings=AgentSettings(model_calls=config))
 
     final = await asyncio.wait_for(agent.reply("hello"), timeout=10)
 
@@ -589,7 +592,13 @@ async def test_an_agent_replies_with_a_local_tool(
         sse(tool_call_chunks(0, "call_1", "add", '{"a": 2, ', '"b": 40}'), finish="tool_calls"),
         sse(text_chunks("2 + 40 = ", "42.")),
     )
-    agent = Agent("calc", "You add.", model, toolkit=Toolkit([add]), model_config=NO_RETRY)
+    agent = Agent(
+        "calc",
+        "You add.",
+        model,
+        toolkit=Toolkit([add]),
+        settings=AgentSettings(model_calls=NO_RETRY),
+    )
 
     final = await asyncio.wait_for(agent.reply("What is 2 + 40?"), timeout=10)
 
@@ -610,7 +619,13 @@ async def test_malformed_arguments_are_shown_to_the_model_which_corrects_them(
         sse(tool_call_chunks(0, "call_2", "add", '{"a": 2, "b": 3}'), finish="tool_calls"),
         sse(text_chunks("5")),
     )
-    agent = Agent("calc", "You add.", model, toolkit=Toolkit([add]), model_config=NO_RETRY)
+    agent = Agent(
+        "calc",
+        "You add.",
+        model,
+        toolkit=Toolkit([add]),
+        settings=AgentSettings(model_calls=NO_RETRY),
+    )
 
     final = await asyncio.wait_for(agent.reply("2 + 3?"), timeout=10)
 
@@ -638,7 +653,7 @@ async def test_structured_output_through_the_finish_tool(
     server.add(
         sse(tool_call_chunks(0, "call_1", "generate_response", arguments), finish="tool_calls")
     )
-    agent = Agent("weather", "You forecast.", model, model_config=NO_RETRY)
+    agent = Agent("weather", "You forecast.", model, settings=AgentSettings(model_calls=NO_RETRY))
 
     final = await asyncio.wait_for(agent.reply("Oslo?", structured_model=Forecast), timeout=10)
 
@@ -653,7 +668,7 @@ async def test_structured_output_through_response_format(server: FakeOpenAIServe
     config = FAST.model_copy(update={"structured_output": "response_format"})
 
     async with OpenAIChatModel("fake-model", base_url=server.url, config=config) as m:
-        agent = Agent("weather", "You forecast.", m, model_config=NO_RETRY)
+        agent = Agent("weather", "You forecast.", m, settings=AgentSettings(model_calls=NO_RETRY))
         final = await asyncio.wait_for(agent.reply("Oslo?", structured_model=Forecast), timeout=10)
 
     assert final.finished_reason == "completed"
@@ -675,7 +690,7 @@ async def test_response_format_answers_that_do_not_validate_are_asked_again(
     config = FAST.model_copy(update={"structured_output": "response_format"})
 
     async with OpenAIChatModel("fake-model", base_url=server.url, config=config) as m:
-        agent = Agent("weather", "You forecast.", m, model_config=NO_RETRY)
+        agent = Agent("weather", "You forecast.", m, settings=AgentSettings(model_calls=NO_RETRY))
         final = await asyncio.wait_for(agent.reply("Oslo?", structured_model=Forecast), timeout=10)
 
     assert final.structured == {"city": "Oslo", "celsius": 1.0}
@@ -747,7 +762,13 @@ async def test_an_agent_uses_tools_through_the_text_protocol(server: FakeOpenAIS
     )
 
     async with OpenAIChatModel("fake-model", base_url=server.url, config=TEXT) as m:
-        agent = Agent("calc", "You add.", m, toolkit=Toolkit([add]), model_config=NO_RETRY)
+        agent = Agent(
+            "calc",
+            "You add.",
+            m,
+            toolkit=Toolkit([add]),
+            settings=AgentSettings(model_calls=NO_RETRY),
+        )
         final = await asyncio.wait_for(agent.reply("2 + 3?"), timeout=10)
 
     assert final.finished_reason == "completed"
@@ -822,7 +843,13 @@ async def test_an_unreadable_action_is_shown_with_a_format_reminder(
     server.add(sse(text_chunks(garbled)), sse(text_chunks('{"answer": "5"}')))
 
     async with OpenAIChatModel("fake-model", base_url=server.url, config=TEXT) as m:
-        agent = Agent("calc", "You add.", m, toolkit=Toolkit([add]), model_config=NO_RETRY)
+        agent = Agent(
+            "calc",
+            "You add.",
+            m,
+            toolkit=Toolkit([add]),
+            settings=AgentSettings(model_calls=NO_RETRY),
+        )
         final = await asyncio.wait_for(agent.reply("2 + 3?"), timeout=10)
 
     assert final.content == "5"
@@ -842,7 +869,13 @@ async def test_a_model_that_never_follows_the_format_ends_the_reply(
     config = TEXT.model_copy(update={"format_retries": 1})
 
     async with OpenAIChatModel("fake-model", base_url=server.url, config=config) as m:
-        agent = Agent("calc", "You add.", m, toolkit=Toolkit([add]), model_config=NO_RETRY)
+        agent = Agent(
+            "calc",
+            "You add.",
+            m,
+            toolkit=Toolkit([add]),
+            settings=AgentSettings(model_calls=NO_RETRY),
+        )
         final = await asyncio.wait_for(agent.reply("2 + 3?"), timeout=10)
 
     assert final.finished_reason == "error"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fleetbus.agents import Agent
+from fleetbus.agents import Agent, AgentSettings
 from fleetbus.bus import Bus, EmbeddedServer
 from fleetbus.models import BusChatModel, ModelConfig
 from fleetbus.protocol import Event
@@ -62,7 +62,7 @@ async def test_an_agent_reply_with_tools_through_a_model_worker_process(
                 "You add.",
                 BusChatModel(bus, "gpt-test"),
                 toolkit=Toolkit([add]),
-                model_config=ModelConfig(max_retries=0),
+                settings=AgentSettings(model_calls=ModelConfig(max_retries=0)),
             )
             events = [
                 item

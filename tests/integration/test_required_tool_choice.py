@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from pydantic import BaseModel
 
-from fleetbus.agents import Agent
+from fleetbus.agents import Agent, AgentSettings
 from fleetbus.bus import Bus
 from fleetbus.models import ModelConfig, ModelError
 from fleetbus.models.bus_model import BusChatModel
@@ -67,7 +67,9 @@ async def test_structured_output_asks_for_required(server: FakeOpenAIServer) -> 
     server.add(_finish_call())
     async with OpenAIChatModel("fake-model", base_url=server.url, config=FAST) as model:
         assert supports_required_tool_choice(model)
-        agent = Agent("weather", "You forecast.", model, model_config=NO_RETRY)
+        agent = Agent(
+            "weather", "You forecast.", model, settings=AgentSettings(model_calls=NO_RETRY)
+        )
         final = await asyncio.wait_for(agent.reply("Oslo?", structured_model=Forecast), 30)
 
     assert final.structured == {"city": "Oslo", "celsius": 3.5}
@@ -80,7 +82,11 @@ async def test_a_reply_without_structured_output_asks_for_auto(server: FakeOpenA
     server.add(sse(text_chunks("Cold.")))
     async with OpenAIChatModel("fake-model", base_url=server.url, config=FAST) as model:
         agent = Agent(
-            "weather", "You forecast.", model, toolkit=Toolkit([add]), model_config=NO_RETRY
+            "weather",
+            "You forecast.",
+            model,
+            toolkit=Toolkit([add]),
+            settings=AgentSettings(model_calls=NO_RETRY),
         )
         await asyncio.wait_for(agent.reply("Oslo?"), 30)
 
@@ -97,7 +103,9 @@ async def test_a_model_without_required_gets_auto_and_the_reminder(
     async with OpenAIChatModel("fake-model", base_url=server.url, config=config) as adapter:
         model = Undeclared(adapter) if how == "undeclared" else adapter
         assert not supports_required_tool_choice(model)
-        agent = Agent("weather", "You forecast.", model, model_config=NO_RETRY)
+        agent = Agent(
+            "weather", "You forecast.", model, settings=AgentSettings(model_calls=NO_RETRY)
+        )
         final = await asyncio.wait_for(agent.reply("Oslo?", structured_model=Forecast), 30)
 
     assert final.structured == {"city": "Oslo", "celsius": 3.5}
@@ -118,7 +126,9 @@ async def test_a_fallback_that_cannot_be_forced_is_asked_for_auto(
     server.add(_finish_call())
     async with OpenAIChatModel("fake-model", base_url=server.url, config=FAST) as adapter:
         config = NO_RETRY.model_copy(update={"fallback": Undeclared(adapter)})
-        agent = Agent("weather", "You forecast.", primary, model_config=config)
+        agent = Agent(
+            "weather", "You forecast.", primary, settings=AgentSettings(model_calls=config)
+        )
         final = await asyncio.wait_for(agent.reply("Oslo?", structured_model=Forecast), 30)
 
     assert final.structured == {"city": "Oslo", "celsius": 3.5}
@@ -145,7 +155,9 @@ async def test_a_model_on_the_bus_is_forced_where_its_worker_s_model_can_be(
             try:
                 model = BusChatModel(bus, "forecaster", timeout=20)
                 assert supports_required_tool_choice(model)
-                agent = Agent("weather", "You forecast.", model, model_config=NO_RETRY)
+                agent = Agent(
+                    "weather", "You forecast.", model, settings=AgentSettings(model_calls=NO_RETRY)
+                )
                 final = await asyncio.wait_for(agent.reply("Oslo?", structured_model=Forecast), 30)
             finally:
                 worker.stop()

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 import pytest
 
-from fleetbus.agents import Agent, AgentHost
+from fleetbus.agents import Agent, AgentHost, AgentSettings
 from fleetbus.agents.serving import RemoteAgent
 from fleetbus.agents.serving.sessions import SessionStore, session_key
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
@@ -156,7 +156,7 @@ async def replica(
             "",
             ScriptedModel([turn], repeat_last=True),
             toolkit=toolkit,
-            parallel_tool_calls=parallel,
+            settings=AgentSettings(parallel_tool_calls=parallel),
         )
         host = AgentHost(host_bus, [agent], replica_id=name, **options)
         async with asyncio.TaskGroup() as tg:

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 import pytest
 
-from fleetbus.agents import Agent, AgentService, AgentState, ContextConfig, Msg
+from fleetbus.agents import Agent, AgentService, AgentSettings, AgentState, ContextConfig, Msg
 from fleetbus.agents.serving.sessions import SessionStore, session_key
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
 from fleetbus.models import ModelRequest
@@ -340,7 +340,9 @@ async def test_a_session_larger_than_max_payload_completes_and_resumes(
             yield ModelResponse(content=[ToolUseBlock(id=f"e{n}", name="essay", input={"n": n})])
 
     context = ContextConfig(context_length=10_000_000, tool_result_limit=1_000_000)
-    agent = Agent(AGENT, "", EssayModel(), toolkit=Toolkit([essay]), context=context)
+    agent = Agent(
+        AGENT, "", EssayModel(), toolkit=Toolkit([essay]), settings=AgentSettings(context=context)
+    )
     async with serving(nats_server.url, bus.prefix, agent) as service:
         for i in range(24):
             answer = await bus.request(

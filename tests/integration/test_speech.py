@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetbus.agents import Agent, SpeakReply
+from fleetbus.agents import Agent
 from fleetbus.bus import Bus, EmbeddedServer
+from fleetbus.capabilities import SpeakReply
 from fleetbus.protocol import FinalAnswer, UserRequest
 from fleetbus.testing import ScriptedModel
 from tests.helpers import running

@@ -9,8 +9,8 @@ import time
 from fleetbus.agents import Agent
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.serving.sessions import SessionStore
-from fleetbus.agents.talk import talk_tools
 from fleetbus.bus import Bus, EmbeddedServer
+from fleetbus.capabilities.talk import talk_tools
 from fleetbus.errors import CallTimeoutError
 from fleetbus.models import ModelRequest
 from fleetbus.protocol import AgentMessage, FinalAnswer, ToolResultBlock, UserRequest

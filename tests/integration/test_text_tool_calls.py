@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import fleetbus
+from fleetbus.agents import AgentSettings
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.models import ModelConfig, ModelError, ModelRequest
 from fleetbus.models import _text_protocol as tp
@@ -77,7 +78,11 @@ def ask(text: str = "What is 17 * 23 + 4?", **kwargs: Any) -> ModelRequest:
 def calculating(model: OpenAIChatModel) -> fleetbus.Agent:
     """An agent with the calculator, on ``model``, which it does not retry."""
     return fleetbus.Agent(
-        "calc", "You compute.", model, toolkit=Toolkit([calculator]), model_config=NO_RETRY
+        "calc",
+        "You compute.",
+        model,
+        toolkit=Toolkit([calculator]),
+        settings=AgentSettings(model_calls=NO_RETRY),
     )
 
 
@@ -458,7 +463,11 @@ async def test_a_call_written_as_text_runs_on_a_tool_worker_on_the_bus(
             toolkit = Toolkit()
             await toolkit.add_remote(ToolClient(bus), ["calculator"])
             agent = fleetbus.Agent(
-                "ages", "You compute ages.", model, toolkit=toolkit, model_config=NO_RETRY
+                "ages",
+                "You compute ages.",
+                model,
+                toolkit=toolkit,
+                settings=AgentSettings(model_calls=NO_RETRY),
             )
             final = await asyncio.wait_for(agent.reply("Born 1991: how old in 2026?"), timeout=15)
         finally:

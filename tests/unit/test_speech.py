@@ -18,15 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetbus.agents import (
-    Agent,
-    Middleware,
-    Permissions,
-    ReplyContext,
-    SentenceSplitter,
-    SpeakReply,
-    Utterance,
-)
+from fleetbus.agents import Agent, AgentSettings, Middleware, Permissions, ReplyContext
+from fleetbus.capabilities import SentenceSplitter, SpeakReply, Utterance
 from fleetbus.errors import ConfigError
 from fleetbus.models import (
     EspeakSpeech,
@@ -332,7 +325,7 @@ async def test_a_failing_synthesizer_costs_its_sentence_not_the_reply(
     speech = ToneSpeech(fail_on="lab")
     middleware, spoken = speaker(tmp_path, speech)
     agent = Agent("talker", "", ScriptedModel([ANSWER]), middlewares=[middleware])
-    with caplog.at_level(logging.WARNING, logger="fleetbus.agents.speech"):
+    with caplog.at_level(logging.WARNING, logger="fleetbus.capabilities.speech"):
         final = await agent.reply("tell me")
     assert (final.finished_reason, final.content) == ("completed", ANSWER)
     assert [u.error is None for u in spoken] == [True, False, True, True]
@@ -357,7 +350,7 @@ async def test_a_synthesizer_that_hangs_is_cut_at_the_timeout(
 
     middleware, spoken = speaker(tmp_path, Hanging(), timeout=0.2)
     agent = Agent("talker", "", ScriptedModel([ANSWER]), middlewares=[middleware])
-    with caplog.at_level(logging.WARNING, logger="fleetbus.agents.speech"):
+    with caplog.at_level(logging.WARNING, logger="fleetbus.capabilities.speech"):
         final = await agent.reply("tell me")
     assert final.content == ANSWER
     assert cancelled.is_set()  # nothing runs on after the reply
@@ -415,7 +408,9 @@ async def test_a_retried_model_call_loses_its_half_sentence(tmp_path: Path) -> N
     speech = ToneSpeech()
     middleware, _ = speaker(tmp_path, speech)
     config = ModelConfig(max_retries=1, backoff=0)
-    agent = Agent("talker", "", Flaky(), middlewares=[middleware], model_config=config)
+    agent = Agent(
+        "talker", "", Flaky(), middlewares=[middleware], settings=AgentSettings(model_calls=config)
+    )
     final = await agent.reply("go")
     assert final.content == "Hello again. All of it."
     assert speech.texts == ["Hello.", "Hello again.", "All of it."]
@@ -501,7 +496,7 @@ async def test_a_player_that_fails_is_logged(
 ) -> None:
     middleware = SpeakReply(ToneSpeech(), player=["sh", "-c", "echo broken >&2; exit 3"])
     agent = Agent("talker", "", ScriptedModel(["Hello."]), middlewares=[middleware])
-    with caplog.at_level(logging.WARNING, logger="fleetbus.agents.speech"):
+    with caplog.at_level(logging.WARNING, logger="fleetbus.capabilities.speech"):
         final = await agent.reply("x")
     assert final.finished_reason == "completed"
     assert "exited with status 3: broken" in caplog.text

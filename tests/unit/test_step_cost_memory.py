@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from fleetbus.agents import Agent, ContextConfig, Msg
+from fleetbus.agents import Agent, AgentSettings, ContextConfig, Msg
 from fleetbus.agents import messages as messages_module
 from fleetbus.agents.compression import ApproxTokenCounter
 from fleetbus.agents.state import AgentState
@@ -108,9 +108,8 @@ def agent_with(
         "You call noop.",
         ScriptedModel(),
         toolkit=Toolkit([noop]),
-        token_counter=counter or CountingCounter(),
-        max_iters=5,
         checkpoint=checkpoint,
+        settings=AgentSettings(token_counter=counter or CountingCounter(), max_iters=5),
     )
     agent.memory.extend(history(prior))
     return agent
@@ -260,7 +259,12 @@ async def test_compression_starts_exactly_past_the_threshold_with_a_warm_index()
     for over in (0, 1):
         counter = ApproxTokenCounter()
         context = ContextConfig(context_length=10_000, trigger_ratio=0.5, reserve_ratio=0.1)
-        agent = Agent("worker", "", ScriptedModel(), context=context, token_counter=counter)
+        agent = Agent(
+            "worker",
+            "",
+            ScriptedModel(),
+            settings=AgentSettings(context=context, token_counter=counter),
+        )
         agent.memory.extend(history(40))
         agent.model = ScriptedModel(["Fine."])
         await agent.reply("Warm up.")  # the index now counts memory

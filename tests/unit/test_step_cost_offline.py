@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from fleetbus.agents import Agent, AgentState, Msg
+from fleetbus.capabilities import Planning
 from fleetbus.models import ModelError, offline
 from fleetbus.models.model import ModelRequest, ModelResponse, ModelStreamItem, complete
 from fleetbus.models.offline import OFFLINE_PREFIX, OfflineModel
@@ -125,7 +126,7 @@ async def test_answers_are_those_of_a_model_reading_everything_anew(tmp_path: Pa
         "bob": "You are Bob. You believe that timing is enough.",
     }
     agents = {name: Agent(name, prompt, model, toolkit=kit) for name, prompt in prompts.items()}
-    planner = Agent("planner", "You help.", model, toolkit=kit, plan=True)
+    planner = Agent("planner", "You help.", model, toolkit=kit, capabilities=[Planning()])
     said: str | AgentMessage = "Debate: count or time?"
     for round_ in range(3):
         for name, agent in agents.items():

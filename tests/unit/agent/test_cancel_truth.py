@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fleetbus.agents import Agent, Msg
+from fleetbus.agents import Agent, AgentSettings, Msg
 from fleetbus.protocol import Event, FinalAnswer, ToolResultBlock
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
@@ -36,7 +36,13 @@ async def test_an_interrupt_keeps_finished_results_and_says_what_was_cut_short()
     written: list[str] = []
     started = asyncio.Event()
     model = ScriptedModel([ScriptedModel.calls(("write", {"text": "x"}, "w1"), ("wait", {}, "h1"))])
-    agent = Agent("a", "", model, toolkit=kit(written, started), parallel_tool_calls=True)
+    agent = Agent(
+        "a",
+        "",
+        model,
+        toolkit=kit(written, started),
+        settings=AgentSettings(parallel_tool_calls=True),
+    )
     task = asyncio.create_task(agent.reply("go"))
     await started.wait()
     await asyncio.sleep(0.01)  # the write has finished by now

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from fleetbus.agents import Agent, Msg
+from fleetbus.agents import Agent, AgentSettings, Msg
 from fleetbus.models import ModelConfig, ModelError, ModelRequest
 from fleetbus.models.model import ModelStreamItem
 from fleetbus.protocol import ToolResultBlock
@@ -161,7 +161,7 @@ async def test_different_failing_calls_do_not_count_as_repeats() -> None:
 async def test_a_failing_model_is_retried_with_backoff() -> None:
     model = ScriptedModel([ModelError("503"), TimeoutError(), ScriptedModel.text("fine")])
     config = ModelConfig(max_retries=2, backoff=0.01)
-    final = await Agent("a", "", model, model_config=config).reply("hi")
+    final = await Agent("a", "", model, settings=AgentSettings(model_calls=config)).reply("hi")
     assert (final.finished_reason, final.content) == ("completed", "fine")
     assert len(model.requests) == 3
 
@@ -170,7 +170,7 @@ async def test_the_fallback_model_answers_when_retries_are_spent() -> None:
     primary = ScriptedModel([ModelError("down")] * 3)
     fallback = ScriptedModel([ScriptedModel.text("from the fallback")], name="backup")
     config = ModelConfig(max_retries=2, backoff=0.0, fallback=fallback)
-    final = await Agent("a", "", primary, model_config=config).reply("hi")
+    final = await Agent("a", "", primary, settings=AgentSettings(model_calls=config)).reply("hi")
     assert final.content == "from the fallback"
     assert len(primary.requests) == 3
 
@@ -179,7 +179,7 @@ async def test_when_every_model_fails_the_reply_ends_with_the_reason() -> None:
     primary = ScriptedModel([ModelError("rate limited")] * 2)
     fallback = ScriptedModel([ModelError("bad key", retryable=False)], name="backup")
     config = ModelConfig(max_retries=1, backoff=0.0, fallback=fallback)
-    agent = Agent("a", "", primary, model_config=config)
+    agent = Agent("a", "", primary, settings=AgentSettings(model_calls=config))
     final = await agent.reply("hi")
     assert final.finished_reason == "error"
     assert "rate limited" in final.content
@@ -191,7 +191,9 @@ async def test_when_every_model_fails_the_reply_ends_with_the_reason() -> None:
 async def test_a_model_answering_garbage_is_retried() -> None:
     empty = ScriptedModel.text("   ")
     model = ScriptedModel([empty, ValueError("adapter bug"), ScriptedModel.text("ok")])
-    final = await Agent("a", "", model, model_config=ModelConfig(backoff=0.0)).reply("hi")
+    final = await Agent(
+        "a", "", model, settings=AgentSettings(model_calls=ModelConfig(backoff=0.0))
+    ).reply("hi")
     assert final.content == "ok"
 
 
@@ -214,7 +216,7 @@ class SlowThenFast:
 async def test_a_hanging_model_call_times_out_and_is_retried() -> None:
     model = SlowThenFast()
     config = ModelConfig(timeout=0.05, backoff=0.0)
-    final = await Agent("a", "", model, model_config=config).reply("hi")
+    final = await Agent("a", "", model, settings=AgentSettings(model_calls=config)).reply("hi")
     assert final.content == "fast"
     assert model.calls == 2
 
@@ -238,7 +240,7 @@ async def test_a_model_past_its_timeout_names_the_limit_and_the_setting(
 ) -> None:
     model = Hanging()
     config = ModelConfig(timeout=0.05, max_retries=2, backoff=0.0)
-    final = await Agent("a", "", model, model_config=config).reply("hi")
+    final = await Agent("a", "", model, settings=AgentSettings(model_calls=config)).reply("hi")
     limit = "the model did not answer within 0.05 s (ModelConfig.timeout / FLEETBUS_MODEL_TIMEOUT)"
     assert final.finished_reason == "error"
     assert model.calls == 3

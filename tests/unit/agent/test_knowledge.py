@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from fleetbus.agents import (
-    Agent,
+from fleetbus.agents import Agent, Permissions
+from fleetbus.capabilities import (
     BusKnowledgeBase,
+    Knowledge,
     KnowledgeConfig,
     KnowledgeHit,
     KnowledgeRetrieval,
     Passage,
-    Permissions,
 )
 from fleetbus.errors import ConfigError
 from fleetbus.models import ModelRequest
@@ -70,7 +70,12 @@ def docs(tmp_path: Path) -> Path:
 
 async def test_the_right_passage_and_its_source_are_before_the_model(docs: Path) -> None:
     model = ScriptedModel(["Within 30 days [refunds.md:5-8]."])
-    agent = Agent("clerk", "You answer from the handbook.", model, knowledge=[KnowledgeIndex(docs)])
+    agent = Agent(
+        "clerk",
+        "You answer from the handbook.",
+        model,
+        capabilities=[Knowledge([KnowledgeIndex(docs)])],
+    )
     final = await agent.reply(QUESTION)
     [request] = model.requests
     [hint] = hints(request)
@@ -104,7 +109,13 @@ async def test_every_model_call_of_the_reply_sees_it_and_the_next_reply_searches
             "Park behind the building.",
         ]
     )
-    agent = Agent("clerk", "", model, toolkit=Toolkit([lookup]), knowledge=[KnowledgeIndex(docs)])
+    agent = Agent(
+        "clerk",
+        "",
+        model,
+        toolkit=Toolkit([lookup]),
+        capabilities=[Knowledge([KnowledgeIndex(docs)])],
+    )
     await agent.reply(QUESTION + " My order is A1.")
     second = await agent.reply("Where can I park my car?")
     first_step, second_step, next_reply = model.requests
@@ -128,7 +139,7 @@ async def test_the_score_threshold_and_the_limit_go_to_the_base_and_are_held(doc
     base = Recording([strong, weak, third])  # a base that ignores what it is asked
     model = ScriptedModel(["ok"])
     config = KnowledgeConfig(limit=2, score_threshold=1.0)
-    agent = Agent("clerk", "", model, knowledge=[base], knowledge_config=config)
+    agent = Agent("clerk", "", model, capabilities=[Knowledge([base], config)])
     final = await agent.reply("what is strong?")
     assert base.queries == [("what is strong?", 2, 1.0)]
     [hint] = hints(model.requests[0])
@@ -143,8 +154,7 @@ async def test_the_score_threshold_and_the_limit_go_to_the_base_and_are_held(doc
         "clerk",
         "",
         model,
-        knowledge=[index],
-        knowledge_config=KnowledgeConfig(score_threshold=1000.0),
+        capabilities=[Knowledge([index], KnowledgeConfig(score_threshold=1000.0))],
     )
     final = await agent.reply(QUESTION)
     assert hints(model.requests[0]) == []
@@ -158,8 +168,7 @@ async def test_what_is_shown_is_bounded() -> None:
         "clerk",
         "",
         model,
-        knowledge=[Recording(big)],
-        knowledge_config=KnowledgeConfig(max_chars=7000),
+        capabilities=[Knowledge([Recording(big)], KnowledgeConfig(max_chars=7000))],
     )
     final = await agent.reply("anything")
     [hint] = hints(model.requests[0])
@@ -171,7 +180,9 @@ async def test_what_is_shown_is_bounded() -> None:
 async def test_several_bases_take_turns_and_a_failing_one_is_said(docs: Path) -> None:
     other = Recording([Passage("from the wiki", "wiki:refunds", 9.0)])
     model = ScriptedModel(["ok"])
-    agent = Agent("clerk", "", model, knowledge=[KnowledgeIndex(docs), Broken(), other])
+    agent = Agent(
+        "clerk", "", model, capabilities=[Knowledge([KnowledgeIndex(docs), Broken(), other])]
+    )
     final = await agent.reply(QUESTION)
     [hint] = hints(model.requests[0])
     assert hint.index(TIME_LIMITS) < hint.index("wiki:refunds")
@@ -185,7 +196,7 @@ async def test_a_slow_base_is_given_up_on_and_the_reply_goes_on() -> None:
     model = ScriptedModel(["ok"])
     slow = Recording([Passage("late", "late.md:1-1", 1.0)], delay=30)
     agent = Agent(
-        "clerk", "", model, knowledge=[slow], knowledge_config=KnowledgeConfig(timeout=0.05)
+        "clerk", "", model, capabilities=[Knowledge([slow], KnowledgeConfig(timeout=0.05))]
     )
     final = await agent.reply("anything")
     [hint] = hints(model.requests[0])
@@ -205,11 +216,7 @@ async def test_the_query_can_be_rewritten_by_the_model_with_the_conversation() -
         ]
     )
     agent = Agent(
-        "clerk",
-        "",
-        model,
-        knowledge=[base],
-        knowledge_config=KnowledgeConfig(rewrite_query=True),
+        "clerk", "", model, capabilities=[Knowledge([base], KnowledgeConfig(rewrite_query=True))]
     )
     await agent.reply("What do you have about security?")
     final = await agent.reply("and what are the visitors' ones made of?")
@@ -231,7 +238,7 @@ async def test_a_failed_rewrite_searches_the_input_itself() -> None:
     base = Recording([Passage("p", "p.md:1-1", 1.0)])
     model = ScriptedModel([RuntimeError("model down"), "ok"])
     agent = Agent(
-        "clerk", "", model, knowledge=[base], knowledge_config=KnowledgeConfig(rewrite_query=True)
+        "clerk", "", model, capabilities=[Knowledge([base], KnowledgeConfig(rewrite_query=True))]
     )
     final = await agent.reply("the question")
     assert base.queries == [("the question", 5, None)]
@@ -251,7 +258,7 @@ async def test_a_paused_reply_shows_the_passages_again_when_it_resumes(docs: Pat
         model,
         toolkit=Toolkit([refund]),
         permissions=Permissions.from_strings(ask=["refund"]),
-        knowledge=[KnowledgeIndex(docs)],
+        capabilities=[Knowledge([KnowledgeIndex(docs)])],
     )
     paused = await agent.reply(QUESTION + " Refund A1.")
     assert paused.finished_reason == "paused"
@@ -269,10 +276,9 @@ async def test_a_paused_reply_shows_the_passages_again_when_it_resumes(docs: Pat
 
 async def test_clones_keep_the_knowledge_and_an_observed_only_memory_is_searched() -> None:
     base = Recording([Passage("p", "p.md:1-1", 1.0)])
-    agent = Agent("clerk", "", ScriptedModel(["a", "b", "c"]), knowledge=[base])
+    agent = Agent("clerk", "", ScriptedModel(["a", "b", "c"]), capabilities=[Knowledge([base])])
     clone = agent.clone()
-    assert clone.knowledge == [base]
-    assert clone.knowledge_config == agent.knowledge_config
+    assert clone.capabilities == agent.capabilities
     await clone.observe("heard about parking")
     await clone.reply("where?")  # the input is searched, not what was heard before it
     await clone.reply(None)  # the memory as it is: nothing new to search with
@@ -283,7 +289,7 @@ async def test_clones_keep_the_knowledge_and_an_observed_only_memory_is_searched
 
 async def test_a_bus_base_outside_a_host_and_without_a_bus_is_a_failure_the_model_sees() -> None:
     model = ScriptedModel(["ok"])
-    agent = Agent("clerk", "", model, knowledge=[BusKnowledgeBase()])
+    agent = Agent("clerk", "", model, capabilities=[Knowledge([BusKnowledgeBase()])])
     final = await agent.reply("anything")
     [hint] = hints(model.requests[0])
     assert "has no bus" in hint
@@ -293,7 +299,7 @@ async def test_a_bus_base_outside_a_host_and_without_a_bus_is_a_failure_the_mode
 def test_bad_settings_are_refused() -> None:
     model = ScriptedModel()
     with pytest.raises(ConfigError, match="not a knowledge base"):
-        Agent("clerk", "", model, knowledge=[object()])  # type: ignore[list-item]
+        Agent("clerk", "", model, capabilities=[Knowledge([object()])])  # type: ignore[list-item]
     with pytest.raises(ConfigError, match="limit"):
         KnowledgeConfig(limit=0)
     with pytest.raises(ConfigError, match="max_chars"):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from fleetbus import Agent, Toolkit, tool
-from fleetbus.agents import BusMemory, LongTermMemory, LongTermMemoryConfig
-from fleetbus.agents.long_term_memory import memory_key
+from fleetbus.capabilities import BusMemory, LongTermMemory, LongTermMemoryConfig, Memory
+from fleetbus.capabilities.memory import memory_key
 from fleetbus.errors import ConfigError
 from fleetbus.models import ModelRequest
 from fleetbus.protocol import ChatMessage, TextBlock, ToolResultBlock, UserRequest
@@ -212,7 +212,7 @@ async def test_static_a_fact_told_in_one_session_is_a_hint_in_another(
             "Your favourite colour is teal.",
         ]
     )
-    agent = Agent("helper", "You help.", model, toolkit=echo, long_term_memory=store)
+    agent = Agent("helper", "You help.", model, toolkit=echo, capabilities=[Memory(store)])
 
     first = agent.clone()
     await first.reply(ask("My favourite colour is teal, remember it.", "s1"))
@@ -235,11 +235,11 @@ async def test_static_a_fact_told_in_one_session_is_a_hint_in_another(
 
 async def test_static_another_user_or_agent_does_not_see_it(store: SQLiteMemory) -> None:
     model = ScriptedModel(["Noted.", "I do not know.", "I do not know."])
-    agent = Agent("helper", "", model, long_term_memory=store)
+    agent = Agent("helper", "", model, capabilities=[Memory(store)])
     await agent.clone().reply(ask("My locker code is 4711.", "s1", user="ann"))
 
     await agent.clone().reply(ask("What is my locker code?", "s2", user="bob"))
-    other = Agent("stranger", "", model, long_term_memory=store)
+    other = Agent("stranger", "", model, capabilities=[Memory(store)])
     await other.reply(ask("What is my locker code?", "s3", user="ann"))
 
     assert hints(model.requests[1]) == []
@@ -248,10 +248,10 @@ async def test_static_another_user_or_agent_does_not_see_it(store: SQLiteMemory)
 
 async def test_static_without_a_user_the_session_keys_the_memory(store: SQLiteMemory) -> None:
     model = ScriptedModel(["Noted.", "Green.", "No idea."])
-    agent = Agent("helper", "", model, long_term_memory=store, long_term_memory_config=None).clone()
+    agent = Agent("helper", "", model, capabilities=[Memory(store, config=None)]).clone()
     await agent.reply(ask("The door is green.", "s1", user=None))
     await agent.reply(ask("What colour is the door?", "s1", user=None))
-    await Agent("helper", "", model, long_term_memory=store).reply(
+    await Agent("helper", "", model, capabilities=[Memory(store)]).reply(
         ask("What colour is the door?", "s2", user=None)
     )
 
@@ -264,7 +264,7 @@ async def test_static_retrieval_is_bounded_by_the_config(store: SQLiteMemory) ->
     await store.record("helper", "user:ann", [f"ann's plant {i} needs water" for i in range(20)])
     model = ScriptedModel(["Water them."])
     config = LongTermMemoryConfig(limit=3, max_chars=200)
-    agent = Agent("helper", "", model, long_term_memory=store, long_term_memory_config=config)
+    agent = Agent("helper", "", model, capabilities=[Memory(store, config=config)])
 
     await agent.reply(ask("Which plant needs water?", "s1"))
 
@@ -286,7 +286,7 @@ async def test_agent_mode_the_model_records_and_retrieves_across_sessions(
             "Your dog is Pixel.",
         ]
     )
-    agent = Agent("helper", "", model, long_term_memory=store, long_term_memory_mode="agent")
+    agent = Agent("helper", "", model, capabilities=[Memory(store, mode="agent")])
 
     await agent.clone().reply(ask("My dog is named Pixel.", "s1"))
     answer = await agent.clone().reply(ask("What is my dog's name?", "s2"))
@@ -310,7 +310,7 @@ async def test_both_modes_together(store: SQLiteMemory) -> None:
             "You are allergic to peanuts.",
         ]
     )
-    agent = Agent("helper", "", model, long_term_memory=store, long_term_memory_mode="both")
+    agent = Agent("helper", "", model, capabilities=[Memory(store, mode="both")])
     await agent.clone().reply(ask("I am allergic to peanuts.", "s1"))
     await agent.clone().reply(ask("Am I allergic to anything? peanuts?", "s2"))
 
@@ -324,7 +324,7 @@ async def test_bad_tool_arguments_are_an_error_the_model_sees(store: SQLiteMemor
     model = ScriptedModel(
         [ScriptedModel.call("record_to_memory", {"content": [1, 2]}), "Sorry."],
     )
-    agent = Agent("helper", "", model, long_term_memory=store, long_term_memory_mode="agent")
+    agent = Agent("helper", "", model, capabilities=[Memory(store, mode="agent")])
     await agent.reply(ask("Remember numbers.", "s1"))
 
     [error] = results(model.requests[1])
@@ -345,7 +345,7 @@ async def test_the_store_tools_are_never_offered_to_the_model(store: SQLiteMemor
     model = ScriptedModel(
         [ScriptedModel.call("long_term_memory_retrieve", {"agent_name": "x"}), "Ok."]
     )
-    agent = Agent("helper", "", model, toolkit=kit, long_term_memory=store)
+    agent = Agent("helper", "", model, toolkit=kit, capabilities=[Memory(store)])
     await agent.reply(ask("hello", "s1"))
 
     assert "long_term_memory_retrieve" not in {s.name for s in model.requests[0].tools}
@@ -382,7 +382,7 @@ async def test_a_failing_memory_does_not_fail_the_reply() -> None:
     model = ScriptedModel(
         [ScriptedModel.call("retrieve_from_memory", {"keywords": ["x"]}), "Answered anyway."]
     )
-    agent = Agent("helper", "", model, long_term_memory=broken, long_term_memory_mode="both")
+    agent = Agent("helper", "", model, capabilities=[Memory(broken, mode="both")])
 
     answer = await agent.reply(ask("hello", "s1"))
 
@@ -396,7 +396,7 @@ async def test_a_failing_memory_does_not_fail_the_reply() -> None:
 
 async def test_an_unbound_bus_memory_says_what_to_do() -> None:
     model = ScriptedModel([ScriptedModel.call("retrieve_from_memory", {"keywords": ["x"]}), "Ok."])
-    agent = Agent("helper", "", model, long_term_memory=BusMemory(), long_term_memory_mode="agent")
+    agent = Agent("helper", "", model, capabilities=[Memory(BusMemory(), mode="agent")])
 
     await agent.reply(ask("hello", "s1"))
 
@@ -407,10 +407,12 @@ async def test_an_unbound_bus_memory_says_what_to_do() -> None:
 
 def test_bad_settings_are_config_errors(store: SQLiteMemory) -> None:
     model = ScriptedModel(["x"])
-    with pytest.raises(ConfigError, match="long_term_memory_mode"):
-        Agent("a", "", model, long_term_memory=store, long_term_memory_mode="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="mode is one of static, agent, both"):
+        Memory(store, mode="sometimes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="record and retrieve"):
-        Agent("a", "", model, long_term_memory=object())  # type: ignore[arg-type]
+        Memory(object())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="is not a capability"):
+        Agent("a", "", model, capabilities=[store])  # type: ignore[list-item]
     with pytest.raises(ConfigError):
         LongTermMemoryConfig(scope="planet")  # type: ignore[arg-type]
     with pytest.raises(ConfigError):

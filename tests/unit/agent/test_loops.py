@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from fleetbus.agents import Agent, AgentState, Msg
+from fleetbus.agents import Agent, AgentSettings, AgentState, Msg
 from fleetbus.protocol import ToolResultBlock
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
@@ -143,7 +143,7 @@ async def test_calls_repeated_with_other_arguments_are_not_loops() -> None:
             ScriptedModel.text("Oslo 37.4 °F, Paris 51.8 °F, Rome 64.4 °F."),
         ]
     )
-    agent = Agent("a", "", model, toolkit=toolkit(runs), max_iters=10)
+    agent = Agent("a", "", model, toolkit=toolkit(runs), settings=AgentSettings(max_iters=10))
 
     final = await agent.reply("Weather in three cities, in Fahrenheit?")
 
@@ -169,12 +169,20 @@ async def test_a_model_that_stops_repeating_after_the_warning_completes() -> Non
 async def test_max_repeated_calls_sets_the_limit_and_none_turns_detection_off() -> None:
     runs: list[str] = []
     strict = ScriptedModel([*turns("AAA"), ScriptedModel.text("never asked")])
-    answer = await Agent("a", "", strict, toolkit=toolkit(runs), max_repeated_calls=2).reply("?")
+    answer = await Agent(
+        "a", "", strict, toolkit=toolkit(runs), settings=AgentSettings(max_repeated_calls=2)
+    ).reply("?")
     assert WARNING in str(seen_result(strict, 2).output)
     assert (answer.finished_reason, strict.remaining) == ("repeated_action", 1)
 
     off = ScriptedModel([*turns("AAAAABABAB"), ScriptedModel.text("done")])
-    agent = Agent("a", "", off, toolkit=toolkit(runs), max_repeated_calls=None, max_iters=12)
+    agent = Agent(
+        "a",
+        "",
+        off,
+        toolkit=toolkit(runs),
+        settings=AgentSettings(max_repeated_calls=None, max_iters=12),
+    )
     answer = await agent.reply("?")
     assert answer.finished_reason == "completed"
     assert warned(agent.memory) == []
@@ -214,7 +222,14 @@ async def test_the_saved_state_keeps_only_the_last_calls() -> None:
     runs: list[str] = []
     calls = [ScriptedModel.call("weather", {"city": f"city {i}"}) for i in range(30)]
     model = ScriptedModel([*calls, ScriptedModel.text("done")])
-    agent = Agent("a", "", model, toolkit=toolkit(runs), max_iters=31, checkpoint=checkpoint)
+    agent = Agent(
+        "a",
+        "",
+        model,
+        toolkit=toolkit(runs),
+        checkpoint=checkpoint,
+        settings=AgentSettings(max_iters=31),
+    )
 
     final = await agent.reply("Weather everywhere?")
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fleetbus.agents import Agent, AgentState, Permissions
+from fleetbus.agents import Agent, AgentSettings, AgentState, Permissions
+from fleetbus.capabilities import Planning
 from fleetbus.errors import ConfigError
 from fleetbus.protocol import AgentMessage, TextBlock, UserRequest
 from fleetbus.testing import ScriptedModel
@@ -37,8 +38,8 @@ async def test_the_state_round_trips_and_the_copy_continues_the_conversation() -
         "a",
         "sys",
         ScriptedModel([ScriptedModel.text("one")]),
-        plan=True,
         permissions=Permissions.from_strings(ask=["shell"]),
+        capabilities=[Planning()],
     )
     await first.reply(UserRequest(content="first", session_id="s-1"))
     saved = first.state.model_dump_json()
@@ -75,13 +76,13 @@ async def test_a_clone_shares_the_settings_and_starts_from_the_state_it_was_buil
         "a",
         "sys",
         ScriptedModel([ScriptedModel.text("hi")], repeat_last=True),
-        plan=True,
         permissions=Permissions(default="deny"),
-        max_iters=4,
+        capabilities=[Planning()],
+        settings=AgentSettings(max_iters=4),
     )
     first, second = definition.clone(), definition.clone()
     assert first.model is definition.model
-    assert first.max_iters == 4
+    assert first.settings.max_iters == 4
     assert first.state is not second.state
     assert first.state.memory == []
     assert first.state.plan is not None

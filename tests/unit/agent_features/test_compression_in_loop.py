@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleetbus import Agent, ContextConfig, Toolkit, tool
-from fleetbus.agents import Summary
+from fleetbus.agents import AgentSettings, Summary
 from fleetbus.agents.compression import SUMMARY_HEADER, TRUNCATION_HEADER
 from fleetbus.models import ModelError
 from fleetbus.testing import ScriptedModel
@@ -46,7 +46,13 @@ def _script(summary_turn: Any) -> ScriptedModel:
 
 
 def _agent(model: ScriptedModel, context: ContextConfig = SMALL_CONTEXT) -> Agent:
-    return Agent("reader", "You fetch pages.", model, toolkit=Toolkit([fetch]), context=context)
+    return Agent(
+        "reader",
+        "You fetch pages.",
+        model,
+        toolkit=Toolkit([fetch]),
+        settings=AgentSettings(context=context),
+    )
 
 
 async def test_memory_past_the_trigger_is_summarized_and_calls_keep_their_results() -> None:

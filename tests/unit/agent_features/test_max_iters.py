@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fleetbus import Agent, ModelConfig, Toolkit, tool
+from fleetbus.agents import AgentSettings
 from fleetbus.models import ModelError
 from fleetbus.testing import ScriptedModel, Turn
 
@@ -27,7 +28,7 @@ def _always_calling(*last: Turn) -> ScriptedModel:
 async def test_after_max_iters_one_last_call_without_tools_gives_the_answer() -> None:
     runs: list[int] = []
     model = _always_calling("I took three steps and am not done.")
-    agent = Agent("a", "You step.", model, toolkit=_kit(runs), max_iters=3)
+    agent = Agent("a", "You step.", model, toolkit=_kit(runs), settings=AgentSettings(max_iters=3))
 
     answer = await agent.reply("Step forever")
 
@@ -54,8 +55,7 @@ async def test_failing_last_call_says_it_stopped_after_max_iters() -> None:
         "You step.",
         model,
         toolkit=_kit(runs),
-        max_iters=3,
-        model_config=ModelConfig(max_retries=0),
+        settings=AgentSettings(max_iters=3, model_calls=ModelConfig(max_retries=0)),
     )
 
     answer = await agent.reply("Step forever")
@@ -71,7 +71,7 @@ async def test_failing_last_call_says_it_stopped_after_max_iters() -> None:
 async def test_answer_within_max_iters_completes() -> None:
     runs: list[int] = []
     model = _always_calling("Done in time.")
-    agent = Agent("a", "You step.", model, toolkit=_kit(runs), max_iters=4)
+    agent = Agent("a", "You step.", model, toolkit=_kit(runs), settings=AgentSettings(max_iters=4))
 
     answer = await agent.reply("Step a bit")
 

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from fleetbus import Agent, BudgetLimit, StepLogger, Toolkit, tool
-from fleetbus.agents import Middleware, Msg, ReplyContext
+from fleetbus.agents import AgentSettings, Middleware, Msg, ReplyContext
 from fleetbus.models import ModelRequest, ModelResponse
 from fleetbus.protocol import FinalAnswer, ToolResultBlock, ToolUseBlock, Usage
 from fleetbus.testing import ScriptedModel
@@ -223,8 +223,8 @@ async def test_tool_call_budget_in_a_parallel_step_ends_cleanly() -> None:
         "You ping.",
         model,
         toolkit=_counting_tool(runs),
-        parallel_tool_calls=True,
         middlewares=[BudgetLimit(max_tool_calls=1)],
+        settings=AgentSettings(parallel_tool_calls=True),
     )
 
     answer = await agent.reply("ping twice")

@@ -6,7 +6,8 @@ import re
 from pathlib import Path
 
 from fleetbus import Agent, ContextConfig, Toolkit, tool
-from fleetbus.agents import DirectoryOffloader
+from fleetbus.agents import AgentSettings, DirectoryOffloader
+from fleetbus.capabilities import Offloading
 from fleetbus.models import ModelRequest, ModelResponse
 from fleetbus.testing import ScriptedModel
 
@@ -43,8 +44,8 @@ async def test_long_result_is_cut_offloaded_and_read_on(tmp_path: Path) -> None:
         "You read reports.",
         model,
         toolkit=Toolkit([report]),
-        offloader=DirectoryOffloader(tmp_path),
-        context=ContextConfig(tool_result_limit=LIMIT),
+        capabilities=[Offloading(DirectoryOffloader(tmp_path))],
+        settings=AgentSettings(context=ContextConfig(tool_result_limit=LIMIT)),
     )
 
     answer = await agent.reply("Read the report")
@@ -74,7 +75,12 @@ async def test_unknown_reference_is_an_error_the_model_sees(tmp_path: Path) -> N
     model = ScriptedModel(
         [ScriptedModel.call("read_offloaded", {"ref": "file:nothing"}, call_id="r"), "Oh."]
     )
-    agent = Agent("reader", "You read.", model, offloader=DirectoryOffloader(tmp_path / "empty"))
+    agent = Agent(
+        "reader",
+        "You read.",
+        model,
+        capabilities=[Offloading(DirectoryOffloader(tmp_path / "empty"))],
+    )
 
     answer = await agent.reply("Read it")
 
@@ -91,7 +97,7 @@ async def test_without_an_offloader_the_result_is_cut_and_the_rest_is_lost() -> 
         "You read reports.",
         model,
         toolkit=Toolkit([report]),
-        context=ContextConfig(tool_result_limit=LIMIT),
+        settings=AgentSettings(context=ContextConfig(tool_result_limit=LIMIT)),
     )
 
     await agent.reply("Read the report")
@@ -112,8 +118,8 @@ async def test_result_within_the_limit_is_kept_whole(tmp_path: Path) -> None:
         "You read reports.",
         model,
         toolkit=Toolkit([report]),
-        offloader=DirectoryOffloader(tmp_path),
-        context=ContextConfig(tool_result_limit=len(TEXT)),
+        capabilities=[Offloading(DirectoryOffloader(tmp_path))],
+        settings=AgentSettings(context=ContextConfig(tool_result_limit=len(TEXT))),
     )
 
     await agent.reply("Read the report")

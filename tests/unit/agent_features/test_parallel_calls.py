@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from fleetbus import Agent, Toolkit, tool
+from fleetbus.agents import AgentSettings
 from fleetbus.protocol import Event
 from fleetbus.testing import ScriptedModel
 
@@ -65,7 +66,13 @@ def _ordered_kit(order: list[str], *, right_safe: bool = True) -> Toolkit:
 
 async def test_parallel_calls_run_at_once_and_are_recorded_in_the_models_order() -> None:
     model = ScriptedModel([BOTH, "Both met."])
-    agent = Agent("a", "You wait.", model, toolkit=_barrier_kit(), parallel_tool_calls=True)
+    agent = Agent(
+        "a",
+        "You wait.",
+        model,
+        toolkit=_barrier_kit(),
+        settings=AgentSettings(parallel_tool_calls=True),
+    )
 
     items = [item async for item in agent.reply_stream("Meet")]
 
@@ -82,7 +89,13 @@ async def test_parallel_calls_run_at_once_and_are_recorded_in_the_models_order()
 async def test_calls_interleave_when_run_in_parallel() -> None:
     order: list[str] = []
     model = ScriptedModel([BOTH, "Done."])
-    agent = Agent("a", "You record.", model, toolkit=_ordered_kit(order), parallel_tool_calls=True)
+    agent = Agent(
+        "a",
+        "You record.",
+        model,
+        toolkit=_ordered_kit(order),
+        settings=AgentSettings(parallel_tool_calls=True),
+    )
 
     await agent.reply("Record")
 
@@ -106,7 +119,7 @@ async def test_calls_run_one_after_the_other_unless_all_may_run_in_parallel(
         "You record.",
         model,
         toolkit=_ordered_kit(order, right_safe=right_safe),
-        parallel_tool_calls=parallel,
+        settings=AgentSettings(parallel_tool_calls=parallel),
     )
 
     answer = await agent.reply("Record")
@@ -120,7 +133,13 @@ async def test_calls_run_one_after_the_other_unless_all_may_run_in_parallel(
 async def test_results_follow_the_models_order_not_the_toolkits() -> None:
     order: list[str] = []
     model = ScriptedModel([ScriptedModel.calls(("right", {}, "R"), ("left", {}, "L")), "Done."])
-    agent = Agent("a", "You record.", model, toolkit=_ordered_kit(order), parallel_tool_calls=True)
+    agent = Agent(
+        "a",
+        "You record.",
+        model,
+        toolkit=_ordered_kit(order),
+        settings=AgentSettings(parallel_tool_calls=True),
+    )
 
     await agent.reply("Record")
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from fleetbus import Agent
 from fleetbus.agents import PlanNotebook
+from fleetbus.capabilities import Planning
 from fleetbus.testing import ScriptedModel
 
 from ._support import results_of, text_of
@@ -27,7 +28,7 @@ CREATE: dict[str, Any] = {
 
 async def test_plan_tools_are_offered_and_no_hint_is_sent_before_a_plan_exists() -> None:
     model = ScriptedModel(["Nothing to plan."])
-    agent = Agent("planner", "You plan.", model, plan=True)
+    agent = Agent("planner", "You plan.", model, capabilities=[Planning()])
 
     await agent.reply("Hello")
 
@@ -54,7 +55,7 @@ async def test_create_plan_changes_the_state_and_the_next_step_gets_the_hint() -
             "Working on flights.",
         ]
     )
-    agent = Agent("planner", "You plan.", model, plan=True)
+    agent = Agent("planner", "You plan.", model, capabilities=[Planning()])
 
     answer = await agent.reply("Plan my trip to Oslo")
 
@@ -83,7 +84,7 @@ async def test_plan_hint_is_never_stored_in_memory() -> None:
     model = ScriptedModel(
         [ScriptedModel.call("create_plan", CREATE), "Planned.", "You are welcome."]
     )
-    agent = Agent("planner", "You plan.", model, plan=True)
+    agent = Agent("planner", "You plan.", model, capabilities=[Planning()])
 
     await agent.reply("Plan my trip")
     answer = await agent.reply("Thanks")
@@ -108,7 +109,7 @@ async def test_invalid_plan_call_changes_nothing_and_the_model_sees_why() -> Non
     model = ScriptedModel(
         [ScriptedModel.call("create_plan", {"name": "Trip", "subtasks": []}), "Giving up."]
     )
-    agent = Agent("planner", "You plan.", model, plan=True)
+    agent = Agent("planner", "You plan.", model, capabilities=[Planning()])
 
     await agent.reply("Plan my trip")
 

@@ -8,6 +8,7 @@ import pytest
 from pydantic import BaseModel
 
 from fleetbus import Agent
+from fleetbus.agents import AgentSettings
 from fleetbus.models import FINISH_TOOL
 from fleetbus.testing import ScriptedModel
 
@@ -88,7 +89,9 @@ async def test_model_that_keeps_answering_text_ends_in_error_after_the_grace(
     retries: int,
 ) -> None:
     model = ScriptedModel(["It is sunny."], repeat_last=True)
-    agent = Agent("forecaster", "You forecast.", model, structured_retries=retries)
+    agent = Agent(
+        "forecaster", "You forecast.", model, settings=AgentSettings(structured_retries=retries)
+    )
 
     answer = await agent.reply("Weather in Oslo?", structured_model=Forecast)
 
@@ -112,7 +115,9 @@ async def test_invalid_finish_calls_past_the_grace_end_in_error() -> None:
             ScriptedModel.call(FINISH_TOOL, {"city": "Oslo", "celsius": 1}),
         ]
     )
-    agent = Agent("forecaster", "You forecast.", model, structured_retries=1)
+    agent = Agent(
+        "forecaster", "You forecast.", model, settings=AgentSettings(structured_retries=1)
+    )
 
     answer = await agent.reply("Weather in Oslo?", structured_model=Forecast)
 
@@ -121,3 +126,40 @@ async def test_invalid_finish_calls_past_the_grace_end_in_error() -> None:
     assert len(model.requests) == 2
     assert model.remaining == 1
     assert unanswered(agent.memory) == []
+
+
+async def test_a_raw_schema_is_checked_in_full_ranges_lengths_and_nested_refs_too() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "minLength": 2},
+            "days": {"type": "array", "items": {"$ref": "#/$defs/Day"}},
+        },
+        "required": ["city", "days"],
+        "$defs": {
+            "Day": {
+                "type": "object",
+                "properties": {"celsius": {"type": "number", "minimum": -90}},
+                "required": ["celsius"],
+            }
+        },
+    }
+    wrong = {"city": "O", "days": [{"celsius": -100}, {}, {"celsius": "cold"}]}
+    right = {"city": "Oslo", "days": [{"celsius": -2}]}
+    model = ScriptedModel(
+        [ScriptedModel.call(FINISH_TOOL, wrong), ScriptedModel.call(FINISH_TOOL, right)]
+    )
+    agent = Agent("forecaster", "You forecast.", model)
+
+    answer = await agent.reply("Weather in Oslo?", structured_schema=schema)
+
+    [error] = results_of(model.requests[1].messages[-1])
+    assert error.state == "error"
+    assert error.output == (
+        "invalid_parameters: city: 'O' is too short; "
+        "days[0].celsius: -100 is less than the minimum of -90; "
+        "days[1]: missing required field(s): celsius; "
+        "days[2].celsius: should be number, not string. Call it again."
+    )
+    assert answer.finished_reason == "completed"
+    assert answer.structured == right

@@ -1,6 +1,6 @@
 """Knowledge bases: documents searched before the agent reasons.
 
-An agent given knowledge bases (``Agent(knowledge=[…])``) searches each of
+An agent given knowledge bases (``Agent(capabilities=[Knowledge([…])])``) searches each of
 them before the first reasoning step of a reply, with the user's input — or,
 with ``KnowledgeConfig(rewrite_query=True)``, with a search query the model
 first writes from the input and the conversation before it. The passages
@@ -30,22 +30,27 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 import msgspec
 
-from fleetbus.agents._hints import with_hint
-from fleetbus.agents._worker_tools import WorkerTools
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import Middleware, ReplyContext
 from fleetbus.bus import Bus, ToolClient
+from fleetbus.capabilities._hints import with_hint
+from fleetbus.capabilities._worker_tools import WorkerTools
 from fleetbus.errors import ConfigError, RemoteError
 from fleetbus.models.model import ChatModel, ModelRequest, ModelResponse, complete
 from fleetbus.protocol import ChatMessage, FinalAnswer, TextBlock
 
+if TYPE_CHECKING:
+    from fleetbus.agents.agent import Agent
+    from fleetbus.agents.state import AgentState
+
 __all__ = [
     "DEFAULT_KNOWLEDGE_TOOL",
     "BusKnowledgeBase",
+    "Knowledge",
     "KnowledgeBase",
     "KnowledgeConfig",
     "KnowledgeHit",
@@ -253,7 +258,7 @@ class _Retrieved:
 
 class KnowledgeRetrieval(Middleware):
     """The middleware that searches the knowledge bases and shows the model
-    what they found (what ``Agent(knowledge=…)`` adds, outermost).
+    what they found (the layer of :class:`Knowledge`).
 
     Args:
         bases: the knowledge bases, searched at once.
@@ -397,15 +402,37 @@ class KnowledgeRetrieval(Middleware):
         return line[:_QUERY_CHARS] or query
 
 
-def knowledge_layer(
-    bases: Sequence[KnowledgeBase], config: KnowledgeConfig, model: ChatModel
-) -> tuple[Middleware, ...]:
-    """The middleware an agent with these bases adds (none without bases).
+class Knowledge:
+    """The knowledge capability: knowledge bases searched before the first
+    reasoning step of each reply; what they find is shown to the model with
+    its sources, which the final answer lists (``sources``).
+
+    Args:
+        bases: the knowledge bases, searched at once.
+        config: passages per base, score threshold, query rewrite (by the
+            agent's model), bounds and timeout of the search.
 
     Raises:
         ConfigError: a base is not a knowledge base.
     """
-    return (KnowledgeRetrieval(bases, config, model=model),) if bases else ()
+
+    def __init__(
+        self, bases: Iterable[KnowledgeBase], config: KnowledgeConfig | None = None
+    ) -> None:
+        self.bases = list(bases)
+        self.config = config or KnowledgeConfig()
+        for base in self.bases:
+            if not isinstance(base, KnowledgeBase):
+                raise ConfigError(f"{base!r} is not a knowledge base (it has no retrieve())")
+
+    def middlewares(self, agent: Agent) -> Sequence[Middleware]:
+        """The search, with the agent's model to rewrite the query (none without bases)."""
+        if not self.bases:
+            return ()
+        return (KnowledgeRetrieval(self.bases, self.config, model=agent.model),)
+
+    def prepare_state(self, state: AgentState) -> None:
+        """Nothing: the bases are searched anew in each reply."""
 
 
 def _input_span(memory: list[Msg], steps: int) -> tuple[int, int]:

@@ -1,7 +1,8 @@
-"""Speaking a reply: :class:`SpeakReply`, the middleware that turns what the
+"""The speech capability: :class:`SpeakReply`, the layer that turns what the
 model says into audio — sentence by sentence while the model streams (found
-by :class:`~fleetbus.agents.sentences.SentenceSplitter`), or once at the end
-of the reply.
+by :class:`~fleetbus.capabilities.sentences.SentenceSplitter`), or once at the end
+of the reply. It is a capability (``Agent(capabilities=[SpeakReply(…)])``)
+and a middleware too (``Agent(middlewares=[SpeakReply(…)])``).
 
 Each piece of speech becomes a WAV file in a folder, goes to a player
 program, or both. Synthesis runs in a task of the reply's own, beside the
@@ -26,11 +27,11 @@ import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from fleetbus.agents import events as ev
 from fleetbus.agents.middleware import Middleware, ReplyContext
-from fleetbus.agents.sentences import SentenceSplitter
+from fleetbus.capabilities.sentences import SentenceSplitter
 from fleetbus.errors import ConfigError
 from fleetbus.models.model import ModelRequest, ModelResponse
 from fleetbus.models.speech import (
@@ -41,6 +42,10 @@ from fleetbus.models.speech import (
     write_audio,
 )
 from fleetbus.protocol import Event, FinalAnswer, TextBlock
+
+if TYPE_CHECKING:
+    from fleetbus.agents.agent import Agent
+    from fleetbus.agents.state import AgentState
 
 __all__ = ["SpeakReply", "SpeechMode", "Utterance"]
 
@@ -144,6 +149,13 @@ class SpeakReply(Middleware):
         self.max_sentence_chars = max_sentence_chars
         self.on_spoken = on_spoken
         self._key = f"fleetbus.speech.{id(self)}"
+
+    def middlewares(self, agent: Agent) -> Sequence[Middleware]:
+        """Itself: as a capability, it is one layer."""
+        return (self,)
+
+    def prepare_state(self, state: AgentState) -> None:
+        """Nothing: speaking keeps no state."""
 
     async def on_reply(
         self, ctx: ReplyContext, call_next: Callable[[], Awaitable[FinalAnswer]]

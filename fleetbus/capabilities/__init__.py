@@ -1,0 +1,68 @@
+"""What an agent can be given beyond the loop, each a plug-in
+(:class:`fleetbus.agents.Capability`) that hooks in through the middleware
+and hint seams::
+
+    from fleetbus.capabilities import Knowledge, Memory, Planning
+
+    agent = Agent(
+        "helper", "You help.", model,
+        capabilities=[Knowledge([docs]), Memory(BusMemory()), Planning()],
+    )
+
+- :class:`Memory`: a long-term memory kept across conversations
+  (:mod:`fleetbus.capabilities.memory`);
+- :class:`Knowledge`: knowledge bases searched before the model reasons
+  (:mod:`fleetbus.capabilities.knowledge`);
+- :class:`Planning`: a plan notebook (:mod:`fleetbus.capabilities.plan`);
+- :class:`Offloading`: long tool results kept whole and readable
+  (:mod:`fleetbus.capabilities.offload`);
+- :class:`SpeakReply`: the reply spoken (:mod:`fleetbus.capabilities.speech`);
+- :class:`Talk`: ``send_message`` and ``publish`` to the fleet
+  (:mod:`fleetbus.capabilities.talk`).
+"""
+
+from fleetbus.capabilities.knowledge import (
+    BusKnowledgeBase,
+    Knowledge,
+    KnowledgeBase,
+    KnowledgeConfig,
+    KnowledgeHit,
+    KnowledgeRetrieval,
+    Passage,
+)
+from fleetbus.capabilities.memory import (
+    BusMemory,
+    LongTermMemory,
+    LongTermMemoryConfig,
+    LongTermMemoryMode,
+    Memory,
+    MemoryScope,
+)
+from fleetbus.capabilities.offload import Offloading
+from fleetbus.capabilities.plan import Planning
+from fleetbus.capabilities.sentences import SentenceSplitter
+from fleetbus.capabilities.speech import SpeakReply, Utterance
+from fleetbus.capabilities.talk import Talk, talk_tools
+
+__all__ = [
+    "BusKnowledgeBase",
+    "BusMemory",
+    "Knowledge",
+    "KnowledgeBase",
+    "KnowledgeConfig",
+    "KnowledgeHit",
+    "KnowledgeRetrieval",
+    "LongTermMemory",
+    "LongTermMemoryConfig",
+    "LongTermMemoryMode",
+    "Memory",
+    "MemoryScope",
+    "Offloading",
+    "Passage",
+    "Planning",
+    "SentenceSplitter",
+    "SpeakReply",
+    "Talk",
+    "Utterance",
+    "talk_tools",
+]
