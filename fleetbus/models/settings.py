@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fleetbus.errors import ConfigError
+from fleetbus.protocol.codec import clip
 
 __all__ = ["ModelEnvironment", "ModelSettings", "check_ranges"]
 
@@ -102,5 +103,6 @@ def check_ranges(limits: type[_Limits], where: str, **values: Any) -> _Limits:
     except ValidationError as exc:
         first = exc.errors()[0]
         name = ".".join(str(part) for part in first["loc"])
-        message = first["msg"].replace("Input", name, 1)
-        raise ConfigError(f"{where}: {message}, not {first['input']!r}") from None
+        raise ConfigError(
+            f"{where}: {name}: {first['msg']}, not {clip(repr(first['input']), 80)}"
+        ) from None

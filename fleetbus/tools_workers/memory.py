@@ -46,11 +46,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Final, TypeVar
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from fleetbus.errors import ConfigError, StoreError
 from fleetbus.tools_workers._fts import any_of, query_words
-from fleetbus.tools_workers.settings import ToolSettings
+from fleetbus.tools_workers.settings import ToolSettings, check_ranges
 from fleetbus.tools_workers.tool import tool
 from fleetbus.tools_workers.toolkit import Toolkit
 
@@ -211,13 +211,16 @@ class SQLiteMemory:
                 or more than :data:`MAX_TEXTS` texts.
             StoreError: the file cannot be written.
         """
-        _check_scope(agent_name, key)
         if isinstance(texts, str):
             texts = [texts]
-        if len(texts) > MAX_TEXTS:
-            raise ConfigError(f"at most {MAX_TEXTS} texts per record, not {len(texts)}")
-        if record_id is not None and not 0 < len(record_id) <= _MAX_RECORD_ID_CHARS:
-            raise ConfigError(f"a record_id has 1 to {_MAX_RECORD_ID_CHARS} characters")
+        check_ranges(
+            _Record,
+            "SQLiteMemory.record",
+            agent_name=agent_name,
+            key=key,
+            texts=len(texts),
+            record_id=record_id,
+        )
         kept = [_cut(t.strip(), MAX_TEXT_CHARS) for t in texts if t.strip()]
         if not kept:
             return 0
@@ -243,11 +246,14 @@ class SQLiteMemory:
                 ``limit`` or ``max_chars`` out of range.
             StoreError: the file cannot be read.
         """
-        _check_scope(agent_name, key)
-        if not 1 <= limit <= MAX_LIMIT:
-            raise ConfigError(f"limit is 1 to {MAX_LIMIT}, not {limit}")
-        if not 1 <= max_chars <= MAX_CHARS:
-            raise ConfigError(f"max_chars is 1 to {MAX_CHARS}, not {max_chars}")
+        check_ranges(
+            _Retrieval,
+            "SQLiteMemory.retrieve",
+            agent_name=agent_name,
+            key=key,
+            limit=limit,
+            max_chars=max_chars,
+        )
         expression = match_expression(query)
         if expression is None:
             return []
@@ -372,11 +378,20 @@ class SQLiteMemory:
         return int(row[0])
 
 
-def _check_scope(agent_name: str, key: str) -> None:
-    if not 0 < len(agent_name) <= MAX_NAME_CHARS:
-        raise ConfigError(f"an agent name has 1 to {MAX_NAME_CHARS} characters")
-    if not 0 < len(key) <= MAX_KEY_CHARS:
-        raise ConfigError(f"a memory key has 1 to {MAX_KEY_CHARS} characters")
+class _Scope(BaseModel):
+    agent_name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    key: str = Field(min_length=1, max_length=MAX_KEY_CHARS)
+
+
+class _Record(_Scope):
+    texts: int = Field(le=MAX_TEXTS)
+    """How many texts."""
+    record_id: str | None = Field(min_length=1, max_length=_MAX_RECORD_ID_CHARS)
+
+
+class _Retrieval(_Scope):
+    limit: int = Field(ge=1, le=MAX_LIMIT)
+    max_chars: int = Field(ge=1, le=MAX_CHARS)
 
 
 def memory_tools(store: SQLiteMemory | str | Path | None = None) -> Toolkit:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fleetbus.errors import ConfigError
+from fleetbus.protocol.codec import clip
 
 __all__ = ["ToolSettings", "check_ranges"]
 
@@ -85,5 +86,6 @@ def check_ranges(
     except ValidationError as exc:
         first = exc.errors()[0]
         name = ".".join(str(part) for part in first["loc"])
-        message = first["msg"].replace("Input", name, 1)
-        raise error(f"{where}: {message}, not {first['input']!r}") from None
+        raise error(
+            f"{where}: {name}: {first['msg']}, not {clip(repr(first['input']), 80)}"
+        ) from None

@@ -213,8 +213,8 @@ async def test_a_server_that_never_answers_times_out() -> None:
         (("",), {}, "command is empty"),
         (("a 'b",), {}, "cannot split"),
         ((), {"url": "ftp://h/mcp"}, "starts with http"),
-        (("x",), {"timeout": 0}, "timeout should be greater than 0, not 0"),
-        (("x",), {"connect_timeout": -1}, "connect_timeout should be greater than 0, not -1"),
+        (("x",), {"timeout": 0}, "timeout: Input should be greater than 0, not 0"),
+        (("x",), {"connect_timeout": -1}, "connect_timeout: Input should be greater than 0"),
     ],
 )
 def test_wrong_arguments_are_config_errors(

@@ -83,7 +83,9 @@ def test_bash_tool_deadline_leaves_room_for_its_own_timeout(root: Path) -> None:
 
 @pytest.mark.parametrize("value", [0, -1.0])
 def test_coding_tools_refuses_a_nonpositive_timeout(root: Path, value: float) -> None:
-    with pytest.raises(ValueError, match="coding_tools: bash_timeout should be greater than 0"):
+    with pytest.raises(
+        ValueError, match=r"^coding_tools: bash_timeout: Input should be greater than 0"
+    ):
         coding_tools(root, bash_timeout=value)
 
 

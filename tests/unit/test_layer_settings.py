@@ -185,28 +185,47 @@ def test_model_environment_strips_and_treats_empty_as_unset(
 
 def test_ranges_are_checked_by_pydantic_constraints_and_named(tmp_path: Path) -> None:
     with pytest.raises(
-        ConfigError, match=r"^ModelWorker: concurrency should be greater than or equal to 1, not 0$"
+        ConfigError,
+        match=r"^ModelWorker: concurrency: Input should be greater than or equal to 1, not 0$",
     ):
         ModelWorker(None, OfflineModel(), concurrency=0)  # type: ignore[arg-type]
     with pytest.raises(
-        ConfigError, match=r"tokens_per_minute should be greater than or equal to 1"
+        ConfigError, match=r"tokens_per_minute: Input should be greater than or equal to 1"
     ):
         ModelWorker(None, OfflineModel(), tokens_per_minute=0)  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"call_timeout should be greater than 0, not nan"):
+    with pytest.raises(ConfigError, match=r"call_timeout: Input should be greater than 0, not nan"):
         ModelWorker(None, OfflineModel(), call_timeout=float("nan"))  # type: ignore[arg-type]
     with pytest.raises(
-        ConfigError, match=r"^EspeakSpeech: pitch should be less than or equal to 99, not 100$"
+        ConfigError,
+        match=r"^EspeakSpeech: pitch: Input should be less than or equal to 99, not 100$",
     ):
         EspeakSpeech(executable=sys.executable, pitch=100)
     with pytest.raises(
-        ValueError, match=r"^ToolWorker: concurrency should be greater than or equal to 1"
+        ValueError, match=r"^ToolWorker: concurrency: Input should be greater than or equal to 1"
     ):
         ToolWorker(None, Toolkit(), concurrency=0)  # type: ignore[arg-type]
     with pytest.raises(
-        ConfigError, match=r"chunk_chars should be greater than or equal to 100, not 10"
+        ConfigError, match=r"chunk_chars: Input should be greater than or equal to 100, not 10"
     ):
         KnowledgeIndex(tmp_path, chunk_chars=10)
     with pytest.raises(
-        ConfigError, match=r"^SkillTool: max_chars should be greater than or equal to 1"
+        ConfigError, match=r"^SkillTool: max_chars: Input should be greater than or equal to 1"
     ):
         skills.SkillTool([], max_chars=0)
+
+
+async def test_memory_refuses_out_of_range_calls_with_a_short_message() -> None:
+    store = memory.SQLiteMemory(":memory:")
+    with pytest.raises(
+        ConfigError, match=r"^SQLiteMemory.record: texts: Input should be less than"
+    ):
+        await store.record("helper", "k", ["x"] * (memory.MAX_TEXTS + 1))
+    with pytest.raises(
+        ConfigError, match=r"^SQLiteMemory.retrieve: key: String should have at most"
+    ) as refused:
+        await store.retrieve("helper", "k" * 100_000, "garden")
+    assert len(str(refused.value)) < 300
+    with pytest.raises(
+        ConfigError, match=r"limit: Input should be less than or equal to 50, not 51"
+    ):
+        await store.retrieve("helper", "k", "garden", limit=memory.MAX_LIMIT + 1)

@@ -228,7 +228,7 @@ def test_functions_that_cannot_be_tools_are_refused() -> None:
             Tool(fn)
     with pytest.raises(ToolDefinitionError, match="invalid tool name"):
         tool(name="has space")(add.fn)
-    with pytest.raises(ToolDefinitionError, match="timeout should be greater than 0"):
+    with pytest.raises(ToolDefinitionError, match="timeout: Input should be greater than 0"):
         tool(timeout=0)(add.fn)
 
 
