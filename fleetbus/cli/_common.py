@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine
-from typing import Annotated, Any, TypeAlias
+from typing import Annotated, Any, TypeAlias, TypeVar
 
 from pydantic import Field, TypeAdapter, ValidationError
 from rich.console import Console
@@ -224,37 +224,36 @@ def model_option_args(options: dict[str, Any]) -> list[str]:
     return out
 
 
-def count(what: str, *, ge: int = 0, le: int | None = None) -> Callable[[str], int]:
-    """An argparse ``type``: a whole number from ``ge`` (to ``le``), checked
-    by pydantic; anything else is refused as ``"{what}, not '{text}'"``."""
-    adapter: TypeAdapter[int] = TypeAdapter(Annotated[int, Field(ge=ge, le=le)])
+_N = TypeVar("_N", int, float)
 
-    def parse(text: str) -> int:
+
+def _argparse_type(adapter: TypeAdapter[_N], what: str) -> Callable[[str], _N]:
+    """An argparse ``type`` that reads a value with ``adapter`` (its pydantic
+    constraints), refusing anything else as ``"{what}, not '{text}'"``."""
+
+    def parse(text: str) -> _N:
         try:
             return adapter.validate_python(text.strip())
         except ValidationError:
             raise argparse.ArgumentTypeError(f"{what}, not {text!r}") from None
 
     return parse
+
+
+def count(what: str, *, ge: int = 0, le: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: a whole number from ``ge`` (to ``le``); anything
+    else is refused as ``"{what}, not '{text}'"``."""
+    return _argparse_type(TypeAdapter(Annotated[int, Field(ge=ge, le=le)]), what)
 
 
 def seconds(
     what: str, *, gt: float | None = None, ge: float | None = None
 ) -> Callable[[str], float]:
-    """An argparse ``type``: a duration in seconds over ``gt`` (or from
-    ``ge``), checked by pydantic; anything else is refused as
-    ``"{what}, not '{text}'"``."""
-    adapter: TypeAdapter[float] = TypeAdapter(
-        Annotated[float, Field(gt=gt, ge=ge, allow_inf_nan=False)]
+    """An argparse ``type``: a finite duration in seconds over ``gt`` (or from
+    ``ge``); anything else is refused as ``"{what}, not '{text}'"``."""
+    return _argparse_type(
+        TypeAdapter(Annotated[float, Field(gt=gt, ge=ge, allow_inf_nan=False)]), what
     )
-
-    def parse(text: str) -> float:
-        try:
-            return adapter.validate_python(text.strip())
-        except ValidationError:
-            raise argparse.ArgumentTypeError(f"{what}, not {text!r}") from None
-
-    return parse
 
 
 POSITIVE = count("a count of 1 or more", ge=1)
