@@ -33,7 +33,19 @@ stamp="$venv/.installed"
 if [[ "${FLEETBUS_REBUILD:-}" == 1 ]]; then
     rm -rf "$venv"
 fi
-if [[ ! -f "$stamp" || pyproject.toml -nt "$stamp" ]]; then
+# The venv is made anew when the requirements it was built from change (not
+# on any edit of pyproject.toml: its other sections change more often).
+requirements="$("$PYTHON" - <<'EOF'
+import json
+import tomllib
+
+with open("pyproject.toml", "rb") as f:
+    project = tomllib.load(f)["project"]
+extras = project["optional-dependencies"]
+print(json.dumps([project["dependencies"], extras["otel"], extras["dashboard"]]))
+EOF
+)"
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$requirements" ]]; then
     rm -rf "$venv"
     "$PYTHON" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
@@ -63,7 +75,7 @@ EOF
         -e '.[otel,dashboard]' \
         'pytest>=8' 'pytest-asyncio>=0.24' 'pytest-timeout>=2.3' 'pytest-xdist>=3.5' \
         'hypothesis>=6.100' 'cryptography>=42' 'jsonschema>=4.21'
-    touch "$stamp"
+    printf '%s' "$requirements" >"$stamp"
 fi
 
 echo "== $which: $("$venv/bin/python" -m pip list --format=freeze 2>/dev/null |

@@ -1,7 +1,7 @@
 """The one module of fleetbus that reads or overrides private names of other
 libraries: nats-py's client and subscription, and ``asyncio.Semaphore``.
 
-Written for nats-py 2.9 to 2.16 and Python 3.11 to 3.13 (the range
+Written for nats-py 2.12 to 2.16 and Python 3.11 to 3.13 (the range
 ``pyproject.toml`` allows and ``scripts/test-versions.sh`` tests). Checked once,
 at import (:data:`AVAILABLE`): a path whose internals are missing, or that
 ``FLEETBUS_PRIVATE_OFF`` turns off, is not taken, and fleetbus goes through the
@@ -54,7 +54,9 @@ up, without ``publish``'s coroutines. Reads ``_status``, ``_pending``,
 
 ``headers`` — :meth:`Client._parse_header_lines` parses a message's headers
 without nats-py's per-character checks, with the same result. Every lease
-write comes back to every host with seven headers.
+write comes back to every host with seven headers. nats-py has the method
+from 2.15; before, it parses headers with ``email.parser`` inside
+``_process_headers``, and this path is missing.
 
 ``places`` — a serving loop takes and gives back a place of its
 ``asyncio.Semaphore`` from the read loop, where it cannot await ``acquire``
@@ -191,7 +193,7 @@ def check(settings: BusSettings | None = None) -> frozenset[Path]:
     if missing:
         logger.warning(
             "nats-py %s on Python %s lacks what fleetbus reads to be cheaper (%s; written "
-            "for nats-py 2.9 to 2.16, Python 3.11 to 3.13): using the public API instead",
+            "for nats-py 2.12 to 2.16, Python 3.11 to 3.13): using the public API instead",
             _version("nats-py"),
             f"{sys.version_info[0]}.{sys.version_info[1]}",
             ", ".join(missing),
@@ -241,8 +243,8 @@ def server_info(nc: NATS) -> dict[str, object]:
 
 
 _UNSAFE = re.compile(r"[ \t\r\n]")
-"""What a subject may not hold (a CR LF would end the command; newer nats-py
-refuses the same, 2.9 sends it)."""
+"""What a subject may not hold (a CR LF would end the command; nats-py 2.16
+refuses the same, earlier versions send it)."""
 
 _HEADER_SPACE = " \t\n\r\x0b\x0c"
 """What ``bytes.strip`` strips: around a header's name and value."""
@@ -350,8 +352,8 @@ class Client(NATS):
         headers: dict[str, str] | None = None,
     ) -> None:
         """nats-py's ``publish``, refusing an empty subject, or a subject or
-        reply subject with whitespace, whatever the nats-py version (2.9 sends
-        them: a space splits the command, a CR LF ends it).
+        reply subject with whitespace, whatever the nats-py version (before
+        2.16 it sends them: a space splits the command, a CR LF ends it).
 
         Raises:
             nats.errors.BadSubjectError: the subject or the reply subject.

@@ -5,9 +5,11 @@ This is the only module (with its siblings in ``fleetbus.bus``) that imports
 ``nats``; nats-py errors become fleetbus errors here, most specific first.
 
 Requests wait for their replies on an inbox of fleetbus's own rather than
-through nats-py's ``request``, which costs a tool call's client more than the
-rest of the call: 27-36 us of CPU per request against 15-24 us (64 in
-flight, uvloop and asyncio; see :class:`Replies`).
+through nats-py's ``request``, which makes each request's token with system
+calls and wakes its caller through three loop callbacks: on a tool call's
+client that is more CPU than the rest of the call, and the client's CPU
+bounds a fleet's tool-call throughput (:class:`Replies` says what is done
+instead; ``bench/tool_calls.py`` measures it).
 """
 
 from __future__ import annotations
@@ -882,5 +884,7 @@ def _translate(exc: BaseException, what: str) -> BusError:
 async def _close_quietly(nc: NATS) -> None:
     try:
         await nc.close()
-    except (nats.errors.Error, OSError, RuntimeError) as exc:
+    # AttributeError: nats-py before 2.15 cannot close a TCP transport whose
+    # first connection never opened (it calls close on a writer that is None).
+    except (nats.errors.Error, OSError, RuntimeError, AttributeError) as exc:
         logger.debug("close: %s", exc)

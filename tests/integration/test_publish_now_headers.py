@@ -9,6 +9,7 @@ import asyncio
 from typing import Any
 
 import pytest
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -16,6 +17,9 @@ from fleetbus import tracing
 from fleetbus.bus import Bus
 from fleetbus.bus._seam import Client
 from fleetbus.protocol import ToolCall, ToolResult
+
+LINE_PARSER = callable(getattr(NATS, "_parse_header_lines", None))
+"""Whether the installed nats-py parses headers line by line (2.15+)."""
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"
 
@@ -59,7 +63,10 @@ async def test_plain_headers_are_queued_as_publish_writes_them(
     assert queued == captured[0]
     first = await asyncio.wait_for(got.get(), 30)
     second = await asyncio.wait_for(got.get(), 30)
-    assert first.headers == second.headers == headers
+    # nats-py before 2.15 parses headers with email.parser, which loses the
+    # whole block when a value is not ASCII: the same for both copies.
+    readable = LINE_PARSER or all(value.isascii() for value in headers.values())
+    assert first.headers == second.headers == (headers if readable else None)
     assert second.data == b"body"
     assert second.reply == "r.1"
 

@@ -1,11 +1,25 @@
-"""The bus's client parses message headers as nats-py does, only faster."""
+"""The bus's client parses message headers as nats-py does, only faster.
+
+nats-py 2.15 and later parse a message's header block with
+``Client._parse_header_lines``, which the seam's ``headers`` path overrides.
+Earlier versions parse it with ``email.parser`` inside ``_process_headers``:
+there is nothing to override, the seam leaves the path off (with its one
+warning), and the bus's client gets nats-py's own parse.
+"""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 from nats.aio.client import Client
 
+from fleetbus.bus import BusSettings
 from fleetbus.bus._seam import Client as BusClient
+from fleetbus.bus._seam import check
+
+LINE_PARSER = callable(getattr(Client, "_parse_header_lines", None))
+"""Whether the installed nats-py parses headers with ``_parse_header_lines`` (2.15+)."""
 
 BLOCKS = [
     b"",
@@ -27,5 +41,20 @@ BLOCKS = [
 
 
 @pytest.mark.parametrize("raw", BLOCKS)
-def test_the_same_headers_as_nats_py(raw: bytes) -> None:
-    assert BusClient._parse_header_lines(raw) == Client._parse_header_lines(raw)
+async def test_the_same_headers_as_nats_py(raw: bytes) -> None:
+    """What the read loop makes of a message's header block: the seam's
+    parse where nats-py has a line parser, nats-py's own before."""
+    block = b"NATS/1.0\r\n" + raw
+    assert await BusClient()._process_headers(block) == await Client()._process_headers(block)
+
+
+def test_the_headers_path_is_taken_where_nats_py_has_a_line_parser(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert ("headers" in check(BusSettings(private_off=""))) == LINE_PARSER
+    warnings = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "fleetbus.bus._seam" and r.levelno == logging.WARNING
+    ]
+    assert any("Client._parse_header_lines" in w for w in warnings) == (not LINE_PARSER)

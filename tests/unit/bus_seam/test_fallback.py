@@ -1,6 +1,11 @@
 """``fleetbus.bus._seam`` falls back to the public path, with one warning,
 when an internal it needs is missing, and takes what
-``FLEETBUS_PRIVATE_OFF`` leaves on."""
+``FLEETBUS_PRIVATE_OFF`` leaves on.
+
+Every path's internals are in nats-py 2.15 and later; before 2.15 nats-py
+has no ``Client._parse_header_lines`` (it parses headers with
+``email.parser``), so the ``headers`` path is missing there.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,13 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from fleetbus.bus import BusSettings, _seam
-from fleetbus.bus._seam import PATHS, Client, check, give_place, take_place
+from fleetbus.bus._seam import PATHS, Client, Path, check, give_place, take_place
+
+LINE_PARSER = callable(getattr(NATS, "_parse_header_lines", None))
+"""Whether the installed nats-py parses headers with ``_parse_header_lines`` (2.15+)."""
+
+THERE: frozenset[Path] = frozenset(PATHS) if LINE_PARSER else frozenset(PATHS) - {"headers"}
+"""The paths whose internals the installed nats-py and Python have."""
 
 
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -22,18 +33,22 @@ def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
-def test_with_every_internal_there_every_path_is_taken(
+def test_every_path_whose_internals_are_there_is_taken(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    assert check(BusSettings(private_off="")) == frozenset(PATHS)
-    assert _warnings(caplog) == []
+    assert check(BusSettings(private_off="")) == THERE
+    if LINE_PARSER:
+        assert _warnings(caplog) == []
+    else:
+        [warning] = _warnings(caplog)
+        assert "Client._parse_header_lines" in warning
 
 
 def test_a_missing_nats_method_leaves_its_path_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.delattr(NATS, "_process_headers")
-    monkeypatch.delattr(NATS, "_parse_header_lines")
+    monkeypatch.delattr(NATS, "_parse_header_lines", raising=LINE_PARSER)
     paths = check(BusSettings(private_off=""))
     assert paths == frozenset(PATHS) - {"route", "headers"}
     [warning] = _warnings(caplog)
@@ -48,8 +63,9 @@ def test_a_changed_process_msg_leaves_the_route(
         return None
 
     monkeypatch.setattr(NATS, "_process_msg", _process_msg)
-    assert "route" not in check(BusSettings(private_off=""))
-    assert len(_warnings(caplog)) == 1
+    assert check(BusSettings(private_off="")) == THERE - {"route"}
+    [warning] = _warnings(caplog)
+    assert "Client._process_msg(sid, subject, reply, data, headers)" in warning
 
 
 def test_a_semaphore_without_its_fields_leaves_the_places(
@@ -61,17 +77,19 @@ def test_a_semaphore_without_its_fields_leaves_the_places(
             del self._waiters
 
     monkeypatch.setattr(asyncio, "Semaphore", Plain)
-    assert "places" not in check(BusSettings(private_off=""))
+    assert check(BusSettings(private_off="")) == THERE - {"places"}
     [warning] = _warnings(caplog)
     assert "asyncio.Semaphore._waiters" in warning
 
 
 def test_paths_turned_off_are_not_taken_and_not_warned_about(
-    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    assert check(BusSettings(private_off="route, publish_now")) == frozenset(PATHS) - {
+    monkeypatch.delattr(NATS, "_parse_header_lines", raising=LINE_PARSER)
+    assert check(BusSettings(private_off="route, publish_now, headers")) == frozenset(PATHS) - {
         "route",
         "publish_now",
+        "headers",
     }
     assert check(BusSettings(private_off="all")) == frozenset()
     assert _warnings(caplog) == []
@@ -84,11 +102,17 @@ def test_without_the_publish_now_path_publish_now_declines(
     assert not Client().publish_now("a.subject", b"x")
 
 
-def test_without_the_headers_path_nats_py_parses_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    raw = b"NATS/1.0\r\nName: value\r\n\r\n"
+async def test_without_the_headers_path_nats_py_parses_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    block = b"NATS/1.0\r\nName: value\r\n\r\n"
     monkeypatch.setattr(_seam, "AVAILABLE", frozenset(PATHS) - {"headers"})
-    parsed = NATS._parse_header_lines(raw)
-    assert Client._parse_header_lines(raw) == parsed
+    if LINE_PARSER:
+        by_nats_py = {"parsed by": "nats-py"}
+        monkeypatch.setattr(NATS, "_parse_header_lines", staticmethod(lambda raw: by_nats_py))
+        assert await Client()._process_headers(block) == by_nats_py
+    else:  # nats-py parses the block itself, with email.parser
+        assert await Client()._process_headers(block) == {"Name": "value"}
 
 
 async def test_places_are_taken_and_given_back_as_acquire_and_release_do() -> None:
