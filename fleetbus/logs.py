@@ -25,13 +25,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import os
 import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any, Literal
 
 import orjson
+from pydantic import ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fleetbus.errors import ConfigError
 
@@ -149,6 +150,25 @@ class TextFormatter(logging.Formatter):
         return f"{text}  [{ids}]" if ids else text
 
 
+class LogSettings(BaseSettings):
+    """The log settings read from the environment (an empty variable is as
+    if unset). The log format's variable, ``FLEETBUS_LOG_FORMAT``, is the
+    ``fleetbus`` command's (:mod:`fleetbus.cli.settings`)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLEETBUS_", env_ignore_empty=True, extra="ignore", frozen=True
+    )
+
+    log_level: Literal["debug", "info", "warning", "warn", "error", "critical"] | None = None
+    """``FLEETBUS_LOG_LEVEL``: the log level without ``-v`` (``debug``,
+    ``info``, ``warning``, ``error``, ``critical``; any case); unset: warning."""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower() or None if isinstance(value, str) else value
+
+
 def level_from_env(verbose: int = 0) -> int:
     """The log level: ``-v`` info, ``-vv`` debug; without them
     ``FLEETBUS_LOG_LEVEL`` (``debug``, ``info``, ``warning``, ``error``), else warning.
@@ -158,14 +178,14 @@ def level_from_env(verbose: int = 0) -> int:
     """
     if verbose > 0:
         return logging.INFO if verbose == 1 else logging.DEBUG
-    name = os.environ.get("FLEETBUS_LOG_LEVEL", "").strip().upper()
-    if not name:
-        return logging.WARNING
-    if name not in _LEVELS:
+    try:
+        name = LogSettings().log_level
+    except ValidationError as exc:
+        given = exc.errors()[0].get("input")
         raise ConfigError(
-            f"FLEETBUS_LOG_LEVEL must be debug, info, warning or error, not {name.lower()!r}"
-        )
-    return _LEVELS[name]
+            f"FLEETBUS_LOG_LEVEL must be debug, info, warning or error, not {given!r}"
+        ) from None
+    return logging.WARNING if name is None else _LEVELS[name.upper()]
 
 
 def configure(

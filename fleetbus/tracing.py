@@ -11,8 +11,8 @@ Only ``opentelemetry-api`` is a dependency of fleetbus. Spans are recorded
 once an OpenTelemetry SDK tracer provider is installed: by the application,
 or by :func:`setup_from_env`, which every ``fleetbus`` command calls and
 which follows the standard ``OTEL_*`` environment variables when the
-``fleetbus[otel]`` extra is installed (``OTEL_TRACES_EXPORTER``, else
-``OTEL_EXPORTER_OTLP_ENDPOINT``/``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``).
+``fleetbus[otel]`` extra is installed (those fleetbus reads itself are
+:class:`TracingSettings`).
 Without a provider, every helper here returns at once: tracing costs nothing
 measurable when it is off. Spans are made by the provider's own tracer,
 through the OpenTelemetry API only; in a trace that the provider's
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import re
 from collections.abc import Mapping
 from importlib import metadata
@@ -52,11 +51,14 @@ from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from fleetbus import _version
 
 __all__ = [
     "SpanKind",
+    "TracingSettings",
     "begin",
     "carry_unsampled",
     "current",
@@ -74,6 +76,43 @@ SpanKind = trace.SpanKind
 _TRACEPARENT = "traceparent"
 _TRACESTATE = "tracestate"
 _BAGGAGE = "baggage"
+
+
+class TracingSettings(BaseSettings):
+    """The standard OpenTelemetry variables fleetbus reads itself (an empty
+    variable is as if unset); the SDK and its exporter read the others
+    (``OTEL_EXPORTER_OTLP_HEADERS``, ``OTEL_TRACES_SAMPLER`` …)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="OTEL_", env_ignore_empty=True, extra="ignore", frozen=True
+    )
+
+    traces_exporter: str = ""
+    """``OTEL_TRACES_EXPORTER``: ``otlp``, ``console`` or ``none`` (any case);
+    unset: ``otlp`` when an OTLP endpoint is set, else no traces."""
+    exporter_otlp_traces_endpoint: str = ""
+    """``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``: where the OTLP exporter sends spans."""
+    exporter_otlp_endpoint: str = ""
+    """``OTEL_EXPORTER_OTLP_ENDPOINT``: the OTLP endpoint of every signal."""
+    sdk_disabled: bool = False
+    """``OTEL_SDK_DISABLED``: ``true`` (any case) turns :func:`setup_from_env`
+    off; any other value leaves it on, as the specification says."""
+    service_name: str = "fleetbus"
+    """``OTEL_SERVICE_NAME``: the process's ``service.name``."""
+    python_tracer_provider: str | None = None
+    """``OTEL_PYTHON_TRACER_PROVIDER``: a tracer provider the API loads by
+    entry point on first use (fleetbus then asks the API for it, read at
+    import)."""
+
+    @field_validator("traces_exporter", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("sdk_disabled", mode="before")
+    @classmethod
+    def _true(cls, value: Any) -> Any:
+        return value.strip().lower() == "true" if isinstance(value, str) else value
 
 
 # The one seam into opentelemetry-api's private names, written for
@@ -110,7 +149,7 @@ def _check_seam() -> bool:
 
 
 _SEAM = _check_seam()
-_DIRECT = _SEAM and "OTEL_PYTHON_TRACER_PROVIDER" not in os.environ
+_DIRECT = _SEAM and TracingSettings().python_tracer_provider is None
 """Whether the global provider is read directly (a provider named in the
 environment is loaded by the API's ``get_tracer_provider()`` on first use:
 then only that asks)."""
@@ -521,18 +560,15 @@ def setup_from_env() -> bool:
     variables say, when they ask for it and ``fleetbus[otel]`` is installed;
     whether tracing is on afterwards. A provider installed already is kept.
 
-    ``OTEL_TRACES_EXPORTER``: ``otlp`` (the default when an OTLP endpoint is
-    set), ``console``, or ``none``. ``OTEL_SERVICE_NAME`` names the process
-    (default: ``fleetbus``); the exporter reads its own variables
-    (``OTEL_EXPORTER_OTLP_ENDPOINT``, headers, timeout).
+    The variables are :class:`TracingSettings`; the exporter reads its own
+    too (the OTLP endpoint, headers, timeout).
     """
     if enabled():
         return True
-    exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
-    )
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+    settings = TracingSettings()
+    exporter_name = settings.traces_exporter
+    endpoint = settings.exporter_otlp_traces_endpoint or settings.exporter_otlp_endpoint
+    if settings.sdk_disabled:
         return False
     if not exporter_name:
         if not endpoint:
@@ -567,8 +603,7 @@ def setup_from_env() -> bool:
             "OTEL_TRACES_EXPORTER=%s is not one fleetbus knows: no traces", exporter_name
         )
         return False
-    service = os.environ.get("OTEL_SERVICE_NAME") or "fleetbus"
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    provider = TracerProvider(resource=Resource.create({"service.name": settings.service_name}))
     provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
     return True

@@ -1,28 +1,9 @@
 """How to reach NATS: URLs, credentials, TLS and reconnection, from code or
 the environment.
 
-=============================  ==========================================
-environment variable           meaning
-=============================  ==========================================
-``FLEETBUS_NATS_URL``          one or more server URLs, comma-separated
-``FLEETBUS_PREFIX``            the subject prefix (default ``fleet``)
-``FLEETBUS_NATS_USER``         user name (with ``FLEETBUS_NATS_PASSWORD``)
-``FLEETBUS_NATS_PASSWORD``     password
-``FLEETBUS_NATS_TOKEN``        an auth token
-``FLEETBUS_NATS_CREDS``        path of a ``.creds`` file (JWT + NKey)
-``FLEETBUS_NATS_NKEY``         path of an NKEY user seed file (``SU…``)
-``FLEETBUS_INBOX_PREFIX``      the reply inbox prefix (default: see below)
-``FLEETBUS_NATS_TLS_CA``       CA bundle to verify the server
-``FLEETBUS_NATS_TLS_CERT``     client certificate (mutual TLS)
-``FLEETBUS_NATS_TLS_KEY``      client key (mutual TLS)
-``FLEETBUS_NATS_TLS_HOSTNAME`` the name the server's certificate must carry
-``FLEETBUS_CONNECT_TIMEOUT``   seconds to keep trying the first connection
-``FLEETBUS_JS_REPLICAS``       copies of each KV bucket and object store
-                               (1-5); by default 3 on a JetStream cluster,
-                               1 on a single server
-=============================  ==========================================
-
-The rest of the bus layer's environment is :class:`BusSettings`
+The environment variables are those of :class:`ConnectEnvironment`
+(``FLEETBUS_NATS_URL``, ``FLEETBUS_PREFIX``, credentials, TLS …), read by
+:meth:`ConnectOptions.from_env`, and those of :class:`BusSettings`
 (``FLEETBUS_GC_THRESHOLD``, ``FLEETBUS_PRIVATE_OFF``).
 
 Replies travel on inboxes of the fleet and of the client's identity,
@@ -36,7 +17,6 @@ needs the server-wide ``_INBOX.>``.
 
 from __future__ import annotations
 
-import os
 import re
 import ssl
 from collections.abc import Mapping, Sequence
@@ -46,7 +26,7 @@ from urllib.parse import unquote, urlsplit
 
 import nkeys  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from fleetbus.bus.subjects import DEFAULT_PREFIX, check_prefix
 from fleetbus.errors import ConfigError
@@ -55,6 +35,7 @@ __all__ = [
     "DEFAULT_URL",
     "INBOX_ROOT",
     "BusSettings",
+    "ConnectEnvironment",
     "ConnectOptions",
     "inbox_prefix",
     "inbox_wildcard",
@@ -121,6 +102,62 @@ def inbox_wildcard(prefix: str, identity: str | None = None) -> str:
         InvalidSubjectError: ``prefix`` is not a valid prefix.
     """
     return f"{inbox_prefix(prefix, identity)}.>"
+
+
+class ConnectEnvironment(BaseSettings):
+    """How to reach NATS, as the environment says (an empty variable is as if
+    unset): what :meth:`ConnectOptions.from_env` reads, under the name of the
+    option each variable gives; the options check the values."""
+
+    model_config = SettingsConfigDict(env_ignore_empty=True, extra="ignore", frozen=True)
+
+    servers: str | None = Field(default=None, validation_alias="FLEETBUS_NATS_URL")
+    """``FLEETBUS_NATS_URL``: one or more server URLs, comma-separated."""
+    prefix: str | None = Field(default=None, validation_alias="FLEETBUS_PREFIX")
+    """``FLEETBUS_PREFIX``: the subject prefix (default ``fleet``)."""
+    user: str | None = Field(default=None, validation_alias="FLEETBUS_NATS_USER")
+    """``FLEETBUS_NATS_USER``: the user name (with ``FLEETBUS_NATS_PASSWORD``)."""
+    password: SecretStr | None = Field(default=None, validation_alias="FLEETBUS_NATS_PASSWORD")
+    """``FLEETBUS_NATS_PASSWORD``: the password."""
+    token: SecretStr | None = Field(default=None, validation_alias="FLEETBUS_NATS_TOKEN")
+    """``FLEETBUS_NATS_TOKEN``: an auth token."""
+    creds_file: str | None = Field(default=None, validation_alias="FLEETBUS_NATS_CREDS")
+    """``FLEETBUS_NATS_CREDS``: the path of a ``.creds`` file (JWT + NKey)."""
+    nkey_file: str | None = Field(default=None, validation_alias="FLEETBUS_NATS_NKEY")
+    """``FLEETBUS_NATS_NKEY``: the path of an NKEY user seed file (``SU…``)."""
+    inbox_prefix: str | None = Field(default=None, validation_alias="FLEETBUS_INBOX_PREFIX")
+    """``FLEETBUS_INBOX_PREFIX``: the reply inbox prefix (default: see the module)."""
+    tls_ca_file: str | None = Field(default=None, validation_alias="FLEETBUS_NATS_TLS_CA")
+    """``FLEETBUS_NATS_TLS_CA``: a CA bundle to verify the server."""
+    tls_cert_file: str | None = Field(default=None, validation_alias="FLEETBUS_NATS_TLS_CERT")
+    """``FLEETBUS_NATS_TLS_CERT``: the client certificate (mutual TLS)."""
+    tls_key_file: str | None = Field(default=None, validation_alias="FLEETBUS_NATS_TLS_KEY")
+    """``FLEETBUS_NATS_TLS_KEY``: the client key (mutual TLS)."""
+    tls_hostname: str | None = Field(default=None, validation_alias="FLEETBUS_NATS_TLS_HOSTNAME")
+    """``FLEETBUS_NATS_TLS_HOSTNAME``: the name the server's certificate must carry."""
+    initial_connect_timeout: str | None = Field(
+        default=None, validation_alias="FLEETBUS_CONNECT_TIMEOUT"
+    )
+    """``FLEETBUS_CONNECT_TIMEOUT``: seconds to keep trying the first connection."""
+    js_replicas: str | None = Field(default=None, validation_alias="FLEETBUS_JS_REPLICAS")
+    """``FLEETBUS_JS_REPLICAS``: copies of each KV bucket and object store
+    (1-5); by default 3 on a JetStream cluster, 1 on a single server."""
+
+
+class _GivenEnvironment(ConnectEnvironment):
+    """:class:`ConnectEnvironment` from the variables given to it only, not
+    from the process's environment."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)
 
 
 class ConnectOptions(BaseModel):
@@ -204,22 +241,26 @@ class ConnectOptions(BaseModel):
         environ: Mapping[str, str] | None = None,
         **overrides: Any,
     ) -> ConnectOptions:
-        """Options from arguments, then ``FLEETBUS_*`` variables, then defaults.
+        """Options from arguments, then the variables of
+        :class:`ConnectEnvironment` (of ``environ``, else of the process),
+        then defaults.
 
         Raises:
             ConfigError: a value is invalid.
         """
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
+        if environ is None:
+            env = ConnectEnvironment()
+        else:
+            given = {name: value for name, value in environ.items() if value}
+            env = _GivenEnvironment.model_validate(given)
+        values: dict[str, Any] = env.model_dump(exclude_none=True)
+        from_environment = values.pop("servers", None)
         if servers is None:
-            servers = env.get("FLEETBUS_NATS_URL") or None
+            servers = from_environment
         if isinstance(servers, str):
             servers = servers.split(",")
         if servers is not None:
             values["servers"] = list(servers)
-        for key, var in _ENV.items():
-            if env.get(var):
-                values[key] = env[var]
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls(**values)
@@ -310,23 +351,6 @@ class ConnectOptions(BaseModel):
             if self.tls_hostname:
                 kwargs["tls_hostname"] = self.tls_hostname
         return kwargs
-
-
-_ENV = {
-    "prefix": "FLEETBUS_PREFIX",
-    "user": "FLEETBUS_NATS_USER",
-    "password": "FLEETBUS_NATS_PASSWORD",
-    "token": "FLEETBUS_NATS_TOKEN",
-    "creds_file": "FLEETBUS_NATS_CREDS",
-    "nkey_file": "FLEETBUS_NATS_NKEY",
-    "inbox_prefix": "FLEETBUS_INBOX_PREFIX",
-    "tls_ca_file": "FLEETBUS_NATS_TLS_CA",
-    "tls_cert_file": "FLEETBUS_NATS_TLS_CERT",
-    "tls_key_file": "FLEETBUS_NATS_TLS_KEY",
-    "tls_hostname": "FLEETBUS_NATS_TLS_HOSTNAME",
-    "initial_connect_timeout": "FLEETBUS_CONNECT_TIMEOUT",
-    "js_replicas": "FLEETBUS_JS_REPLICAS",
-}
 
 
 def _read_secret(path: str, what: str) -> list[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetbus.bus import DEFAULT_URL, ConnectOptions, Subjects
+from fleetbus.bus import DEFAULT_URL, ConnectEnvironment, ConnectOptions, Subjects
 from fleetbus.cli._common import add_connection_options
 from fleetbus.errors import ConfigError, InvalidSubjectError
 
@@ -72,6 +72,25 @@ def test_options_default_to_the_local_server() -> None:
     assert options.servers == [DEFAULT_URL]
     assert options.prefix == "fleet"
     assert options.max_reconnect_attempts == -1
+
+
+def test_options_read_the_process_environment_unless_given_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FLEETBUS_NATS_URL", "nats://process:4222")
+    monkeypatch.setenv("FLEETBUS_NATS_PASSWORD", "s3cret")
+    monkeypatch.setenv("FLEETBUS_JS_REPLICAS", "")  # empty: as if unset
+    assert "s3cret" not in repr(ConnectEnvironment())
+    options = ConnectOptions.from_env()
+    assert options.servers == ["nats://process:4222"]
+    assert options.password is not None
+    assert options.password.get_secret_value() == "s3cret"
+    assert options.js_replicas is None
+    given = ConnectOptions.from_env(environ={"FLEETBUS_PREFIX": "given"})
+    assert (given.servers, given.prefix, given.password) == ([DEFAULT_URL], "given", None)
+    monkeypatch.setenv("FLEETBUS_JS_REPLICAS", "6")
+    with pytest.raises(ConfigError, match="js_replicas"):
+        ConnectOptions.from_env()
 
 
 def test_options_read_the_environment() -> None:

@@ -117,6 +117,26 @@ def test_the_environment_switches_tracing_on(monkeypatch: pytest.MonkeyPatch) ->
         reset_tracer_provider()
 
 
+def test_the_otel_variables_read_as_the_specification_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in ("TRACES_EXPORTER", "SDK_DISABLED", "SERVICE_NAME"):
+        monkeypatch.delenv(f"OTEL_{name}", raising=False)
+    assert tracing.TracingSettings().service_name == "fleetbus"
+    assert not tracing.TracingSettings().sdk_disabled
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", " Console ")
+    monkeypatch.setenv("OTEL_SDK_DISABLED", " TRUE ")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "")
+    settings = tracing.TracingSettings()
+    assert (settings.traces_exporter, settings.sdk_disabled) == ("console", True)
+    assert settings.service_name == "fleetbus"  # empty: as if unset
+    reset_tracer_provider()
+    assert not tracing.setup_from_env()  # an exporter named, but the SDK is off
+    assert not tracing.enabled()
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "1")  # only "true" turns it off
+    assert not tracing.TracingSettings().sdk_disabled
+
+
 def test_a_span_is_current_in_its_block_and_records_what_escapes_it(
     spans: InMemorySpanExporter,
 ) -> None:
