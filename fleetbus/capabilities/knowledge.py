@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 import msgspec
+import pydantic
 
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import Middleware, ReplyContext
@@ -41,6 +42,7 @@ from fleetbus.capabilities._hints import with_hint
 from fleetbus.capabilities._worker_tools import WorkerTools
 from fleetbus.errors import ConfigError, RemoteError
 from fleetbus.models.model import ChatModel, ModelRequest, ModelResponse, complete
+from fleetbus.models.settings import check_ranges
 from fleetbus.protocol import ChatMessage, FinalAnswer, TextBlock
 
 if TYPE_CHECKING:
@@ -161,12 +163,21 @@ class KnowledgeConfig:
     timeout: float = 10.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.limit <= 20:
-            raise ConfigError(f"limit is 1 to 20, not {self.limit}")
-        if not 200 <= self.max_chars <= 100_000:
-            raise ConfigError(f"max_chars is 200 to 100000, not {self.max_chars}")
-        if not self.timeout > 0:
-            raise ConfigError(f"timeout must be positive, not {self.timeout}")
+        check_ranges(
+            _KnowledgeRanges,
+            "KnowledgeConfig",
+            limit=self.limit,
+            max_chars=self.max_chars,
+            timeout=self.timeout,
+        )
+
+
+class _KnowledgeRanges(pydantic.BaseModel):
+    """The ranges of :class:`KnowledgeConfig`'s values."""
+
+    limit: int = pydantic.Field(ge=1, le=20)
+    max_chars: int = pydantic.Field(ge=200, le=100_000)
+    timeout: float = pydantic.Field(gt=0)
 
 
 class BusKnowledgeBase:

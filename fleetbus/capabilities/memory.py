@@ -46,6 +46,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, runtime_checkable
 
+import pydantic
+
 from fleetbus.agents.long_term_memory import STORE_RECORD_TOOL, STORE_RETRIEVE_TOOL
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import Middleware, ReplyContext
@@ -54,6 +56,7 @@ from fleetbus.capabilities._hints import with_hint
 from fleetbus.capabilities._worker_tools import WorkerTools
 from fleetbus.errors import ConfigError
 from fleetbus.models.model import ModelRequest, ModelResponse
+from fleetbus.models.settings import check_ranges
 from fleetbus.protocol import FinalAnswer, ToolResultBlock, ToolSpec, ToolStatus, ToolUseBlock
 
 if TYPE_CHECKING:
@@ -82,7 +85,6 @@ MemoryScope = Literal["user", "session", "agent"]
 """What an agent's memory is keyed by, besides the agent."""
 
 _MODES: Final = ("static", "agent", "both")
-_SCOPES: Final = ("user", "session", "agent")
 _QUERY_CHARS: Final = 4_000
 """Characters of a query sent to the store (it searches no further)."""
 _TEXT_CHARS: Final = 8_000
@@ -195,16 +197,25 @@ class LongTermMemoryConfig:
     timeout: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.scope not in _SCOPES:
-            raise ConfigError(f"scope is one of {', '.join(_SCOPES)}, not {self.scope!r}")
         if not self.user_field:
             raise ConfigError("user_field names a metadata field")
-        if not 1 <= self.limit <= 50:
-            raise ConfigError(f"limit is 1 to 50, not {self.limit}")
-        if not 1 <= self.max_chars <= 20_000:
-            raise ConfigError(f"max_chars is 1 to 20000, not {self.max_chars}")
-        if not self.timeout > 0:
-            raise ConfigError(f"timeout must be positive, not {self.timeout}")
+        check_ranges(
+            _MemoryRanges,
+            "LongTermMemoryConfig",
+            scope=self.scope,
+            limit=self.limit,
+            max_chars=self.max_chars,
+            timeout=self.timeout,
+        )
+
+
+class _MemoryRanges(pydantic.BaseModel):
+    """The ranges of :class:`LongTermMemoryConfig`'s values."""
+
+    scope: MemoryScope
+    limit: int = pydantic.Field(ge=1, le=50)
+    max_chars: int = pydantic.Field(ge=1, le=20_000)
+    timeout: float = pydantic.Field(gt=0)
 
 
 class BusMemory:
