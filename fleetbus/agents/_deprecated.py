@@ -19,6 +19,7 @@ from fleetbus.agents.compression import ContextConfig, TokenCounter
 from fleetbus.agents.offload import Offloader
 from fleetbus.agents.plan import PlanNotebook
 from fleetbus.agents.settings import AgentSettings
+from fleetbus.agents.tools import error_text
 from fleetbus.errors import ConfigError
 from fleetbus.models.model import ModelConfig
 
@@ -109,7 +110,7 @@ def from_old_keywords(
         try:
             settings = AgentSettings(**fields)
         except pydantic.ValidationError as exc:
-            raise ConfigError(f"agent settings: {_brief(exc)}") from exc
+            raise ConfigError(f"agent settings: {error_text(exc)}") from exc
     return settings, *_capabilities(old)
 
 
@@ -159,10 +160,3 @@ def with_offloader(capabilities: list[Capability], offloader: Offloader | None) 
 
     kept = [c for c in capabilities if not isinstance(c, Offloading)]
     return [*kept, Offloading(offloader)] if offloader is not None else kept
-
-
-def _brief(exc: pydantic.ValidationError) -> str:
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
-        for err in exc.errors(include_url=False)
-    )

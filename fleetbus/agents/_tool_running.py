@@ -38,7 +38,7 @@ from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import StopReply
 from fleetbus.agents.offload import cut, was_cut
 from fleetbus.agents.state import PendingCall, RecentCall
-from fleetbus.agents.tools import streaming, switchable
+from fleetbus.agents.tools import error_text, streaming, switchable
 from fleetbus.models.model import FORMAT_ERROR_TOOL
 from fleetbus.protocol import (
     TOOL_STATUSES,
@@ -227,7 +227,7 @@ class ToolRunner:
         except (pydantic.ValidationError, ValueError) as exc:
             self.reply.structured_failures += 1
             return tool_result(
-                use, "error", f"invalid_parameters: {_brief(exc)}. Call it again."
+                use, "error", f"invalid_parameters: {error_text(exc)}. Call it again."
             ), None
         return tool_result(use, "success", "Answer recorded."), value
 
@@ -580,13 +580,3 @@ def _json_type(value: Any) -> str:
         if fits(value):
             return name
     return type(value).__name__
-
-
-def _brief(exc: BaseException) -> str:
-    if isinstance(exc, pydantic.ValidationError):
-        parts = []
-        for err in exc.errors(include_url=False):
-            where = ".".join(str(p) for p in err["loc"]) or "arguments"
-            parts.append(f"{where}: {err['msg']}")
-        return "; ".join(parts)
-    return str(exc) or type(exc).__name__

@@ -10,12 +10,15 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Collection
 from typing import Any, Protocol
 
+import pydantic
+
 from fleetbus.protocol import ToolResult, ToolSpec
 
 __all__ = [
     "StreamingToolSource",
     "SwitchableToolSource",
     "ToolSource",
+    "error_text",
     "streaming",
     "switchable",
 ]
@@ -122,3 +125,15 @@ def streaming(tools: ToolSource, name: str) -> StreamingToolSource | None:
     if is_streaming is None or not is_streaming(name):
         return None
     return tools  # type: ignore[return-value]  # checked above, as far as a Protocol can be
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception as the model is told it: each field of a validation error
+    with its message (``limit: Input should be a valid integer``), else the
+    exception's text (its type's name when it has none)."""
+    if isinstance(exc, pydantic.ValidationError):
+        return "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'arguments'}: {err['msg']}"
+            for err in exc.errors(include_url=False)
+        )
+    return str(exc) or type(exc).__name__

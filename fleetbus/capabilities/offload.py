@@ -18,6 +18,7 @@ import pydantic
 
 from fleetbus.agents.middleware import Middleware, ReplyContext
 from fleetbus.agents.offload import READ_OFFLOADED_SPEC, Offloader, cut, read_offloaded
+from fleetbus.agents.tools import error_text
 from fleetbus.errors import FleetbusError
 from fleetbus.protocol import ToolResultBlock, ToolSpec, ToolUseBlock
 
@@ -85,17 +86,7 @@ class _OffloadLayer(Middleware):
             return ToolResultBlock(
                 id=call.id,
                 name=call.name,
-                output=f"read_offloaded failed: {_brief(exc)}",
+                output=f"read_offloaded failed: {error_text(exc)}",
                 state="error",
             )
         return ToolResultBlock(id=call.id, name=call.name, output=text, state="success")
-
-
-def _brief(exc: BaseException) -> str:
-    if isinstance(exc, pydantic.ValidationError):
-        parts = []
-        for err in exc.errors(include_url=False):
-            where = ".".join(str(p) for p in err["loc"]) or "arguments"
-            parts.append(f"{where}: {err['msg']}")
-        return "; ".join(parts)
-    return str(exc) or type(exc).__name__
