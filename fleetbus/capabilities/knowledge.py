@@ -46,7 +46,7 @@ from fleetbus.models.settings import check_ranges
 from fleetbus.protocol import ChatMessage, FinalAnswer, TextBlock
 
 if TYPE_CHECKING:
-    from fleetbus.agents.agent import Agent
+    from fleetbus.agents.capability import AgentView
     from fleetbus.agents.state import AgentState
 
 __all__ = [
@@ -436,7 +436,7 @@ class Knowledge:
             if not isinstance(base, KnowledgeBase):
                 raise ConfigError(f"{base!r} is not a knowledge base (it has no retrieve())")
 
-    def middlewares(self, agent: Agent) -> Sequence[Middleware]:
+    def middlewares(self, agent: AgentView) -> Sequence[Middleware]:
         """The search, with the agent's model to rewrite the query (none without bases)."""
         if not self.bases:
             return ()

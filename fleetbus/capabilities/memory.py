@@ -60,7 +60,7 @@ from fleetbus.models.settings import check_ranges
 from fleetbus.protocol import FinalAnswer, ToolResultBlock, ToolSpec, ToolStatus, ToolUseBlock
 
 if TYPE_CHECKING:
-    from fleetbus.agents.agent import Agent
+    from fleetbus.agents.capability import AgentView
     from fleetbus.agents.state import AgentState
 
 __all__ = [
@@ -554,7 +554,7 @@ class Memory:
         """Keys and bounds."""
         return self.use.config
 
-    def middlewares(self, agent: Agent) -> Sequence[Middleware]:
+    def middlewares(self, agent: AgentView) -> Sequence[Middleware]:
         """The static mode's layer (hint and recording), then the tools' layer."""
         layers: list[Middleware] = []
         if self.use.static:

@@ -23,7 +23,7 @@ from fleetbus.errors import FleetbusError
 from fleetbus.protocol import ToolResultBlock, ToolSpec, ToolUseBlock
 
 if TYPE_CHECKING:
-    from fleetbus.agents.agent import Agent
+    from fleetbus.agents.capability import AgentView
     from fleetbus.agents.state import AgentState
 
 __all__ = ["Offloading"]
@@ -41,7 +41,7 @@ class Offloading:
     def __init__(self, offloader: Offloader) -> None:
         self.offloader = offloader
 
-    def middlewares(self, agent: Agent) -> Sequence[Middleware]:
+    def middlewares(self, agent: AgentView) -> Sequence[Middleware]:
         """The layer that cuts, offloads and reads, at the agent's ``tool_result_limit``."""
         return (_OffloadLayer(self.offloader, agent.settings.context.tool_result_limit),)
 

@@ -20,7 +20,7 @@ from fleetbus.models.model import ModelRequest, ModelResponse
 from fleetbus.protocol import ToolResultBlock, ToolSpec, ToolStatus, ToolUseBlock
 
 if TYPE_CHECKING:
-    from fleetbus.agents.agent import Agent
+    from fleetbus.agents.capability import AgentView
     from fleetbus.agents.state import AgentState
 
 __all__ = ["Planning"]
@@ -31,7 +31,7 @@ class Planning:
     one; a state that has one keeps it: ``AgentState(plan=…)`` to start from
     a notebook of your own)."""
 
-    def middlewares(self, agent: Agent) -> Sequence[Middleware]:
+    def middlewares(self, agent: AgentView) -> Sequence[Middleware]:
         """The layer offering the notebook's tools and showing its hint."""
         return (_PlanLayer(),)
 

@@ -44,7 +44,7 @@ from fleetbus.models.speech import (
 from fleetbus.protocol import Event, FinalAnswer, TextBlock
 
 if TYPE_CHECKING:
-    from fleetbus.agents.agent import Agent
+    from fleetbus.agents.capability import AgentView
     from fleetbus.agents.state import AgentState
 
 __all__ = ["SpeakReply", "SpeechMode", "Utterance"]
@@ -150,7 +150,7 @@ class SpeakReply(Middleware):
         self.on_spoken = on_spoken
         self._key = f"fleetbus.speech.{id(self)}"
 
-    def middlewares(self, agent: Agent) -> Sequence[Middleware]:
+    def middlewares(self, agent: AgentView) -> Sequence[Middleware]:
         """Itself: as a capability, it is one layer."""
         return (self,)
 

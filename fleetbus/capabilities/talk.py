@@ -44,7 +44,7 @@ from fleetbus.protocol import (
 from fleetbus.tools_workers.tool import Tool, tool
 
 if TYPE_CHECKING:
-    from fleetbus.agents.agent import Agent
+    from fleetbus.agents.capability import AgentView
     from fleetbus.agents.state import AgentState
 
 __all__ = ["MAX_TALK_CHARS", "REPLY_TIMEOUT", "Talk", "publish", "send_message", "talk_tools"]
@@ -162,7 +162,7 @@ def talk_tools() -> list[Tool]:
 class Talk:
     """Give the agent ``send_message`` and ``publish`` (see the module docstring)."""
 
-    def middlewares(self, agent: Agent) -> Sequence[Middleware]:
+    def middlewares(self, agent: AgentView) -> Sequence[Middleware]:
         """The layer offering and running the two tools."""
         return (_TalkLayer(talk_tools()),)
 

@@ -13,6 +13,7 @@ from fleetbus import Agent
 from fleetbus.agents import (
     AgentSettings,
     AgentState,
+    AgentView,
     ContextConfig,
     Middleware,
     Permissions,
@@ -76,7 +77,7 @@ class Clock:
         self.seen: list[str] = []
         self.prepared: list[AgentState] = []
 
-    def middlewares(self, agent: Agent) -> Sequence[Middleware]:
+    def middlewares(self, agent: AgentView) -> Sequence[Middleware]:
         return (_ClockLayer(self.seen),)
 
     def prepare_state(self, state: AgentState) -> None:
