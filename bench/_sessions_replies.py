@@ -76,6 +76,18 @@ from fleetbus.protocol import (
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
 
+
+def tuning(**values: Any) -> dict[str, Any]:
+    """Keyword arguments of ``Agent`` tuning its loop, for whichever tree is
+    measured: ``settings=`` where there is ``AgentSettings``, else the
+    keywords the previous design's ``Agent`` took."""
+    try:
+        from fleetbus.agents import AgentSettings  # type: ignore[attr-defined,unused-ignore]
+    except ImportError:
+        return values
+    return {"settings": AgentSettings(**values)}
+
+
 AGENT = "bench"
 STEPS = 2
 """Model steps of a measured reply: the tool call, then the answer."""
@@ -377,8 +389,7 @@ async def measure(url: str, prefix: str, lengths: list[int], replies: int) -> di
         "You answer questions on the sales reports.",
         model,
         toolkit=Toolkit([search]),
-        max_repeated_calls=None,
-        context=ContextConfig(context_length=1_000_000_000),
+        **tuning(max_repeated_calls=None, context=ContextConfig(context_length=1_000_000_000)),
     )
     server = Server(counter, design(counter))
     results: dict[str, Any] = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Iterator
 
-from fleetbus.agents import Agent
+from fleetbus.agents import Agent, AgentSettings
 from fleetbus.models.model import ModelRequest, ModelResponse, ModelStreamItem
 from fleetbus.protocol import TextBlock, ToolResultBlock, ToolUseBlock, new_id
 
@@ -52,7 +52,9 @@ class Population:
         return digits.isdigit() and len(digits) == 5 and int(digits) < self.size
 
     def agent(self, name: str) -> Agent:
-        return Agent(name, "You take part in a benchmark.", self._model, max_iters=3)
+        return Agent(
+            name, "You take part in a benchmark.", self._model, settings=AgentSettings(max_iters=3)
+        )
 
 
 population = Population(int(os.environ.get("SIM_AGENTS", "10000")))

@@ -69,7 +69,7 @@ from typing import IO, Any
 # script runs from bench/, where the module is top-level.
 from _noop_tools import noop
 
-from fleetbus.agents import Agent, Msg
+from fleetbus.agents import Agent, AgentSettings, Msg
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
 from fleetbus.models.model import ModelRequest, ModelResponse
 from fleetbus.protocol import ChatMessage, TextBlock, ToolResultBlock, ToolUseBlock, Usage
@@ -176,8 +176,7 @@ async def agent_reply(toolkit: Toolkit, iterations: int) -> float:
         SYSTEM_PROMPT,
         model,
         toolkit=toolkit,
-        max_iters=iterations,
-        max_repeated_calls=None,
+        settings=AgentSettings(max_iters=iterations, max_repeated_calls=None),
     )
     started = time.perf_counter()
     final = await agent.reply(PROMPT)
@@ -364,7 +363,11 @@ async def measure_memory(args: argparse.Namespace) -> dict[str, Any]:
     agents: dict[int, Agent] = {}
     for size in sizes:
         agent = Agent(
-            "bench", SYSTEM_PROMPT, ScriptedModel(), toolkit=toolkit, max_iters=iterations
+            "bench",
+            SYSTEM_PROMPT,
+            ScriptedModel(),
+            toolkit=toolkit,
+            settings=AgentSettings(max_iters=iterations),
         )
         agent.memory.extend(prior_messages(size))
         agents[size] = agent

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from fleetbus.agents import Agent
+from fleetbus.agents import Agent, AgentSettings
 from fleetbus.cli.demo_fleet import agents, describe_model
 from fleetbus.models import ModelConfig
 from fleetbus.protocol import Event, FinalAnswer
@@ -98,8 +98,10 @@ async def main() -> int:
         agent.system_prompt,
         agent.model,
         toolkit=Toolkit([calculator, current_time]),
-        max_iters=agent.max_iters,
-        model_config=ModelConfig(timeout=args.timeout, max_retries=1),
+        settings=AgentSettings(
+            max_iters=agent.settings.max_iters,
+            model_calls=ModelConfig(timeout=args.timeout, max_retries=1),
+        ),
     )
     results = [await ask(demo, q, a) for q, a in QUESTIONS[: args.questions]]
     seconds = [r["seconds"] for r in results]

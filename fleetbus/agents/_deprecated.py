@@ -3,16 +3,14 @@ kept for one release: each still works, with a ``DeprecationWarning`` naming
 what replaces it.
 
 The capabilities the old keywords stand for live in the layer above
-(:mod:`fleetbus.capabilities`), which :mod:`fleetbus.agents` never imports:
-this module looks that package up by name (:func:`_capabilities_package`)
-when an old keyword needs it, at run time only. The layering contract, which
-reads import statements, does not see that lookup; it goes with the old
-keywords.
+(:mod:`fleetbus.capabilities`), which :mod:`fleetbus.agents` does not
+import but here: :func:`_capabilities` imports it when an old keyword needs
+it. The layering contract (``pyproject.toml``, ``[tool.importlinter]``)
+names that import as its one exception, which goes with the old keywords.
 """
 
 from __future__ import annotations
 
-import importlib
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, TypedDict
@@ -30,7 +28,7 @@ from fleetbus.models.model import ModelConfig
 if TYPE_CHECKING:
     from fleetbus.agents.capability import Capability
 
-__all__ = ["OLD_KEYWORDS", "OldKeywords", "from_old_keywords", "offloader_of", "with_offloader"]
+__all__ = ["OLD_KEYWORDS", "OldKeywords", "from_old_keywords"]
 
 _SETTINGS: Final = {
     "max_iters": "max_iters",
@@ -122,13 +120,9 @@ _NULLABLE: Final = frozenset({"tool_timeout", "max_repeated_calls", "token_count
 """Settings for which ``None`` is a value (the others took ``None`` as "the default")."""
 
 
-def _capabilities_package() -> Any:
-    """:mod:`fleetbus.capabilities`, looked up by name (see the module docstring)."""
-    return importlib.import_module("fleetbus.capabilities")
-
-
 def _capabilities(old: Mapping[str, Any]) -> tuple[list[Capability], PlanNotebook | None]:
-    above = _capabilities_package()
+    from fleetbus import capabilities as above  # the one import upwards (see above)
+
     found: list[Capability] = []
     knowledge = list(old.get("knowledge") or ())
     if knowledge:
@@ -149,19 +143,3 @@ def _capabilities(old: Mapping[str, Any]) -> tuple[list[Capability], PlanNoteboo
     if offloader is not None:
         found.append(above.Offloading(offloader))
     return found, plan if isinstance(plan, PlanNotebook) else None
-
-
-def offloader_of(capabilities: list[Capability]) -> Offloader | None:
-    """The offloader of the ``Offloading`` capability among ``capabilities``
-    (for the ``Agent.offloader`` attribute, which the fleet commands use)."""
-    offloading = _capabilities_package().Offloading
-    found = [c.offloader for c in capabilities if isinstance(c, offloading)]
-    return found[0] if found else None
-
-
-def with_offloader(capabilities: list[Capability], offloader: Offloader | None) -> list[Capability]:
-    """``capabilities`` with ``Offloading(offloader)`` last in place of any
-    ``Offloading`` they had (none when ``offloader`` is ``None``)."""
-    offloading = _capabilities_package().Offloading
-    kept = [c for c in capabilities if not isinstance(c, offloading)]
-    return [*kept, offloading(offloader)] if offloader is not None else kept

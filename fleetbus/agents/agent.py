@@ -35,8 +35,6 @@ from fleetbus import tracing
 from fleetbus.agents._deprecated import (
     OldKeywords,
     from_old_keywords,
-    offloader_of,
-    with_offloader,
 )
 from fleetbus.agents._reply import ReplyRun
 from fleetbus.agents._reply_scope import ReplyScope
@@ -51,7 +49,6 @@ from fleetbus.agents.compression import (
 )
 from fleetbus.agents.messages import Msg
 from fleetbus.agents.middleware import Middleware
-from fleetbus.agents.offload import Offloader
 from fleetbus.agents.permissions import (
     AcceptedRules,
     Permissions,
@@ -209,18 +206,6 @@ class Agent:
     @model_config.setter
     def model_config(self, value: ModelConfig) -> None:
         self.settings = self.settings.model_copy(update={"model_calls": value})
-
-    @property
-    def offloader(self) -> Offloader | None:
-        """Where the offloading capability keeps whole the tool results cut
-        in the context (``None`` without one); assigning one gives the agent
-        ``fleetbus.capabilities.Offloading(offloader)``, last, in place of
-        any it had."""
-        return offloader_of(self.capabilities)
-
-    @offloader.setter
-    def offloader(self, value: Offloader | None) -> None:
-        self.capabilities = with_offloader(self.capabilities, value)
 
     def clone(
         self,

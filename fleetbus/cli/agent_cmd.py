@@ -21,7 +21,7 @@ from fleetbus.cli._common import (
     on_stop_signals,
     run,
 )
-from fleetbus.cli.fleet_file import PopulationSpec, load_served
+from fleetbus.cli.fleet_file import PopulationSpec, load_served, offload_to
 from fleetbus.cli.settings import cli_settings
 from fleetbus.cli.supervisor import supervise
 from fleetbus.errors import FleetbusError
@@ -161,8 +161,7 @@ async def _add_offloader(bus: Bus, served: list[Agent] | PopulationSpec) -> None
         served.offloader = offloader
         return
     for agent in served:
-        if agent.offloader is None:
-            agent.offloader = offloader
+        offload_to(agent, offloader)
 
 
 async def _add_remote_tools(bus: Bus, served: list[Agent] | PopulationSpec, label: str) -> None:

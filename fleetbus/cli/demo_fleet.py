@@ -11,7 +11,7 @@ file needs a person's confirmation.
 
 from __future__ import annotations
 
-from fleetbus.agents import Agent, Permissions
+from fleetbus.agents import Agent, AgentSettings, Permissions
 from fleetbus.models.defaults import default_model, default_model_config, describe_default_model
 from fleetbus.models.strings import load_model_settings
 from fleetbus.tools_workers import Toolkit
@@ -38,9 +38,8 @@ def agents() -> list[Agent]:
             "assistant",
             SYSTEM_PROMPT,
             default_model(settings),
-            model_config=default_model_config(settings),
             toolkit=Toolkit(),
-            max_iters=8,
+            settings=AgentSettings(max_iters=8, model_calls=default_model_config(settings)),
             permissions=Permissions.from_strings(ask=["write_file"]),
         )
     ]

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from fleetbus._imports import import_named
-from fleetbus.agents import Agent, Permissions
+from fleetbus.agents import Agent, AgentSettings, Permissions
 from fleetbus.agents.long_term_memory import STORE_TOOLS
 from fleetbus.agents.offload import Offloader
 from fleetbus.agents.serving.host import AgentSource
 from fleetbus.bus import ToolClient
 from fleetbus.bus.subjects import check_name
+from fleetbus.capabilities import Offloading, Planning
 from fleetbus.errors import ConfigError
 from fleetbus.models import ChatModel, ModelConfig, default_model
 from fleetbus.models.strings import (
@@ -29,7 +30,7 @@ from fleetbus.models.strings import (
 )
 from fleetbus.tools_workers import RemoteToolProxy, Toolkit, load_toolkit
 
-__all__ = ["PopulationSpec", "load_agents", "load_served"]
+__all__ = ["PopulationSpec", "load_agents", "load_served", "offload_to"]
 
 
 def load_agents(
@@ -168,8 +169,7 @@ class PopulationSpec:
     def agent(self, name: str) -> Agent:
         agent = self.source.agent(name)
         _apply_model(agent, self._model, self._cli)
-        if agent.offloader is None:
-            agent.offloader = self.offloader
+        offload_to(agent, self.offloader)
         if self._remote:
             if agent.toolkit is None:
                 # One toolkit of the remote tools for every agent built without
@@ -255,15 +255,16 @@ def _agents_from_toml(path: Path, model: str | None, cli: Mapping[str, Any]) -> 
                 str(table.get("system_prompt", "")),
                 chat_model,
                 toolkit=toolkit,
-                max_iters=int(table.get("max_iters", 10)),
                 permissions=Permissions.from_strings(
                     allow=table.get("allow", []),
                     ask=table.get("ask", []),
                     deny=table.get("deny", []),
                     default=table.get("default", "allow"),
                 ),
-                plan=bool(table.get("plan", False)),
-                model_config=model_config,
+                capabilities=[Planning()] if table.get("plan", False) else [],
+                settings=AgentSettings(
+                    max_iters=int(table.get("max_iters", 10)), model_calls=model_config
+                ),
             )
         )
     return agents
@@ -287,3 +288,10 @@ def _toml_model(
         return chat_model, model_config_from_settings(settings)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
+
+
+def offload_to(agent: Agent, offloader: Offloader | None) -> None:
+    """Give ``agent`` the offloading capability, keeping whole in
+    ``offloader`` the tool results cut in its context, unless it has one."""
+    if offloader is not None and not any(isinstance(c, Offloading) for c in agent.capabilities):
+        agent.capabilities = [*agent.capabilities, Offloading(offloader)]

@@ -36,6 +36,7 @@ from typing import Any
 import orjson
 
 from fleetbus.agents.agent import Agent
+from fleetbus.agents.settings import AgentSettings
 from fleetbus.bus import Bus, ToolClient, check_name
 from fleetbus.errors import ConfigError, InvalidSubjectError
 from fleetbus.models import (
@@ -55,6 +56,8 @@ Params = Mapping[str, Any]
 """One agent's parameters: column name to value."""
 
 TOOL_WAIT = 30.0
+_TUNING = frozenset(AgentSettings.model_fields)
+"""The options of a template that tune the loop (the rest are Agent's keywords)."""
 """Seconds :meth:`Population.bind` waits for the tool workers by default."""
 
 
@@ -79,8 +82,10 @@ class AgentTemplate:
         max_iters: reasoning steps per reply.
         model_config: retries, timeout and fallback of model calls;
             ``None``: from ``FLEETBUS_MODEL_*``.
-        options: more keyword arguments of :class:`~fleetbus.agents.Agent`
-            (``tool_timeout``, ``parallel_tool_calls``…).
+        options: more of the agents' tuning (fields of
+            :class:`~fleetbus.agents.AgentSettings`: ``tool_timeout``,
+            ``parallel_tool_calls``…) and keyword arguments of
+            :class:`~fleetbus.agents.Agent` (``capabilities``…).
     """
 
     system_prompt: str = ""
@@ -413,9 +418,12 @@ class Population:
             prompt,
             self.model_for(params),
             toolkit=self._toolkit,
-            max_iters=self.template.max_iters,
-            model_config=self._config(),
-            **dict(self.template.options),
+            settings=AgentSettings(
+                max_iters=self.template.max_iters,
+                model_calls=self._config(),
+                **{k: v for k, v in self.template.options.items() if k in _TUNING},
+            ),
+            **{k: v for k, v in self.template.options.items() if k not in _TUNING},
         )
 
     def system_prompt(self, name: str, params: Params, *, index: int = 0) -> str:

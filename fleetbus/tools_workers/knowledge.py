@@ -11,10 +11,12 @@ search), and forgotten when it is deleted. Any text is a valid query: its
 words are searched for, never parsed as FTS5 syntax.
 
 In an agent's own process it is a knowledge base as it is
-(:class:`fleetbus.agents.KnowledgeBase`: its :meth:`~KnowledgeIndex.retrieve`
-runs the SQLite work in a thread)::
+(:class:`fleetbus.capabilities.KnowledgeBase`: its
+:meth:`~KnowledgeIndex.retrieve` runs the SQLite work in a thread)::
 
-    agent = Agent("helper", "...", model, knowledge=[KnowledgeIndex("docs/")])
+    agent = Agent(
+        "helper", "...", model, capabilities=[Knowledge([KnowledgeIndex("docs/")])]
+    )
 
 On the bus, ``fleetbus worker fleetbus.tools_workers.knowledge`` serves the
 folder named by ``FLEETBUS_KNOWLEDGE_DIR`` as the tool ``knowledge_search``

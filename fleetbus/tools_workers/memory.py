@@ -6,7 +6,7 @@ a session: the agent chooses), found again by the words of a query, the most
 relevant first (BM25, FTS5's ranking). It needs no model and no embeddings.
 
 It is the default store of the agents' long-term memory
-(:mod:`fleetbus.agents.long_term_memory`). In-process it is one itself: it has
+(:mod:`fleetbus.capabilities.memory`). In-process it is one itself: it has
 the two methods of the ``LongTermMemory`` protocol, ``record`` and
 ``retrieve``. On the bus, every replica of an agent shares it::
 

@@ -26,7 +26,7 @@ plan = true
 """
     )
     assistant, listener = load_agents(str(spec))
-    assert (assistant.name, assistant.system_prompt, assistant.max_iters) == (
+    assert (assistant.name, assistant.system_prompt, assistant.settings.max_iters) == (
         "assistant",
         "You help.",
         4,
