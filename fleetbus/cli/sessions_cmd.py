@@ -193,7 +193,7 @@ async def _fork(args: argparse.Namespace, agent: str, session: str) -> int:
 
 async def _migrate(args: argparse.Namespace) -> int:
     """Carry the sessions of the layout before journals into the journal."""
-    from fleetbus.agents.serving._legacy import migrate
+    from fleetbus.agents.serving.legacy import migrate
 
     bus = await connect(args.nats, args.prefix)
     try:

@@ -1,7 +1,7 @@
 """``fleetbus watch``: every message of a fleet, one line each, as it travels.
 
 Its options are in :mod:`fleetbus.cli._parsers`, its command in
-:mod:`fleetbus.cli.fleet` (``cmd_watch``).
+:mod:`fleetbus.cli.watch_cmd`.
 
 :func:`watch` listens on ``<prefix>.>`` (calls, agent inboxes, topics, event
 streams) and on the fleet's inboxes, ``_INBOX_<prefix>.>``

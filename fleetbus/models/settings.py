@@ -13,13 +13,12 @@ synthesizer is made with against pydantic constraints.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr, ValidationError
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fleetbus.errors import ConfigError
-from fleetbus.protocol.codec import clip
+from fleetbus._ranges import check_ranges
 
 __all__ = ["ModelEnvironment", "ModelSettings", "check_ranges"]
 
@@ -81,28 +80,3 @@ class ModelSettings(BaseSettings):
     """A model string: the model that takes over when this one keeps failing."""
     base_url: str | None = None
     """The OpenAI-compatible endpoint (default: ``OPENAI_BASE_URL``)."""
-
-
-_Limits = TypeVar("_Limits", bound=BaseModel)
-
-
-def check_ranges(limits: type[_Limits], where: str, **values: Any) -> _Limits:
-    """``limits(**values)``: the values, checked against the constraints the
-    fields of ``limits`` declare (``Field(ge=…)``).
-
-    Args:
-        limits: a pydantic model whose fields are the values' names.
-        where: what takes the values, named in the error (``"EspeakSpeech"``).
-        values: the values, by field name.
-
-    Raises:
-        ConfigError: the first value out of range, named with what was given.
-    """
-    try:
-        return limits(**values)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        name = ".".join(str(part) for part in first["loc"])
-        raise ConfigError(
-            f"{where}: {name}: {first['msg']}, not {clip(repr(first['input']), 80)}"
-        ) from None

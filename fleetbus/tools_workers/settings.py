@@ -14,13 +14,10 @@ and a test can set a variable before it makes one.
 from __future__ import annotations
 
 import os
-from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fleetbus.errors import ConfigError
-from fleetbus.protocol.codec import clip
+from fleetbus._ranges import check_ranges
 
 __all__ = ["ToolSettings", "check_ranges"]
 
@@ -60,32 +57,3 @@ class ToolSettings(BaseSettings):
     def skill_folders(self) -> list[str]:
         """The folders of :attr:`skills`, blanks left out."""
         return [p for p in self.skills.split(os.pathsep) if p.strip()]
-
-
-_Limits = TypeVar("_Limits", bound=BaseModel)
-
-
-def check_ranges(
-    limits: type[_Limits], where: str, error: type[Exception] = ConfigError, **values: Any
-) -> _Limits:
-    """``limits(**values)``: the values, checked against the constraints the
-    fields of ``limits`` declare (``Field(ge=…)``).
-
-    Args:
-        limits: a pydantic model whose fields are the values' names.
-        where: what takes the values, named in the error (``"coding_tools"``).
-        error: the exception raised for a value out of range.
-        values: the values, by field name.
-
-    Raises:
-        ConfigError: (or ``error``) the first value out of range, named with
-            what was given.
-    """
-    try:
-        return limits(**values)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        name = ".".join(str(part) for part in first["loc"])
-        raise error(
-            f"{where}: {name}: {first['msg']}, not {clip(repr(first['input']), 80)}"
-        ) from None

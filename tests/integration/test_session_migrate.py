@@ -15,7 +15,7 @@ import pytest
 
 from fleetbus.agents import Agent, AgentState, RemoteAgent
 from fleetbus.agents.messages import Msg
-from fleetbus.agents.serving._legacy import migrate
+from fleetbus.agents.serving.legacy import migrate
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, EmbeddedServer, key_value, object_store
 from fleetbus.errors import KeyNotFoundError, StoreError

@@ -20,7 +20,6 @@ say who runs a session.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
@@ -265,8 +264,7 @@ class SessionJournals:
                 n += 1
                 yield list_fact(fact, n, 0, utc_now())
         finally:
-            with contextlib.suppress(Exception):  # (nats-py's errors, on a closed bus)
-                await sub.unsubscribe()
+            await sub.unsubscribe()
 
     async def fork(
         self, agent: str, session_id: str, *, at: int, new_session: str | None = None
