@@ -335,10 +335,11 @@ class Agent:
             structured_model: the answer must validate against this model;
                 it is on the final message as ``structured``.
             structured_schema: the same with a JSON Schema (of an object)
-                instead of a model. The answer is checked for types,
-                required and unexpected fields, enums, nested objects and
-                arrays and local ``$ref``s; not for lengths, ranges or
-                formats (``jsonschema`` is not a dependency). A
+                instead of a model. The answer is checked with the
+                ``jsonschema`` library, in the dialect the schema names
+                (2020-12 when it names none): types, required fields,
+                enums, lengths, ranges, nested objects and arrays, local
+                ``$ref``s. A
                 ``user_request`` or ``agent_message`` given as ``inputs``
                 can ask for one with its ``output_schema``; the arguments
                 win over it. A reply that continues (a resume, a restore)
