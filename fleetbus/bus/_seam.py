@@ -56,7 +56,7 @@ up, without ``publish``'s coroutines. Reads ``_status``, ``_pending``,
 without nats-py's per-character checks, with the same result. Every lease
 write comes back to every host with seven headers. nats-py has the method
 from 2.15; before, it parses headers with ``email.parser`` inside
-``_process_headers``, and this path is missing.
+``_process_headers``, and this path is not taken (and not warned about).
 
 ``places`` — a serving loop takes and gives back a place of its
 ``asyncio.Semaphore`` from the read loop, where it cannot await ``acquire``
@@ -130,6 +130,11 @@ _CLIENT_FIELDS: dict[Path, tuple[str, ...]] = {
 }
 """Fields of a new nats-py ``Client`` each path reads or writes."""
 
+_SINCE: dict[Path, tuple[int, int]] = {"headers": (2, 15)}
+"""The nats-py version a path's internals came with, where that is later than
+the lowest version fleetbus allows: before it the path is not taken, without
+a warning (nothing is missing that should be there)."""
+
 _SUBSCRIPTION_FIELDS = ("_id", "_pending_queue", "_received")
 """Fields of a nats-py ``Subscription`` the route reads or writes."""
 
@@ -179,6 +184,9 @@ def check(settings: BusSettings | None = None) -> frozenset[Path]:
     if unknown:
         logger.warning("FLEETBUS_PRIVATE_OFF names no path: %s", ", ".join(sorted(unknown)))
     wanted = [] if "all" in off else [path for path in PATHS if path not in off]
+    nats_py = _release(_version("nats-py"))
+    if nats_py is not None:
+        wanted = [path for path in wanted if nats_py >= _SINCE.get(path, nats_py)]
     taken: set[Path] = set()
     missing: list[str] = []
     for path in wanted:
@@ -206,6 +214,12 @@ def _version(distribution: str) -> str:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    """The major and minor numbers of ``version`` (``None``: not known)."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return None if match is None else (int(match[1]), int(match[2]))
 
 
 AVAILABLE: frozenset[Path] = check()
