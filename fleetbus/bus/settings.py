@@ -341,7 +341,9 @@ class ConnectOptions(BaseModel):
         if self.creds_file:
             kwargs["user_credentials"] = self.creds_file
         elif self.nkey_file:
-            kwargs["nkeys_seed"] = self.nkey_file
+            # The seed line, not the file: nats-py before 2.15 takes a seed
+            # file's every byte, its line break too, for the seed.
+            kwargs["nkeys_seed_str"] = _seed_file(self.nkey_file)
         # Read (and checked) here: nats-py loops for ever on a credentials
         # file without a JWT, and reports a bad seed only once connected.
         kwargs["inbox_prefix"] = self.reply_prefix()
