@@ -148,6 +148,8 @@ def decode(data: bytes | bytearray | memoryview | str) -> AnyMessage:
         message = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise _explain(data, exc) from exc
+    except UnicodeDecodeError as exc:  # (msgspec 0.18, on a string that is not UTF-8)
+        raise MalformedMessageError(clip(f"payload is not valid JSON: {exc}")) from exc
     except RecursionError:
         # msgspec's depth limit is the interpreter's recursion limit: a
         # payload like [[[[…]]]] must be an answer, not an escaping error.
@@ -205,7 +207,7 @@ def decode_content(data: bytes | bytearray | memoryview | str) -> Any:
     """
     try:
         return _content_decoder.decode(data)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise MalformedMessageError(f"stored content is not valid JSON: {exc}") from exc
     except RecursionError:
         raise MalformedMessageError(f"stored content: {_TOO_DEEP}") from None

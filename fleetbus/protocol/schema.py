@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import msgspec
@@ -44,7 +45,27 @@ def _document(schema: dict[str, Any], *, title: str, cls: type | None) -> dict[s
         "$schema": _DRAFT,
         "$id": f"fleetbus/protocol/v{PROTOCOL_VERSION}/{title}",
     }
-    doc.update(schema)
+    doc.update(_cleaned(schema))
     if cls is not None:
         doc["description"] = (cls.__doc__ or "").strip().splitlines()[0]
     return doc
+
+
+def _cleaned(node: Any) -> Any:
+    """``node`` as the newest msgspec makes it, whichever made it: every
+    description's docstring indentation removed (0.18 keeps it), and an
+    ``anyOf``'s ``null`` last (0.18 and 0.20 put it first)."""
+    if isinstance(node, dict):
+        cleaned = {
+            k: inspect.cleandoc(v) if k == "description" and isinstance(v, str) else _cleaned(v)
+            for k, v in node.items()
+        }
+        if isinstance(cleaned.get("anyOf"), list):
+            null = {"type": "null"}
+            cleaned["anyOf"] = [v for v in cleaned["anyOf"] if v != null] + [
+                v for v in cleaned["anyOf"] if v == null
+            ]
+        return cleaned
+    if isinstance(node, list):
+        return [_cleaned(v) for v in node]
+    return node
