@@ -114,14 +114,14 @@ class Replies:
     ``asyncio.Future()`` (a ``getpid`` system call, Python 3.11), and waits
     with ``asyncio.wait_for``: a reply then takes three loop callbacks to
     reach the caller. Here a token is a counter, and a reply wakes the
-    caller directly. Measured against a trivial responder, 64 requests in
-    flight: 27-36 us of client CPU per request with nats-py's ``request``,
-    15-24 us with this; the client's CPU bounds the throughput of
+    caller directly: a request costs the client about two thirds of the CPU
+    nats-py's ``request`` takes (against a trivial responder, 64 requests in
+    flight), and the client's CPU is what bounds the throughput of
     ``bench/tool_calls.py``.
 
     Deadlines share one loop timer, armed for the earliest: a timer armed
-    and cancelled per request costs 2 us (asyncio and uvloop alike), a heap
-    entry a tenth of that. Entries of requests already over are dropped
+    and cancelled per request costs ten times what a heap entry does
+    (asyncio and uvloop alike). Entries of requests already over are dropped
     when they come first, or all at once when they outnumber the rest.
 
     Replies to a request given up on (timed out, cancelled) are dropped, as
