@@ -45,8 +45,10 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-# The suite on the lowest and on the newest versions pyproject.toml allows,
-# each in a venv of its own (.venv-lowest, .venv-newest).
+# The suite with the lowest nats-py and OpenTelemetry pyproject.toml allows
+# (the libraries whose internals fleetbus reads), then with the newest of
+# everything, each in a venv of its own (.venv-lowest, .venv-newest).
+# `bash scripts/test-versions.sh floor` pins every dependency to its lower bound.
 versions:
 	bash scripts/test-versions.sh lowest
 	bash scripts/test-versions.sh newest

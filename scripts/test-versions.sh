@@ -1,26 +1,30 @@
 #!/usr/bin/env bash
 # Run the tests against the lowest or the newest versions pyproject.toml allows.
 #
-#   scripts/test-versions.sh lowest [pytest args…]   # .venv-lowest: every runtime
+#   scripts/test-versions.sh lowest [pytest args…]   # .venv-lowest: nats-py and
+#                                                    # OpenTelemetry at their lower bounds
+#   scripts/test-versions.sh floor [pytest args…]    # .venv-floor: every runtime
 #                                                    # dependency at its lower bound
 #   scripts/test-versions.sh newest [pytest args…]   # .venv-newest: the newest allowed
 #
-# "lowest" pins each `>=` bound of `[project] dependencies` and of the `otel`
-# extra to `==` that bound (a constraints file); the test tools (the `dev`
-# extra) are installed at their newest. Without pytest arguments the whole
-# suite runs (`pytest -n 4`). The `mcp` extra is tested with the newest
-# versions only: mcp 2.3 needs pydantic 2.12 and opentelemetry-api 1.28,
-# above the lowest the rest of fleetbus allows; "lowest" leaves it and its
-# tests out.
+# "lowest" pins the `>=` bounds of nats-py and OpenTelemetry (the libraries
+# whose internals fleetbus reads, in fleetbus/bus/_seam.py and
+# fleetbus/tracing.py) to `==` those bounds, the rest at their newest;
+# "floor" pins each `>=` bound of `[project] dependencies` and of the `otel`
+# extra (a constraints file). The test tools (the `dev` extra) are installed
+# at their newest. Without pytest arguments the whole suite runs (`pytest -n
+# 4`). The `mcp` extra is tested with "newest" only: mcp 2.3 needs pydantic
+# 2.12 and opentelemetry-api 1.28, above the lowest the rest of fleetbus
+# allows; "lowest" and "floor" leave it and its tests out.
 # The venvs are kept between runs; `FLEETBUS_REBUILD=1` makes them anew.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 which="${1:-}"
 case "$which" in
-    lowest | newest) shift ;;
+    lowest | floor | newest) shift ;;
     *)
-        echo "usage: $0 lowest|newest [pytest arguments]" >&2
+        echo "usage: $0 lowest|floor|newest [pytest arguments]" >&2
         exit 2
         ;;
 esac
@@ -64,11 +68,13 @@ with open("pyproject.toml", "rb") as f:
     project = tomllib.load(f)["project"]
 requirements = project["dependencies"] + project["optional-dependencies"]["otel"]
 for requirement in requirements:
-    if sys.argv[1] != "lowest":
+    if sys.argv[1] == "newest":
         break
     match = re.match(r"([A-Za-z0-9_.-]+)(?:\[[^]]*\])?\s*>=\s*([0-9][^,;\s]*)", requirement)
     if match is None:
         sys.exit(f"no lower bound in {requirement!r}")
+    if sys.argv[1] == "lowest" and not re.match(r"nats-py$|opentelemetry-", match[1]):
+        continue
     print(f"{match[1]}=={match[2]}")
 EOF
     upgrade=()
@@ -84,7 +90,7 @@ import tomllib
 with open("pyproject.toml", "rb") as f:
     project = tomllib.load(f)["project"]
 for requirement in project["optional-dependencies"]["dev"]:
-    if sys.argv[1] == "lowest" and re.match(r"mcp\b", requirement):
+    if sys.argv[1] != "newest" and re.match(r"mcp\b", requirement):
         continue
     print(requirement)
 EOF
@@ -99,7 +105,7 @@ echo "== $which: $("$venv/bin/python" -m pip list --format=freeze 2>/dev/null |
 "$venv/bin/python" -m compileall -q fleetbus tests
 if [[ $# -eq 0 ]]; then
     set -- -n 4
-    if [[ "$which" == lowest ]]; then
+    if [[ "$which" != newest ]]; then
         set -- "$@" --ignore-glob='tests/integration/test_mcp_*.py'
     fi
 fi
