@@ -26,7 +26,7 @@ import uvicorn
 
 from fleetbus.agents import Agent, AgentState, Permissions
 from fleetbus.agents.serving.remote import RemoteAgent
-from fleetbus.agents.serving.sessions import SessionStore
+from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
 from fleetbus.cli import dashboard_cmd
 from fleetbus.cli._common import guarded
@@ -565,6 +565,15 @@ async def test_a_session_taken_cleanly_shows_running_before_its_first_fact(bus: 
         return next((s["status"] for s in snap["sessions"] if s["session"] == "s-clean"), None)
 
     async with dashboard(bus) as board:
+        merged: list[asyncio.Event] = []
+        merge = board.view._merge
+
+        def counted(records: list[SessionRecord]) -> None:
+            merge(records)
+            for event in merged:
+                event.set()
+
+        board.view._merge = counted  # type: ignore[method-assign]
         await board.until(lambda s: status(s) == "idle")
         request = UserRequest(content="hi", session_id="s-clean", call_id="q-clean")
         lease = await store.acquire(
@@ -576,7 +585,9 @@ async def test_a_session_taken_cleanly_shows_running_before_its_first_fact(bus: 
         )
         assert lease.untaken is not None  # nothing appended
         await board.until(lambda s: status(s) == "running")
-        await asyncio.sleep(1.0)  # three polls of the store
+        for _ in range(2):  # two polls of the store, which still reads it idle
+            merged.append(asyncio.Event())
+            await asyncio.wait_for(merged[-1].wait(), 20)
         assert status(await board.fleet()) == "running"
         await store.save(lease, status="done", final={"content": "ok"}, release=True)
         await board.until(lambda s: status(s) == "done")
