@@ -72,7 +72,7 @@ from fleetbus.protocol import (
     new_id,
 )
 
-__all__ = ["Agent", "ReplyInput"]
+__all__ = ["MAX_DESCRIPTION_CHARS", "Agent", "ReplyInput", "check_description"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,34 @@ ReplyInput = (
 """What ``reply`` takes: new input, a resume message, or nothing (continue
 the reply in progress, or answer the memory as it is)."""
 
+MAX_DESCRIPTION_CHARS = 1024
+"""Most characters of an agent's ``description``: it travels in the agents'
+directory on the bus (:mod:`fleetbus.agents.serving.directory`), one entry
+per served agent."""
+
+
+def check_description(description: object, where: str) -> str:
+    """``description`` if it can be an agent's: a string of at most
+    ``MAX_DESCRIPTION_CHARS`` characters.
+
+    Args:
+        description: the value to check.
+        where: what has it, for the error (``agent 'helper'``).
+
+    Raises:
+        ConfigError: it is not a string, or is longer.
+    """
+    if not isinstance(description, str):
+        raise ConfigError(
+            f"{where}: the description must be a string, not {type(description).__name__}"
+        )
+    if len(description) > MAX_DESCRIPTION_CHARS:
+        raise ConfigError(
+            f"{where}: the description has {len(description)} characters; "
+            f"at most {MAX_DESCRIPTION_CHARS} are allowed"
+        )
+    return description
+
 
 class Agent:
     """An LLM agent that runs the ReAct loop.
@@ -97,6 +125,10 @@ class Agent:
         name: the agent's name (a subject token when it serves on the bus).
         system_prompt: who it is and how it works.
         model: the model it reasons with.
+        description: what the agent does, in one line (at most
+            ``MAX_DESCRIPTION_CHARS`` characters): for those who choose an
+            agent, not for its model. A host lists it in the agents'
+            directory on the bus.
         toolkit: its tools (``fleetbus.Toolkit``: local and remote alike).
         permissions: allow / deny / ask rules checked before every call.
         accepted_rules: the allow rules a person accepted when confirming
@@ -123,8 +155,9 @@ class Agent:
             release, with a ``DeprecationWarning``.
 
     Raises:
-        ConfigError: no model, a state of another agent, a capability that
-            is not one, or an old keyword out of range.
+        ConfigError: no model, a description that is not a string or is too
+            long, a state of another agent, a capability that is not one, or
+            an old keyword out of range.
     """
 
     def __init__(
@@ -133,6 +166,7 @@ class Agent:
         system_prompt: str = "",
         model: ChatModel | None = None,
         *,
+        description: str = "",
         toolkit: ToolSource | None = None,
         permissions: Permissions | None = None,
         accepted_rules: RuleBook | Iterable[str] = (),
@@ -145,6 +179,7 @@ class Agent:
     ) -> None:
         if model is None:
             raise ConfigError(f"agent {name!r} needs a model")
+        check_description(description, f"agent {name!r}")
         capabilities = list(capabilities)
         start_plan: PlanNotebook | None = None
         if old_keywords:
@@ -158,6 +193,8 @@ class Agent:
                 )
         self.name = name
         self.system_prompt = system_prompt
+        self.description = description
+        """What the agent does, in one line (shared with its clones)."""
         self.model = model
         self.toolkit = toolkit
         self.middlewares = list(middlewares)
@@ -213,7 +250,7 @@ class Agent:
         state: AgentState | None = None,
         checkpoint: Callable[[AgentState], Awaitable[None]] | None = None,
     ) -> Agent:
-        """The same agent (model, tools, settings) with another state: a saved
+        """The same agent (description, model, tools, settings) with another state: a saved
         session's, or a fresh one with the permissions it was built with and
         what its capabilities set up (:meth:`initial_state`). Used to serve many sessions from one
         definition.

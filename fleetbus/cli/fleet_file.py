@@ -14,6 +14,7 @@ from typing import Any
 
 from fleetbus._imports import import_named
 from fleetbus.agents import Agent, AgentSettings, Permissions
+from fleetbus.agents.agent import check_description
 from fleetbus.agents.long_term_memory import STORE_TOOLS
 from fleetbus.agents.offload import Offloader
 from fleetbus.agents.serving.host import AgentSource
@@ -224,9 +225,10 @@ def _model_environment(model: str | None, cli: Mapping[str, Any]) -> Iterator[No
 
 
 def _agents_from_toml(path: Path, model: str | None, cli: Mapping[str, Any]) -> list[Agent]:
-    """``[agent.NAME]`` tables: system_prompt, model (a model string),
-    model_settings (a table), tools (MODULE[:ATTR] specs), skills (folders,
-    relative to the file), max_iters, allow/ask/deny rule lists."""
+    """``[agent.NAME]`` tables: system_prompt, description (one line, at most
+    1,024 characters), model (a model string), model_settings (a table),
+    tools (MODULE[:ATTR] specs), skills (folders, relative to the file),
+    max_iters, allow/ask/deny rule lists."""
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -239,6 +241,7 @@ def _agents_from_toml(path: Path, model: str | None, cli: Mapping[str, Any]) -> 
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: agent.{name} is not a table")
         check_name(name, what="agent name")
+        description = check_description(table.get("description", ""), f"{path}: agent.{name}")
         toolkit = Toolkit()
         for tool_spec in table.get("tools", []):
             for t in load_toolkit(tool_spec):
@@ -254,6 +257,7 @@ def _agents_from_toml(path: Path, model: str | None, cli: Mapping[str, Any]) -> 
                 name,
                 str(table.get("system_prompt", "")),
                 chat_model,
+                description=description,
                 toolkit=toolkit,
                 permissions=Permissions.from_strings(
                     allow=table.get("allow", []),

@@ -33,6 +33,10 @@ What an agent's inbox takes:
 A broadcast on a topic the host observes is recorded in the memory of every
 agent it serves (:mod:`._observing`).
 
+Each replica registers the NATS micro service ``fleetbus-agents``: its INFO
+lists the agents the host was given, with their descriptions and tools, and
+its STATS counts each agent's inbox requests (:mod:`.directory`).
+
 Sessions are journals written ahead of every side effect under a lease
 (:mod:`.sessions`); replies run as :mod:`._replies` says. A replica that dies
 leaves a lease that goes silent: :class:`~fleetbus.agents.serving.sessions.Recovery`
@@ -48,6 +52,7 @@ import hashlib
 import logging
 import os
 import socket
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -55,6 +60,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from fleetbus.agents.agent import Agent
 from fleetbus.agents.serving._observing import Observing
 from fleetbus.agents.serving._replies import Run
+from fleetbus.agents.serving.directory import agent_service
 from fleetbus.agents.serving.sessions import (
     SessionStore,
     session_key,
@@ -222,6 +228,14 @@ class AgentHost(Observing, Lifecycle):
         self.bus = bus
         label = self.group or (self._names[0] if self._names and len(self._names) == 1 else "host")
         self.replica_id = replica_id or f"{label}@{socket.gethostname()}-{os.getpid()}"
+        self.service = agent_service(
+            bus,
+            list(agents.agents.values()) if isinstance(agents, _Named) else None,
+            replica_id=self.replica_id,
+            group=self.group,
+        )
+        """This replica in the agents' directory: the ``fleetbus-agents`` micro
+        service, listing the agents given as definitions (a population's: none)."""
         self.topics = list(topics)
         self.durable_topics = durable_topics
         self.lease_ttl = lease_ttl
@@ -289,6 +303,8 @@ class AgentHost(Observing, Lifecycle):
         try:
             async with asyncio.TaskGroup() as tg:
                 ready = self._subscribe(tg, limiter)
+                ready.append(asyncio.Event())
+                tg.create_task(self.service.run(self._stop, ready=ready[-1]))
                 for event in ready:
                     await event.wait()
                 self._ready.set()
@@ -346,6 +362,20 @@ class AgentHost(Observing, Lifecycle):
         name = Subjects.agent_of(request.subject)
         if self.group is not None and not self.serves(name):
             return None  # another host group's agent (or nobody's): they answer
+        stats = self.service.stats.get(name)
+        if stats is None:  # a population's agent: not in the directory
+            return await self._answer(name, request)
+        started = time.perf_counter_ns()
+        answer = await self._answer(name, request)
+        error = None
+        if isinstance(answer, ErrorMessage):
+            error = f"{answer.code}: {answer.message}"
+        elif isinstance(answer, ToolResult) and answer.error_detail is not None:
+            error = f"{answer.error_detail.code}: {answer.error_detail.message}"
+        stats.record(time.perf_counter_ns() - started, error)
+        return answer
+
+    async def _answer(self, name: str, request: Request) -> Message | None:
         message = request.message
         if isinstance(message, UserRequest | ConfirmResult | ExternalResult):
             return await self._converse(name, message, message.session_id, request)
