@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import socket
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fleetbus.bus.store import STORE_WAIT
@@ -29,12 +28,12 @@ from fleetbus.cli._common import (
     seconds,
     setup_logging,
 )
+from fleetbus.cli._web import ANY_HOST, listen, server_class
 from fleetbus.errors import ConfigError
 
 __all__ = ["DEFAULT_PORT", "add_parser", "cmd", "main"]
 
 DEFAULT_PORT = 8700
-_ANY_HOST = ("0.0.0.0", "::", "")
 _EXTRA = "pip install 'fleetbus[dashboard]'"
 """How to install the extra (the backslash keeps rich from reading a style tag)."""
 
@@ -100,7 +99,7 @@ def _load() -> tuple[Any, Any]:
 
 
 def _allowed_hosts(host: str, extra: Sequence[str]) -> list[str]:
-    if host in _ANY_HOST:
+    if host in ANY_HOST:
         return ["*"]
     return sorted({"127.0.0.1", "localhost", host, *extra})
 
@@ -109,13 +108,7 @@ def cmd(args: argparse.Namespace) -> int:
     """Serve the dashboard until SIGTERM/SIGINT."""
     uvicorn, dashboard = _load()
 
-    class Server(uvicorn.Server):  # type: ignore[misc,name-defined]
-        """uvicorn's server without its own signal handling: the command's
-        handlers stop the view first, so that live streams end."""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield
+    Server = server_class(uvicorn)
 
     async def serve() -> int:
         bus = await connect(args.nats, args.prefix, "dashboard")
@@ -136,7 +129,7 @@ def cmd(args: argparse.Namespace) -> int:
                 timeout_graceful_shutdown=3,
             )
             server = Server(config)
-            sock = _listen(args.host, args.port)
+            sock = listen(args.host, args.port, "the dashboard")
 
             def stop() -> None:
                 view.close()
@@ -158,24 +151,9 @@ def cmd(args: argparse.Namespace) -> int:
     return run(serve())
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket (bound here, so that a busy port is one clear line).
-
-    Raises:
-        ConfigError: the address cannot be bound.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family)
-    except OSError as exc:
-        raise ConfigError(
-            f"the dashboard cannot listen on {host}:{port}: {exc.strerror or exc}"
-        ) from exc
-
-
 def _announce(sock: socket.socket, host: str, bus: Any) -> None:
     port = sock.getsockname()[1]
-    shown = "127.0.0.1" if host in _ANY_HOST else host
+    shown = "127.0.0.1" if host in ANY_HOST else host
     console.print(
         f"dashboard on http://{shown}:{port}/ (fleet {bus.prefix} at {bus.connected_url})",
         highlight=False,

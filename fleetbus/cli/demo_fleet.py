@@ -38,6 +38,7 @@ def agents() -> list[Agent]:
             "assistant",
             SYSTEM_PROMPT,
             default_model(settings),
+            description="The fleet's assistant: arithmetic, the time, and notes in files.",
             toolkit=Toolkit(),
             settings=AgentSettings(max_iters=8, model_calls=default_model_config(settings)),
             permissions=Permissions.from_strings(ask=["write_file"]),

@@ -21,7 +21,7 @@ from rich.table import Table
 from fleetbus import logs, tracing
 from fleetbus._version import __version__
 from fleetbus.bus import EmbeddedServer, ToolClient
-from fleetbus.cli import auth_cmd, dashboard_cmd
+from fleetbus.cli import auth_cmd, dashboard_cmd, gateway_cmd
 from fleetbus.cli._common import (
     POSITIVE,
     Parser,
@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_worker_parser(sub, bus_options)
     add_sim_parser(sub, bus_options)
     dashboard_cmd.add_parser(sub, bus_options)
+    gateway_cmd.add_parser(sub, bus_options)
     auth_cmd.add_parser(sub)
 
     p = sub.add_parser(
@@ -220,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _heavy_command(args.command)
         or {
             "dashboard": dashboard_cmd.cmd,
+            "gateway": gateway_cmd.cmd,
             "auth": auth_cmd.cmd,
             "server": cmd_server,
             "worker": cmd_worker,

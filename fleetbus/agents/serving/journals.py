@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -190,8 +190,14 @@ class SessionJournals:
         lease = await self._load(key, cached[0] if cached else None)
         return lease.record if lease is not None else None
 
-    async def records(self, agent: str | None = None) -> list[SessionRecord]:
-        """Every session (of one agent), most recently updated first.
+    async def records(
+        self,
+        agent: str | None = None,
+        *,
+        where: Callable[[str, str], bool] | None = None,
+    ) -> list[SessionRecord]:
+        """Every session (of one agent; for which ``where(agent, session_id)``
+        holds, when given), most recently updated first.
 
         One listing that creates no consumer on the server, then one read
         per session. For people and tools, not for loops. A session that
@@ -204,6 +210,8 @@ class SessionJournals:
         """
         records = []
         for key in await self.journal.keys(f"{agent}.*" if agent is not None else ">"):
+            if where is not None and not where(*key.split(".", 1)):
+                continue
             try:
                 lease = await self._load(key)
             except (ValueError, StoreError) as exc:

@@ -1,0 +1,920 @@
+"""A2A: every agent of the fleet as an A2A agent (a2a-sdk 1.x, JSON-RPC).
+
+Routes, per agent, both needing a token (``Authorization: Bearer TOKEN``):
+
+``GET /a2a/{agent}/.well-known/agent-card.json``
+    the agent's card: its name and description, one skill for the agent
+    itself and one per tool of its toolkit, streaming, a bearer security
+    scheme, and the JSON-RPC interface ``<public URL>/a2a/{agent}``.
+``POST /a2a/{agent}``
+    JSON-RPC 2.0. A2A 1.0's ``SendMessage``, ``SendStreamingMessage``
+    (Server-Sent Events), ``GetTask`` and ``CancelTask`` (with the header
+    ``A2A-Version: 1.0``, as a2a-sdk 1.x clients send it), and A2A 0.3's
+    ``message/send``, ``message/stream``, ``tasks/get`` and ``tasks/cancel``
+    (no header). Task listing, resubscription, push notifications and the
+    extended card are not offered.
+
+What is what:
+
+- a ``contextId`` is a conversation of the caller's: the session
+  ``<caller's tag>-<contextId>`` (``GatewayFleet.session_id``); a message
+  without one starts a new conversation, whose ``contextId`` the task gives.
+- a task is one reply: the request and what the agent does until its final
+  answer. Its id is ``<agent>.<session>.<mark>``; the request carries the mark
+  in its ``metadata`` (``a2a_task``), which the user message in the session's
+  memory keeps. So any replica answers ``GetTask`` from the session's journal
+  alone: running → ``working``; paused → ``input-required``, the calls it
+  waits for in the status message; done → ``completed``, the answer as the
+  artifact ``answer`` (a data part when the reply gave a structured answer,
+  else a text part); ``error`` → ``failed``; interrupted → ``canceled``. A
+  task that is not the conversation's last any more is ``completed`` with the
+  last answer it gave; one whose request a memory compression summarised is
+  no longer found.
+- a message's text parts are the request's text, its data parts their JSON;
+  ``metadata.output_schema`` (a JSON Schema of an object) asks for a
+  structured answer.
+- a paused task is continued by a message with its ``taskId`` whose content
+  answers it: the text ``yes`` or ``no`` (also ``y``, ``allow``, ``approve``,
+  ``ok``, ``go ahead`` / ``n``, ``deny``, ``reject``, ``stop``; any case, a
+  full stop allowed) allows or denies every call waiting for confirmation; a
+  data part ``{"confirm": {"<call_id>": true | false, …}}`` decides each call
+  named; a data part ``{"results": {"<call_id>": <any JSON>, …}}`` gives the
+  results of calls run outside the agent.
+- ``CancelTask`` interrupts the running reply and answers the task once the
+  session says how it ended (within :data:`CANCEL_WAIT` seconds); a task
+  that waits for input is not cancelled (deny its calls: answer ``no``).
+
+Streamed, a task sends: the task (``working``); a status update per piece
+of text (a text part) and per tool call and result (a data part: the event's
+data), each with ``metadata.event`` naming the fleetbus event; at the end the
+answer as an artifact update, then the final status.
+
+Errors: no token, or an unknown one → HTTP 401; an agent the token may not
+talk to → HTTP 404; a task that is not the caller's → ``TaskNotFoundError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+import orjson
+from a2a.helpers import get_data_parts, new_data_part, new_text_part
+from a2a.server.context import ServerCallContext
+from a2a.server.events import Event as A2AEvent
+from a2a.server.request_handlers import RequestHandler
+from a2a.server.request_handlers.response_helpers import agent_card_to_dict
+from a2a.server.routes import DefaultServerCallContextBuilder, create_jsonrpc_routes
+from a2a.types import (
+    AgentCapabilities,
+    AgentCard,
+    AgentInterface,
+    AgentSkill,
+    Artifact,
+    CancelTaskRequest,
+    DeleteTaskPushNotificationConfigRequest,
+    GetExtendedAgentCardRequest,
+    GetTaskPushNotificationConfigRequest,
+    GetTaskRequest,
+    HTTPAuthSecurityScheme,
+    InternalError,
+    InvalidParamsError,
+    InvalidRequestError,
+    ListTaskPushNotificationConfigsRequest,
+    ListTaskPushNotificationConfigsResponse,
+    ListTasksRequest,
+    ListTasksResponse,
+    Message,
+    Part,
+    PushNotificationNotSupportedError,
+    Role,
+    SecurityRequirement,
+    SecurityScheme,
+    SendMessageRequest,
+    StringList,
+    SubscribeToTaskRequest,
+    Task,
+    TaskArtifactUpdateEvent,
+    TaskNotCancelableError,
+    TaskNotFoundError,
+    TaskPushNotificationConfig,
+    TaskState,
+    TaskStatus,
+    TaskStatusUpdateEvent,
+    UnsupportedOperationError,
+)
+from a2a.utils.errors import A2AError
+from a2a.utils.proto_utils import validate_proto_required_fields
+from a2a.utils.task import apply_history_length, validate_history_length
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from fleetbus._version import __version__
+from fleetbus.agents.events import TEXT_DELTA, TOOL_CALL, TOOL_RESULT
+from fleetbus.agents.messages import Msg
+from fleetbus.agents.serving.client import confirm_result, external_result
+from fleetbus.agents.serving.directory import AgentInfo
+from fleetbus.agents.serving.facts import SessionRecord
+from fleetbus.agents.state import PendingCall
+from fleetbus.errors import (
+    CallTimeoutError,
+    ConfigError,
+    FleetbusError,
+    NoRespondersError,
+    RemoteError,
+)
+from fleetbus.gateway._common import caller as token_caller
+from fleetbus.gateway._common import content_text, error_body, yes_or_no
+from fleetbus.gateway.auth import Caller, Unauthorized
+from fleetbus.gateway.fleet import Ask, GatewayFleet, NotFound, TooManyStreams
+from fleetbus.protocol import ContentBlock, Event, FinalAnswer, TextBlock, UserRequest, new_id
+
+__all__ = ["CANCEL_WAIT", "TASK_MARK", "FleetRequestHandler", "add_a2a_routes", "agent_card"]
+
+logger = logging.getLogger(__name__)
+
+TASK_MARK: Final = "a2a_task"
+"""The key of a request's ``metadata`` that holds the mark of its task."""
+
+CANCEL_WAIT: Final = 10.0
+"""Seconds ``CancelTask`` waits for the session to say how the reply ended."""
+
+CARD_PATH: Final = "/.well-known/agent-card.json"
+"""Where an agent's card is, under its URL (where a2a-sdk's resolver looks)."""
+
+_CALLER: Final = "fleetbus.caller"
+_AGENT: Final = "fleetbus.agent"
+_ANSWER: Final = "answer"
+"""The id and name of a task's one artifact."""
+_SHOWN_EVENTS: Final = frozenset({TEXT_DELTA, TOOL_CALL, TOOL_RESULT})
+_NOT_A_REQUEST: Final = frozenset({"hint", "observed"})
+"""Marks of user messages that do not start a reply."""
+_MODES: Final = ["text/plain", "application/json"]
+
+_WORKING: Final = TaskState.TASK_STATE_WORKING
+_COMPLETED: Final = TaskState.TASK_STATE_COMPLETED
+_FAILED: Final = TaskState.TASK_STATE_FAILED
+_CANCELED: Final = TaskState.TASK_STATE_CANCELED
+_INPUT_REQUIRED: Final = TaskState.TASK_STATE_INPUT_REQUIRED
+_ENDS: Final[dict[str, TaskState]] = {
+    "completed": _COMPLETED,
+    "exceed_max_iters": _COMPLETED,
+    "repeated_action": _COMPLETED,
+    "paused": _INPUT_REQUIRED,
+    "interrupted": _CANCELED,
+    "error": _FAILED,
+}
+"""The task state of each ``finished_reason``."""
+
+_AGENT_NAME: Final = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def add_a2a_routes(
+    app: Starlette,
+    fleet: GatewayFleet,
+    *,
+    public_url: str | None = None,
+    authenticate: Callable[[Request], Caller] | None = None,
+) -> None:
+    """Serve every agent of ``fleet`` over A2A on ``app`` (see the module docstring).
+
+    Args:
+        app: the application (FastAPI or Starlette).
+        fleet: the fleet the gateway serves.
+        public_url: the URL clients reach the gateway at, for the cards'
+            interface URLs; the request's own by default.
+        authenticate: who sends a request; raises
+            :class:`~fleetbus.gateway.auth.Unauthorized`. By default the
+            tokens of ``app.state.tokens`` (``Authorization: Bearer`` or
+            ``x-api-key``).
+    """
+    who = authenticate or token_caller
+    handler = FleetRequestHandler(fleet)
+    rpc = create_jsonrpc_routes(
+        handler, "/a2a/{agent}", context_builder=_CallContexts(), enable_v0_3_compat=True
+    )[0]
+    dispatch = rpc.endpoint
+
+    async def card(request: Request) -> Response:
+        try:
+            info = await fleet.agent(who(request), request.path_params["agent"])
+        except FleetbusError as exc:
+            return _error(exc)
+        base = (public_url or str(request.base_url)).rstrip("/")
+        return JSONResponse(agent_card_to_dict(agent_card(info, f"{base}/a2a/{info.name}")))
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            caller = who(request)
+            agent = fleet.check_agent(caller, request.path_params["agent"])
+        except FleetbusError as exc:
+            if isinstance(exc, Unauthorized):
+                body = {
+                    "jsonrpc": "2.0",
+                    "id": None,
+                    "error": {"code": -32600, "message": str(exc)},
+                }
+                return JSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})
+            return _error(exc)
+        request.state.a2a = (caller, agent)
+        response: Response = await dispatch(request)
+        return response
+
+    app.router.routes.append(Route("/a2a/{agent}" + CARD_PATH, card, methods=["GET"]))
+    app.router.routes.append(Route("/a2a/{agent}", endpoint, methods=["POST"]))
+
+
+def agent_card(info: AgentInfo, url: str) -> AgentCard:
+    """The A2A card of a served agent whose JSON-RPC endpoint is ``url``."""
+    skills = [
+        AgentSkill(
+            id=info.name,
+            name=info.name,
+            description=info.description or f"Talk with the agent {info.name}.",
+            tags=["agent"],
+        )
+    ]
+    skills.extend(
+        AgentSkill(
+            id=f"tool:{t.name}",
+            name=t.name,
+            description=t.description or f"The tool {t.name}.",
+            tags=["tool"],
+        )
+        for t in info.tools
+    )
+    return AgentCard(
+        name=info.name,
+        description=info.description or f"The fleetbus agent {info.name}.",
+        supported_interfaces=[
+            AgentInterface(url=url, protocol_binding="JSONRPC", protocol_version="1.0")
+        ],
+        version=__version__,
+        capabilities=AgentCapabilities(streaming=True, push_notifications=False),
+        security_schemes={
+            "bearer": SecurityScheme(
+                http_auth_security_scheme=HTTPAuthSecurityScheme(
+                    scheme="bearer", description="a token of the gateway's tokens"
+                )
+            )
+        },
+        security_requirements=[SecurityRequirement(schemes={"bearer": StringList()})],
+        default_input_modes=_MODES,
+        default_output_modes=_MODES,
+        skills=skills,
+    )
+
+
+def _error(exc: FleetbusError) -> Response:
+    status, body = error_body(exc)
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class _CallContexts(DefaultServerCallContextBuilder):
+    """Call contexts that carry the caller and the agent the route named."""
+
+    def build(self, request: Request) -> ServerCallContext:
+        context = super().build(request)
+        caller, agent = request.state.a2a
+        context.state[_CALLER] = caller
+        context.state[_AGENT] = agent
+        return context
+
+
+@dataclass(frozen=True, slots=True)
+class _TaskRef:
+    """What a task id names: a reply of an agent in a session."""
+
+    agent: str
+    session_id: str
+    mark: str
+
+    @property
+    def task_id(self) -> str:
+        return f"{self.agent}.{self.session_id}.{self.mark}"
+
+    @classmethod
+    def parse(cls, task_id: str, agent: str) -> _TaskRef:
+        """The task ``task_id`` of ``agent``.
+
+        Raises:
+            TaskNotFoundError: it cannot be one.
+        """
+        parts = task_id.split(".")
+        if len(parts) != 3 or parts[0] != agent or not all(_AGENT_NAME.match(p) for p in parts):
+            raise TaskNotFoundError(f"no task {task_id!r}")
+        return cls(*parts)
+
+
+@dataclass(frozen=True, slots=True)
+class _Start:
+    """A message to send, and the task it starts or continues."""
+
+    ref: _TaskRef
+    context_id: str
+    asking: Ask
+    schema: dict[str, Any] | None
+    request: Message
+    """The message, as the task's history shows it."""
+
+
+class FleetRequestHandler(RequestHandler):
+    """a2a-sdk's request handler over a :class:`GatewayFleet`: the fleet is
+    the task store and the runner, so nothing is kept between requests (see
+    the module docstring).
+
+    The call context's state carries the caller and the agent of the route
+    (set by :func:`add_a2a_routes`).
+    """
+
+    def __init__(self, fleet: GatewayFleet) -> None:
+        self.fleet = fleet
+
+    # -- messages ------------------------------------------------------------------------
+
+    async def on_message_send(
+        self, params: SendMessageRequest, context: ServerCallContext
+    ) -> Task | Message:
+        """Send the message and answer the task once the reply ends (or at
+        once, ``working``, with ``returnImmediately``: the reply goes on)."""
+        validate_proto_required_fields(params)
+        validate_history_length(params.configuration)
+        caller, agent = _who(context)
+        start = await self._start(caller, agent, params)
+        history = [start.request]
+        at_once = params.configuration.return_immediately
+        with _translated():
+            stream = self.fleet.stream(
+                caller,
+                agent,
+                start.ref.session_id,
+                start.asking,
+                schema=start.schema,
+                detach=True if at_once else None,
+            )
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    if isinstance(item, FinalAnswer):
+                        task = await self._ended(start.ref, start.context_id, history, item)
+                        return apply_history_length(task, params.configuration)
+                    if at_once:
+                        break
+        return apply_history_length(
+            _task(start.ref, start.context_id, _WORKING, history), params.configuration
+        )
+
+    async def on_message_send_stream(
+        self, params: SendMessageRequest, context: ServerCallContext
+    ) -> AsyncGenerator[A2AEvent, None]:
+        """Send the message and stream the task: the task, progress, the end."""
+        validate_proto_required_fields(params)
+        validate_history_length(params.configuration)
+        caller, agent = _who(context)
+        start = await self._start(caller, agent, params)
+        ref, context_id = start.ref, start.context_id
+        with _translated():
+            stream = self.fleet.stream(
+                caller, agent, ref.session_id, start.asking, schema=start.schema
+            )
+            async with contextlib.aclosing(stream):
+                # The first item is awaited before anything is sent: a reply
+                # that cannot start is an error answer, not a broken stream.
+                item = await anext(stream)
+                task = _task(ref, context_id, _WORKING, [start.request])
+                yield apply_history_length(task, params.configuration)
+                while True:
+                    if isinstance(item, FinalAnswer):
+                        ended = await self._ended(ref, context_id, [start.request], item)
+                        for event in _end_events(ended):
+                            yield event
+                        return
+                    progress = _progress(ref, context_id, item)
+                    if progress is not None:
+                        yield progress
+                    item = await anext(stream)
+
+    async def _start(self, caller: Caller, agent: str, params: SendMessageRequest) -> _Start:
+        """What to send for ``params``: a new request (a new task), or the
+        answer to the paused task the message names.
+
+        Raises:
+            InvalidParamsError: the message cannot be sent as it is.
+            TaskNotFoundError: it names a task that is not the caller's.
+        """
+        message = params.message
+        if message.task_id:
+            return await self._resume(caller, agent, message)
+        with _translated(InvalidParamsError):
+            session = self.fleet.session_id(caller, message.context_id or None)
+        ref = _TaskRef(agent, session, new_id())
+        context_id = _context_of(caller, session)
+        metadata = _struct(message.metadata) if message.HasField("metadata") else {}
+        schema = metadata.get("output_schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise InvalidParamsError("metadata.output_schema must be a JSON Schema (an object)")
+        asking = UserRequest(
+            sender=caller.user, content=_blocks(message.parts), metadata={TASK_MARK: ref.mark}
+        )
+        return _Start(ref, context_id, asking, schema, _stamped(message, ref, context_id))
+
+    async def _resume(self, caller: Caller, agent: str, message: Message) -> _Start:
+        ref = _TaskRef.parse(message.task_id, agent)
+        context_id = _context_of(caller, ref.session_id)
+        if message.context_id:
+            with _translated(InvalidParamsError):
+                named = self.fleet.session_id(caller, message.context_id)
+            if named != ref.session_id:
+                raise InvalidParamsError(
+                    f"context {message.context_id!r} is not that of task {message.task_id!r}"
+                )
+        record = await self._record(caller, ref)
+        state = _task_of(record, ref, context_id).status.state
+        if state != _INPUT_REQUIRED:
+            raise InvalidParamsError(
+                f"task {ref.task_id} does not wait for input ({TaskState.Name(state)}): "
+                "send a message without a taskId to start another"
+            )
+        asking = _answer_to(message, record.state.reply.pending if record.state.reply else [])
+        asking = _signed(asking, caller.user, ref.session_id)
+        return _Start(ref, context_id, asking, None, _stamped(message, ref, context_id))
+
+    async def _ended(
+        self, ref: _TaskRef, context_id: str, history: list[Message], final: FinalAnswer
+    ) -> Task:
+        """The task a final answer ends (the calls it waits for, when paused)."""
+        pending: list[PendingCall] = []
+        if final.finished_reason == "paused":
+            with _translated():
+                pending = await self.fleet.pending(ref.agent, ref.session_id)
+        return _outcome(
+            ref,
+            context_id,
+            history,
+            reason=final.finished_reason,
+            text=content_text(final.content),
+            structured=final.structured,
+            pending=pending,
+        )
+
+    # -- tasks ---------------------------------------------------------------------------
+
+    async def on_get_task(self, params: GetTaskRequest, context: ServerCallContext) -> Task:
+        """The task as the session's journal tells it now."""
+        validate_proto_required_fields(params)
+        validate_history_length(params)
+        caller, agent = _who(context)
+        ref = _TaskRef.parse(params.id, agent)
+        record = await self._record(caller, ref)
+        return apply_history_length(
+            _task_of(record, ref, _context_of(caller, ref.session_id)), params
+        )
+
+    async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task:
+        """Interrupt the task's reply; the task once the session says how it
+        ended (or as it stands after :data:`CANCEL_WAIT` seconds)."""
+        validate_proto_required_fields(params)
+        caller, agent = _who(context)
+        ref = _TaskRef.parse(params.id, agent)
+        context_id = _context_of(caller, ref.session_id)
+        record = await self._record(caller, ref)
+        task = _task_of(record, ref, context_id)
+        if task.status.state == _INPUT_REQUIRED:
+            raise TaskNotCancelableError(
+                f"task {ref.task_id} waits for input: answer 'no' to deny its calls"
+            )
+        if task.status.state != _WORKING:
+            raise TaskNotCancelableError(
+                f"task {ref.task_id} is over ({TaskState.Name(task.status.state)})"
+            )
+        with _translated():
+            await self.fleet.cancel(caller, agent, ref.session_id)
+        record = await self._settled(caller, ref, record)
+        return _task_of(record, ref, context_id)
+
+    async def _record(self, caller: Caller, ref: _TaskRef) -> SessionRecord:
+        try:
+            return await self.fleet.session(caller, ref.agent, ref.session_id)
+        except NotFound:
+            raise TaskNotFoundError(f"no task {ref.task_id!r}") from None
+        except FleetbusError as exc:
+            raise InternalError(str(exc)) from exc
+
+    async def _settled(self, caller: Caller, ref: _TaskRef, seen: SessionRecord) -> SessionRecord:
+        """The session once its journal says the reply running at ``seen``
+        is over (or after :data:`CANCEL_WAIT` seconds)."""
+        try:
+            journals = await self.fleet.journals()
+            async with asyncio.timeout(CANCEL_WAIT):
+                facts = journals.follow(ref.agent, ref.session_id)
+                try:
+                    async for fact in facts:
+                        # Facts read back are those up to `seen` and after
+                        # it; live ones have no sequence yet (0).
+                        late = fact.seq == 0 or fact.seq > seen.seq
+                        if late and fact.status is not None and fact.status != "running":
+                            break
+                finally:
+                    closing = getattr(facts, "aclose", None)
+                    if closing is not None:
+                        await closing()
+        except TimeoutError:
+            logger.info(
+                "task %s: not over %gs after its cancel",
+                ref.task_id,
+                CANCEL_WAIT,
+                extra={"session_id": ref.session_id},
+            )
+        except FleetbusError as exc:
+            logger.warning("task %s: cannot follow its session: %s", ref.task_id, exc)
+        return await self._record(caller, ref)
+
+    async def on_list_tasks(
+        self, params: ListTasksRequest, context: ServerCallContext
+    ) -> ListTasksResponse:
+        """Not offered."""
+        raise UnsupportedOperationError("listing tasks is not offered")
+
+    async def on_subscribe_to_task(
+        self, params: SubscribeToTaskRequest, context: ServerCallContext
+    ) -> AsyncGenerator[A2AEvent, None]:
+        """Not offered."""
+        nothing: tuple[A2AEvent, ...] = ()
+        for event in nothing:  # an async generator, as the interface has it
+            yield event
+        raise UnsupportedOperationError("resubscribing is not offered: poll GetTask")
+
+    async def on_create_task_push_notification_config(
+        self, params: TaskPushNotificationConfig, context: ServerCallContext
+    ) -> TaskPushNotificationConfig:
+        """Not offered."""
+        raise PushNotificationNotSupportedError
+
+    async def on_get_task_push_notification_config(
+        self, params: GetTaskPushNotificationConfigRequest, context: ServerCallContext
+    ) -> TaskPushNotificationConfig:
+        """Not offered."""
+        raise PushNotificationNotSupportedError
+
+    async def on_list_task_push_notification_configs(
+        self, params: ListTaskPushNotificationConfigsRequest, context: ServerCallContext
+    ) -> ListTaskPushNotificationConfigsResponse:
+        """Not offered."""
+        raise PushNotificationNotSupportedError
+
+    async def on_delete_task_push_notification_config(
+        self, params: DeleteTaskPushNotificationConfigRequest, context: ServerCallContext
+    ) -> None:
+        """Not offered."""
+        raise PushNotificationNotSupportedError
+
+    async def on_get_extended_agent_card(
+        self, params: GetExtendedAgentCardRequest, context: ServerCallContext
+    ) -> AgentCard:
+        """Not offered: the card is the same for every caller."""
+        raise UnsupportedOperationError("there is no extended card")
+
+
+# -- requests ------------------------------------------------------------------------------
+
+
+def _who(context: ServerCallContext) -> tuple[Caller, str]:
+    caller: Caller = context.state[_CALLER]
+    agent: str = context.state[_AGENT]
+    return caller, agent
+
+
+@contextlib.contextmanager
+def _translated(kind: type[A2AError] = InternalError) -> Iterator[None]:
+    """fleetbus errors as A2A errors (``kind`` for a ``NotFound``)."""
+    try:
+        yield
+    except NotFound as exc:
+        raise kind(str(exc)) from exc
+    except TooManyStreams as exc:
+        raise InvalidRequestError(str(exc)) from exc
+    except ConfigError as exc:
+        raise InvalidParamsError(str(exc)) from exc
+    except (NoRespondersError, CallTimeoutError, RemoteError) as exc:
+        raise InternalError(str(exc)) from exc
+
+
+def _context_of(caller: Caller, session_id: str) -> str:
+    """The ``contextId`` of a session: the conversation's name, without the
+    caller's tag (``GatewayFleet.session_id`` puts it back)."""
+    own = f"{caller.tag}-"
+    return session_id[len(own) :] if session_id.startswith(own) else session_id
+
+
+def _blocks(parts: Sequence[Part]) -> list[ContentBlock]:
+    """A message's parts as a request's content.
+
+    Raises:
+        InvalidParamsError: a part is a file, or there is nothing to say.
+    """
+    blocks: list[ContentBlock] = []
+    for part in parts:
+        if part.HasField("text"):
+            if part.text.strip():
+                blocks.append(TextBlock(text=part.text))
+        elif part.HasField("data"):
+            data = _plain(get_data_parts([part])[0])
+            blocks.append(TextBlock(text=orjson.dumps(data).decode()))
+        else:
+            raise InvalidParamsError("only text and data parts are accepted, not files")
+    if not blocks:
+        raise InvalidParamsError("the message says nothing: give a text or a data part")
+    return blocks
+
+
+def _answer_to(message: Message, pending: Sequence[PendingCall]) -> Ask:
+    """What a message answering a paused task means (see the module docstring).
+
+    Raises:
+        InvalidParamsError: it does not answer it.
+    """
+    confirm = [p.call_id for p in pending if p.kind == "confirm"]
+    external = [p.call_id for p in pending if p.kind == "external"]
+    try:
+        for data in (_plain(d) for d in get_data_parts(message.parts)):
+            if isinstance(data, dict) and isinstance(data.get("confirm"), dict):
+                decisions: dict[str, Any] = data["confirm"]
+                _known(decisions, confirm, "waits for no confirmation of")
+                if not all(isinstance(v, bool) for v in decisions.values()):
+                    raise InvalidParamsError('"confirm" maps call ids to true or false')
+                return confirm_result(
+                    "",
+                    allow=[c for c, ok in decisions.items() if ok],
+                    deny=[c for c, ok in decisions.items() if not ok],
+                )
+            if isinstance(data, dict) and isinstance(data.get("results"), dict):
+                results: dict[str, Any] = data["results"]
+                _known(results, external, "waits for no result of")
+                return external_result("", results=results.items())
+        text = " ".join(p.text for p in message.parts if p.HasField("text"))
+        verdict = yes_or_no(text)
+        if verdict is not None and confirm:
+            return confirm_result(
+                "", allow=confirm if verdict else (), deny=() if verdict else confirm
+            )
+    except ConfigError as exc:
+        raise InvalidParamsError(str(exc)) from exc
+    raise InvalidParamsError(
+        "the task waits for input: answer 'yes' or 'no', or send a data part "
+        '{"confirm": {"<call_id>": true}} or {"results": {"<call_id>": …}}'
+    )
+
+
+def _known(given: dict[str, Any], waiting: Sequence[str], what: str) -> None:
+    unknown = [c for c in given if c not in waiting]
+    if unknown:
+        raise InvalidParamsError(f"the task {what} {', '.join(map(repr, unknown))}")
+
+
+def _signed(asking: Ask, sender: str, session_id: str) -> Ask:
+    """``asking`` as ``sender``'s, in ``session_id``."""
+    return msgspec.structs.replace(asking, sender=sender, session_id=session_id)
+
+
+def _stamped(message: Message, ref: _TaskRef, context_id: str) -> Message:
+    """A copy of ``message`` in its task and context."""
+    stamped = Message()
+    stamped.CopyFrom(message)
+    stamped.task_id = ref.task_id
+    stamped.context_id = context_id
+    if not stamped.message_id:
+        stamped.message_id = new_id()
+    return stamped
+
+
+def _struct(struct: Any) -> dict[str, Any]:
+    """A protobuf ``Struct`` as a dict (read as a data part is)."""
+    part = Part()
+    part.data.struct_value.CopyFrom(struct)
+    found = _plain(get_data_parts([part])[0])
+    return found if isinstance(found, dict) else {}
+
+
+def _plain(value: Any) -> Any:
+    """JSON read from protobuf, whose numbers are all floats: whole ones as ints."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+# -- tasks ---------------------------------------------------------------------------------
+
+
+def _task(
+    ref: _TaskRef,
+    context_id: str,
+    state: TaskState,
+    history: Sequence[Message],
+    *,
+    note: Message | None = None,
+    artifacts: Sequence[Artifact] = (),
+) -> Task:
+    status = TaskStatus(state=state)
+    if note is not None:
+        status.message.CopyFrom(note)
+    return Task(
+        id=ref.task_id, context_id=context_id, status=status, history=history, artifacts=artifacts
+    )
+
+
+def _agent_says(ref: _TaskRef, context_id: str, parts: Sequence[Part]) -> Message:
+    return Message(
+        message_id=new_id(),
+        role=Role.ROLE_AGENT,
+        parts=parts,
+        task_id=ref.task_id,
+        context_id=context_id,
+    )
+
+
+def _outcome(
+    ref: _TaskRef,
+    context_id: str,
+    history: Sequence[Message],
+    *,
+    reason: str,
+    text: str,
+    structured: dict[str, Any] | None,
+    pending: Sequence[PendingCall],
+) -> Task:
+    """The task a reply that ended ``reason`` makes."""
+    state = _ENDS.get(reason, _COMPLETED)
+    if state == _COMPLETED:
+        part = new_data_part(structured) if structured is not None else new_text_part(text)
+        answer = Artifact(artifact_id=_ANSWER, name=_ANSWER, parts=[part])
+        return _task(ref, context_id, state, history, artifacts=[answer])
+    if state == _INPUT_REQUIRED:
+        note = _agent_says(ref, context_id, _waiting(pending))
+        return _task(ref, context_id, state, history, note=note)
+    told = text or ("the reply was interrupted" if state == _CANCELED else "the reply failed")
+    return _task(
+        ref, context_id, state, history, note=_agent_says(ref, context_id, [new_text_part(told)])
+    )
+
+
+def _waiting(pending: Sequence[PendingCall]) -> list[Part]:
+    """What a paused reply waits for: in words, and as data."""
+    confirm = [p for p in pending if p.kind == "confirm"]
+    external = [p for p in pending if p.kind == "external"]
+    lines = []
+    if confirm:
+        calls = ", ".join(f"{p.tool_name}({_args(p.parameters)}) [{p.call_id}]" for p in confirm)
+        lines.append(
+            f"The agent asks to run {calls}. Answer 'yes' or 'no' in this task, or send a data "
+            f'part {{"confirm": {{"{confirm[0].call_id}": true}}}}.'
+        )
+    if external:
+        calls = ", ".join(f"{p.tool_name}({_args(p.parameters)}) [{p.call_id}]" for p in external)
+        lines.append(
+            f"The agent waits for the result of {calls}, run outside the fleet: send a data "
+            f'part {{"results": {{"{external[0].call_id}": …}}}} in this task.'
+        )
+    pending_data = [p.model_dump(mode="json") for p in pending]
+    return [
+        new_text_part("\n\n".join(lines) or "The agent's reply is paused."),
+        new_data_part({"pending": pending_data}),
+    ]
+
+
+def _args(parameters: dict[str, Any]) -> str:
+    text = ", ".join(f"{k}={orjson.dumps(v).decode()}" for k, v in parameters.items())
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
+def _progress(ref: _TaskRef, context_id: str, event: Event) -> TaskStatusUpdateEvent | None:
+    """A status update telling an event of the reply (``None``: not told)."""
+    if event.event not in _SHOWN_EVENTS:
+        return None
+    if event.event == TEXT_DELTA:
+        part = new_text_part(str(event.data.get("text", "")))
+    else:
+        part = new_data_part(orjson.loads(orjson.dumps(event.data)))
+    update = TaskStatusUpdateEvent(
+        task_id=ref.task_id,
+        context_id=context_id,
+        status=TaskStatus(state=_WORKING, message=_agent_says(ref, context_id, [part])),
+    )
+    update.metadata.update({"event": event.event})
+    return update
+
+
+def _end_events(task: Task) -> list[A2AEvent]:
+    """The last events of a streamed task: its artifacts, then its status."""
+    events: list[A2AEvent] = [
+        TaskArtifactUpdateEvent(
+            task_id=task.id, context_id=task.context_id, artifact=artifact, last_chunk=True
+        )
+        for artifact in task.artifacts
+    ]
+    events.append(
+        TaskStatusUpdateEvent(task_id=task.id, context_id=task.context_id, status=task.status)
+    )
+    return events
+
+
+def _task_of(record: SessionRecord, ref: _TaskRef, context_id: str) -> Task:
+    """The task ``ref`` as the session ``record`` tells it.
+
+    Raises:
+        TaskNotFoundError: the session holds no such task.
+    """
+    memory = record.state.memory
+    pending_input = record.pending_input or {}
+    waiting = (pending_input.get("metadata") or {}).get(TASK_MARK)
+    at = next(
+        (
+            i
+            for i in range(len(memory) - 1, -1, -1)
+            if memory[i].role == "user" and memory[i].metadata.get(TASK_MARK) == ref.mark
+        ),
+        None,
+    )
+    if at is None:
+        if waiting == ref.mark:  # taken, not yet in memory
+            asked = _user_message(ref, context_id, ref.mark, _text_of(pending_input.get("content")))
+            return _task(ref, context_id, _WORKING, [asked])
+        raise TaskNotFoundError(f"no task {ref.task_id!r}")
+    request = memory[at]
+    history = [_user_message(ref, context_id, request.msg_id, request.text)]
+    after = memory[at + 1 :]
+    later = next((i for i, m in enumerate(after) if _starts_reply(m)), None)
+    if later is not None or (record.pending_input is not None and waiting != ref.mark):
+        # An earlier task of the conversation: over, its answer the last text it gave.
+        told = _last_text(after[:later])
+        return _outcome(
+            ref, context_id, history, reason="completed", text=told, structured=None, pending=()
+        )
+    if record.status == "running":
+        return _task(ref, context_id, _WORKING, history)
+    if record.state.paused and record.state.reply is not None:
+        return _outcome(
+            ref,
+            context_id,
+            history,
+            reason="paused",
+            text="",
+            structured=None,
+            pending=record.state.reply.pending,
+        )
+    final = record.final or {}
+    structured = final.get("structured")
+    return _outcome(
+        ref,
+        context_id,
+        history,
+        reason=str(final.get("finished_reason") or "completed"),
+        text=_text_of(final.get("content")) if final else _last_text(after),
+        structured=structured if isinstance(structured, dict) else None,
+        pending=(),
+    )
+
+
+def _starts_reply(message: Msg) -> bool:
+    return message.role == "user" and not (message.marks & _NOT_A_REQUEST)
+
+
+def _last_text(messages: Sequence[Msg]) -> str:
+    for message in reversed(messages):
+        if message.role == "assistant" and message.text:
+            return message.text
+    return ""
+
+
+def _text_of(content: Any) -> str:
+    """The text of a message's ``content`` as JSON (a string, or blocks)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n\n".join(
+            str(b.get("text", ""))
+            for b in content
+            if isinstance(b, dict) and b.get("type") == "text"
+        )
+    return ""
+
+
+def _user_message(ref: _TaskRef, context_id: str, message_id: str, text: str) -> Message:
+    return Message(
+        message_id=message_id,
+        role=Role.ROLE_USER,
+        parts=[new_text_part(text)],
+        task_id=ref.task_id,
+        context_id=context_id,
+    )
