@@ -12,7 +12,9 @@ user name (``FLEETBUS_NATS_USER``, or the user of a URL
 ``nats://user:password@host``), else the public key of the NKEY (or of the
 credentials file's user), and is left out without credentials. The authorization block of
 ``fleetbus auth`` lets each user subscribe to its own inboxes only, so no role
-needs the server-wide ``_INBOX.>``.
+needs the server-wide ``_INBOX.>``. The identity is also whose events a
+reply's are (:meth:`Subjects.reply_owner
+<fleetbus.bus.subjects.Subjects.reply_owner>`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import nkeys  # type: ignore[import-untyped]
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from fleetbus.bus.subjects import DEFAULT_PREFIX, check_prefix
+from fleetbus.bus.subjects import DEFAULT_PREFIX, INBOX_ROOT, Subjects, check_prefix
 from fleetbus.errors import ConfigError
 
 __all__ = [
@@ -43,11 +45,6 @@ __all__ = [
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 """Where fleetbus connects when no URL is given anywhere."""
-
-INBOX_ROOT = "_INBOX_"
-"""The start of every fleetbus reply subject: not nats-py's ``_INBOX.``, so
-a server-wide ``_INBOX.>`` permission granted to other applications does not
-reach a fleet's replies."""
 
 _NOT_TOKEN = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -89,7 +86,7 @@ def inbox_prefix(prefix: str, identity: str | None = None) -> str:
     Raises:
         InvalidSubjectError: ``prefix`` is not a valid prefix.
     """
-    fleet = f"{INBOX_ROOT}{check_prefix(prefix).replace('.', '_')}"
+    fleet = Subjects(prefix).inbox_root()
     if not identity:
         return fleet
     return f"{fleet}.{_NOT_TOKEN.sub('_', identity)}"

@@ -7,6 +7,15 @@ tenants, environments — share one NATS server without seeing each other::
     subjects.tool("calculator")         # 'fleet.tool.calculator'
     subjects.tool_queue("calculator")   # 'tool.calculator'
     subjects.tool_control("calculator") # 'fleet.tool.calculator.control'
+
+A reply's events travel on a subject that names whose they are, the *owner*
+of the request it answers (:meth:`Subjects.events`), so that the server's
+permissions, not a field a client sets, say who reads them: the owner is the
+token that follows the fleet's inbox root (``_INBOX_<prefix with . as _>.``)
+in the request's reply subject, which is the identity of the user the server
+lets read those replies (:func:`~fleetbus.bus.inbox_prefix`).
+:meth:`Subjects.reply_owner` derives it on the serving side,
+:meth:`Subjects.inbox_owner` on the asking side.
 """
 
 from __future__ import annotations
@@ -17,10 +26,36 @@ from dataclasses import dataclass
 
 from fleetbus.errors import InvalidSubjectError
 
-__all__ = ["DEFAULT_PREFIX", "Subjects", "check_name", "check_prefix"]
+__all__ = [
+    "ANY_OWNER",
+    "DEFAULT_PREFIX",
+    "INBOX_ROOT",
+    "NO_OWNER",
+    "Subjects",
+    "check_name",
+    "check_prefix",
+]
 
 DEFAULT_PREFIX = "fleet"
 """The subject prefix when none is given."""
+
+INBOX_ROOT = "_INBOX_"
+"""The start of every fleetbus reply subject: not nats-py's ``_INBOX.``, so
+a server-wide ``_INBOX.>`` permission granted to other applications does not
+reach a fleet's replies."""
+
+NO_OWNER = "_"
+"""The owner token of the events of a reply no user of the fleet's inboxes
+waits for: a request without a reply subject (a reply resumed after a crash
+with nobody to answer), or one whose reply subject does not start with the
+fleet's inbox root (a custom inbox prefix, another client library's
+``_INBOX.``). Only roles granted ``<prefix>.events.*.*._`` read them (the
+watcher)."""
+
+ANY_OWNER = "*"
+"""The owner token of a subscription to a session's events whoever they are
+for: a client without credentials, whose reply subjects carry no identity
+(an open server checks no permissions), and the fleet's watchers."""
 
 # A name becomes one subject token: no dots, wildcards or whitespace. Kept to
 # the characters NATS micro service endpoint names accept too, so a tool name
@@ -157,16 +192,66 @@ class Subjects:
         """Queue group shared by the workers of a model: ``model.<name>``."""
         return f"model.{check_name(model_name, what='model name')}"
 
-    def events(self, agent_name: str, session_id: str) -> str:
-        """Event stream of one reply: ``<prefix>.events.<agent>.<session>``."""
+    def events(self, agent_name: str, session_id: str, owner: str) -> str:
+        """Event stream of the replies in a session that one owner asked for:
+        ``<prefix>.events.<agent>.<session>.<owner>``.
+
+        Args:
+            agent_name: the agent replying.
+            session_id: the session.
+            owner: whose request the replies answer (:meth:`reply_owner`,
+                :meth:`inbox_owner`), or :data:`ANY_OWNER` (``*``), to
+                subscribe to the session's events whoever asked.
+
+        Raises:
+            InvalidSubjectError: a name cannot be a subject token.
+        """
         agent = check_name(agent_name, what="agent name")
-        return f"{self.prefix}.events.{agent}.{check_name(session_id, what='session id')}"
+        session = check_name(session_id, what="session id")
+        if owner != ANY_OWNER:
+            check_name(owner, what="events owner")
+        return f"{self.prefix}.events.{agent}.{session}.{owner}"
 
     def all_events(self, agent_name: str | None = None) -> str:
-        """Wildcard over the event streams of one agent, or of all agents."""
+        """Wildcard over the event streams of one agent
+        (``<prefix>.events.<agent>.>``), or of all agents
+        (``<prefix>.events.>``)."""
         if agent_name is None:
             return f"{self.prefix}.events.>"
-        return f"{self.prefix}.events.{check_name(agent_name, what='agent name')}.*"
+        return f"{self.prefix}.events.{check_name(agent_name, what='agent name')}.>"
+
+    def inbox_root(self) -> str:
+        """Where the fleet's reply subjects start: ``_INBOX_<prefix with . as _>``
+        (followed by the identity, with credentials, then a unique token)."""
+        return f"{INBOX_ROOT}{self.prefix.replace('.', '_')}"
+
+    def reply_owner(self, reply_to: str | None) -> str:
+        """The owner token of the events of a reply sent to ``reply_to``: the
+        token after the fleet's inbox root (``_INBOX_<fleet>.<owner>.…``),
+        with credentials the identity of the only user the server lets read
+        that reply; :data:`NO_OWNER` (``_``) without a reply subject, or for
+        one elsewhere (a custom inbox prefix) or whose token cannot be one.
+
+        A requester that names another's reply subject reads neither the
+        answer nor the events: both go to the user that subject belongs to.
+        """
+        root = self.inbox_root() + "."
+        if not reply_to or not reply_to.startswith(root):
+            return NO_OWNER
+        owner = reply_to[len(root) :].partition(".")[0]
+        return owner if _valid(owner) else NO_OWNER
+
+    def inbox_owner(self, inbox_prefix: str) -> str:
+        """The owner token a client whose replies travel under ``inbox_prefix``
+        finds its replies' events under (what :meth:`reply_owner` makes of
+        its reply subjects): its identity for ``_INBOX_<fleet>.<identity>``;
+        :data:`ANY_OWNER` (``*``) for ``_INBOX_<fleet>`` alone (no credentials:
+        each reply subject's own unique token); :data:`NO_OWNER` (``_``) for a
+        prefix elsewhere."""
+        root = self.inbox_root()
+        if inbox_prefix == root:
+            return ANY_OWNER
+        return self.reply_owner(inbox_prefix + ".")
 
     def all_tools(self) -> str:
         """Wildcard over every tool subject of the fleet."""

@@ -4,7 +4,9 @@ user per role, each allowed exactly the subjects its role uses.
 Roles and what they may do (``P`` the prefix, ``B`` the prefix with ``_``
 for ``.``; every user also subscribes to its own inboxes,
 ``_INBOX_B.<user>.>``, where its requests' replies and JetStream's answers
-come):
+come; a user that asks agents reads the events of the replies it asked for,
+``P.events.*.*.<user>``, the events subjects' last token being whose request
+a reply answers):
 
 ============  ================================================================
 role          allowed
@@ -13,8 +15,10 @@ tool-worker   serve ``P.tool.*`` and ``P.tool.*.control``, answer ``$SRV``
               discovery (``fleetbus`` service), answer each request once
               (``allow_responses``); write the ``B_tool_results`` object store
 agent         serve ``P.agent.*.inbox`` / ``.control`` (or only its own with
-              a name), observe ``P.topic.*`` and ``P.kv.session_leases.>``;
-              call tools, models and agents, publish events and topics,
+              a name), answer ``$SRV`` discovery (``fleetbus-agents``),
+              observe ``P.topic.*`` and ``P.kv.session_leases.>``;
+              call tools, models and agents (reading its own replies'
+              events), publish events (``P.events.<agent>.*.*``) and topics,
               discover tools and models; answer any inbox of the fleet (a
               replica that takes a session over answers the request another
               received); the session journals (stream ``B_session``,
@@ -25,8 +29,16 @@ model-worker  serve ``P.model.*``, answer ``$SRV`` discovery
               (``fleetbus-models``), stream the deltas of an answer to the
               request's inbox (``allow_responses``, 10 minutes)
 client        call tools (``fleetbus call``), ask and cancel agents
-              (``fleetbus ask``), read reply events (``P.events.>``), discover
-              tools, read ``B_tool_results``
+              (``fleetbus ask``), read its replies' events
+              (``P.events.*.*.<user>``), discover tools, read
+              ``B_tool_results``
+gateway       a front end serving many people, which filters what each may
+              see itself: ask and cancel agents, read its replies' events,
+              discover agents (``$SRV.PING|INFO|STATS.fleetbus-agents``);
+              read, never write, the session journals (stream ``B_session``:
+              its info, direct and message gets, and its subjects
+              ``P.session.*.*`` as they are appended), the lease bucket
+              ``B_session_leases`` and the object store ``B_session_blobs``
 watcher       read everything of the fleet: ``P.>`` and ``_INBOX_B.>``
 ============  ================================================================
 
@@ -55,14 +67,18 @@ import nkeys  # type: ignore[import-untyped]
 from fleetbus.bus import (
     SERVICE_NAME,
     ConnectOptions,
+    Subjects,
     check_name,
     check_prefix,
+    inbox_prefix,
     inbox_wildcard,
 )
+from fleetbus.bus.subjects import ANY_OWNER, NO_OWNER
 from fleetbus.cli._common import Subcommands, err_console
 from fleetbus.errors import ConfigError
 
 __all__ = [
+    "AGENT_SERVICE",
     "ROLES",
     "RolePermissions",
     "User",
@@ -72,8 +88,11 @@ __all__ = [
     "role_permissions",
 ]
 
-ROLES = ("tool-worker", "agent", "model-worker", "client", "watcher")
+ROLES = ("tool-worker", "agent", "model-worker", "client", "gateway", "watcher")
 """Every role ``fleetbus auth`` makes a user for."""
+
+AGENT_SERVICE = "fleetbus-agents"
+"""The NATS micro service name agent hosts register under."""
 
 MODEL_SERVICE = "fleetbus-models"
 """The NATS micro service name model workers register under."""
@@ -187,6 +206,35 @@ def _durable_topic(fleet: str, topic: str) -> list[str]:
     ]
 
 
+def _js_read(stream: str) -> list[str]:
+    """The JetStream API subjects to read the stream ``stream`` message by
+    message (its info, direct and message gets), with no consumer."""
+    api = "$JS.API"
+    return [
+        f"{api}.STREAM.INFO.{stream}",
+        f"{api}.STREAM.MSG.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}.>",
+    ]
+
+
+def _own_events(p: str, identity: str) -> str:
+    """The events subjects of the replies ``identity`` asks for:
+    ``P.events.*.*.<identity's owner token>``.
+
+    Raises:
+        ConfigError: the identity makes no owner token of its own.
+    """
+    subjects = Subjects(p)
+    owner = subjects.inbox_owner(inbox_prefix(p, identity))
+    if owner in (NO_OWNER, ANY_OWNER):
+        raise ConfigError(
+            f"the identity {identity!r} cannot own events: as a subject token it reads "
+            f"{owner!r} (use letters, digits, '-' or '_', at most 128)"
+        )
+    return f"{p}.events.*.*.{owner}"
+
+
 def _service(name: str) -> list[str]:
     """The ``$SRV`` subjects a NATS micro service ``name`` answers on."""
     return [
@@ -233,6 +281,7 @@ def role_permissions(
         )
     if role == "agent":
         agent = "*" if name is None else check_name(name, what="agent name")
+        events = _own_events(p, identity)
         stores = [s for kv in _SESSION_KV for s in _kv(fleet, kv)]
         stores += _js_api(f"{fleet}_{_JOURNAL}", write=True)
         stores += [s for obj in _SESSION_OBJECTS for s in _objects(fleet, obj, write=True)]
@@ -246,7 +295,7 @@ def role_permissions(
                 f"{p}.model.*",
                 f"{p}.agent.*.inbox",
                 f"{p}.topic.*",
-                f"{p}.events.{agent}.*",
+                f"{p}.events.{agent}.*.*",
                 f"{p}.{_JOURNAL}.{agent}.*",
                 f"$SRV.INFO.{SERVICE_NAME}",
                 f"$SRV.INFO.{MODEL_SERVICE}",
@@ -260,6 +309,8 @@ def role_permissions(
                 f"{p}.agent.{agent}.control",
                 f"{p}.topic.*",
                 f"{p}.kv.session_leases.>",
+                events,
+                *_service(AGENT_SERVICE),
                 *own,
             ),
         )
@@ -279,7 +330,20 @@ def role_permissions(
                 f"$SRV.INFO.{SERVICE_NAME}",
                 *_objects(fleet, _RESULTS, write=False),
             ),
-            subscribe=(f"{p}.events.>", *own),
+            subscribe=(_own_events(p, identity), *own),
+        )
+    if role == "gateway":
+        stores = _js_read(f"{fleet}_{_JOURNAL}")
+        stores += [s for kv in _SESSION_KV for s in _kv(fleet, kv, write=False)]
+        stores += [s for obj in _SESSION_OBJECTS for s in _objects(fleet, obj, write=False)]
+        return RolePermissions(
+            publish=(
+                f"{p}.agent.*.inbox",
+                f"{p}.agent.*.control",
+                *(f"$SRV.{verb}.{AGENT_SERVICE}" for verb in _SRV_VERBS),
+                *dict.fromkeys(stores),
+            ),
+            subscribe=(_own_events(p, identity), f"{p}.{_JOURNAL}.*.*", *own),
         )
     if role == "watcher":
         return RolePermissions(publish=(), subscribe=(f"{p}.>", inbox_wildcard(p)))
@@ -433,7 +497,7 @@ def cmd(args: argparse.Namespace) -> int:
     wanted += [("client", check_name(c, what="client name")) for c in args.client] or [
         ("client", None)
     ]
-    wanted.append(("watcher", None))
+    wanted += [("gateway", None), ("watcher", None)]
     secrets_dir: Path = args.secrets or Path(f"fleetbus-auth-{fleet}")
     users: list[User] = []
     written: list[Path] = []

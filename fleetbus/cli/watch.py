@@ -4,7 +4,7 @@ Its options are in :mod:`fleetbus.cli._parsers`, its command in
 :mod:`fleetbus.cli.watch_cmd`.
 
 :func:`watch` listens on ``<prefix>.>`` (calls, agent inboxes, topics, event
-streams) and on the fleet's inboxes, ``_INBOX_<prefix>.>``
+streams whoever they are for) and on the fleet's inboxes, ``_INBOX_<prefix>.>``
 (:func:`~fleetbus.bus.inbox_wildcard`), where its replies travel; no
 server-wide ``_INBOX.>`` permission is needed. An inbox is shown only when it
 is the reply subject of a request seen on the fleet's prefix, so JetStream
@@ -92,8 +92,8 @@ class _Bounded(OrderedDict[K, V]):
 
 
 def _fleet_wildcard(subjects: Subjects) -> str:
-    # Subjects has no "everything" method; all_events("x") is "<prefix>.events.x.*",
-    # so the prefix is the part before ".events.".
+    # Subjects has no "everything" method; all_events() is "<prefix>.events.>",
+    # so the prefix is the part before "events.>".
     return subjects.all_events().removesuffix("events.>") + ">"
 
 

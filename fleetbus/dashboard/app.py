@@ -53,6 +53,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fleetbus.bus import Bus
+from fleetbus.bus.subjects import ANY_OWNER
 from fleetbus.dashboard._confirm import ConfirmOutcome
 from fleetbus.dashboard.view import FleetView
 from fleetbus.errors import ConfigError
@@ -197,7 +198,7 @@ def create_app(
     async def session_stream(request: Request) -> Response:
         agent, session = _names(request)
         try:
-            fleet.bus.subjects.events(agent, session)
+            fleet.bus.subjects.events(agent, session, ANY_OWNER)
         except ConfigError as exc:
             return _json({"error": str(exc)}, 400)
 

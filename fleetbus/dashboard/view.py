@@ -7,8 +7,9 @@
   session's status, step, owner and pending calls (a failure that may pass,
   a cluster electing the store's new leader, is waited out for up to
   ``store_wait`` seconds, with one warning, before the page shows an error);
-- the event streams (``<prefix>.events.>``): replies as they happen, which
-  also reveal the agents that publish them;
+- the event streams (``<prefix>.events.>``, each
+  ``<prefix>.events.<agent>.<session>.<owner>``): replies as they happen,
+  whoever asked for them, which also reveal the agents that publish them;
 - the session journals as they are appended to (``<prefix>.session.>``): a
   request taken, and the end of each reply with its final answer (published
   nowhere else);
@@ -44,6 +45,7 @@ from fleetbus.agents.permissions import suggest_rules
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore, lease_owner, read_fact
 from fleetbus.bus import SERVICE_NAME, Bus, Listener, check_name
 from fleetbus.bus.store import STORE_WAIT, wait_for_store
+from fleetbus.bus.subjects import ANY_OWNER
 from fleetbus.dashboard._confirm import (
     ConfirmOutcome,
     confirmation,
@@ -423,7 +425,7 @@ class FleetView:
 
     def _on_event(self, msg: _Msg) -> None:
         tokens = msg.subject.removeprefix(self._events_stem).split(".")
-        if not msg.subject.startswith(self._events_stem) or len(tokens) != 2:
+        if not msg.subject.startswith(self._events_stem) or len(tokens) != 3:
             return
         try:
             message = decode(msg.data)
@@ -431,7 +433,7 @@ class FleetView:
             self._skipped += 1
             logger.debug("dashboard skipped a message on %s: %s", msg.subject, exc)
             return
-        agent, session_id = tokens
+        agent, session_id, _owner = tokens
         view = self._session(agent, session_id)
         self._agent(agent, "events")
         view.heard = time.monotonic()
@@ -562,26 +564,25 @@ class FleetView:
         self, agent: str, session_id: str
     ) -> AsyncGenerator[dict[str, Any] | None, None]:
         """The events of one session: those kept, then each one published on
-        ``<prefix>.events.<agent>.<session>`` as it comes, and each final
-        answer as the session's journal is given it; ``None`` every 15 s of
-        silence (a keep-alive). Ends when the view stops.
+        ``<prefix>.events.<agent>.<session>.<owner>`` (whoever asked) as it
+        comes, and each final answer as the session's journal is given it;
+        ``None`` every 15 s of silence (a keep-alive). Ends when the view stops.
 
         Raises:
             ConfigError: ``agent`` or ``session_id`` is not a subject token.
         """
-        self.bus.subjects.events(agent, session_id)  # (checks the names)
+        events = self.bus.subjects.events(agent, session_id, ANY_OWNER)  # (checks the names)
         journal = f"{self._journals_stem}{agent}.{session_id}"
         arrived: asyncio.Queue[tuple[bool, bytes]] = asyncio.Queue()
 
         async def on_message(msg: _Msg) -> None:
             arrived.put_nowait((msg.subject == journal, msg.data))
 
-        # One subscription for the events and the journal (``<prefix>.*.<agent>.<session>``
-        # is those two and nothing else): they come in the order they were published.
-        subs = [
-            await self.bus.listen(f"{self.bus.prefix}.*.{agent}.{session_id}", callback=on_message)
-        ]
+        # The events and the journal, into one queue: each subscription hands
+        # its messages over in the order they were published.
+        subs = [await self.bus.listen(events, callback=on_message)]
         try:
+            subs.append(await self.bus.listen(journal, callback=on_message))
             with contextlib.suppress(FleetbusError, TimeoutError):
                 await self.bus.flush(5.0)
             sent: deque[str] = deque(maxlen=self.limits.events_per_session)

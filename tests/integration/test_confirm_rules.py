@@ -17,6 +17,7 @@ from fleetbus.agents.permissions import PermissionRule
 from fleetbus.agents.serving.rules import stored_rules
 from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus, EmbeddedServer
+from fleetbus.bus.subjects import ANY_OWNER
 from fleetbus.protocol import Confirmation, ConfirmResult, Event, FinalAnswer, UserRequest
 from tests.helpers import agents, spawn, wait_for_workers, workers
 
@@ -74,7 +75,7 @@ async def check_the_flow(
     bus: Bus, on_bus: tuple[str, ...], tmp_path: Path, replicas: set[int]
 ) -> None:
     # A call that asks: its pause suggests rules.
-    events = await bus.observe(bus.subjects.events("careful", "first"))
+    events = await bus.observe(bus.subjects.events("careful", "first", ANY_OWNER))
     await bus.flush()
     paused = await ask(bus, 'tool record {"tag": "draft"}', "first")
     assert paused.finished_reason == "paused", paused.content

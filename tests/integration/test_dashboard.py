@@ -251,7 +251,7 @@ async def test_what_the_view_keeps_is_bounded(bus: Bus) -> None:
                     data={"output": "<script>x</script>" * 200, "seq": seq},
                     seq=seq,
                 )
-                await bus.publish(bus.subjects.events("loud", f"b{n}"), event)
+                await bus.publish(bus.subjects.events("loud", f"b{n}", "alice"), event)
         await bus.flush()
         snap = await board.until(lambda s: any(x["session"] == "b5" for x in s["sessions"]))
         await board.until(
@@ -486,7 +486,7 @@ async def test_the_view_says_disconnected_and_recovers(tmp_path: Path) -> None:
                 await board.until(lambda s: s["bus"]["connected"], timeout=30)
                 # The subscriptions came back with the connection.
                 event = Event(sender="back", session_id="r1", event="reply_start", seq=0)
-                await bus.publish(bus.subjects.events("back", "r1"), event)
+                await bus.publish(bus.subjects.events("back", "r1", "alice"), event)
                 await board.until(
                     lambda s: any(x["session"] == "r1" for x in s["sessions"]), timeout=30
                 )

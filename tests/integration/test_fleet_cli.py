@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus, EmbeddedServer
+from fleetbus.bus.subjects import ANY_OWNER
 from fleetbus.protocol import AgentMessage, Event, FinalAnswer, TextBlock, UserRequest, decode
 from tests.helpers import spawn, stop, wait_for_workers, workers
 from tests.openai_server import FakeOpenAIServer, completion
@@ -313,7 +314,7 @@ async def test_cancel_interrupts_the_reply_an_ask_waits_for(
     on_bus = ("--nats", url, "--prefix", prefix)
     with agent_process(url, prefix, "echo", "--replica-id", "r1", "--no-remote-tools") as agent:
         await agent.wait_for("serving echo")
-        events = await bus.observe(bus.subjects.events("echo", "c1"))
+        events = await bus.observe(bus.subjects.events("echo", "c1", ANY_OWNER))
         await bus.flush()
         with running_cli("ask", "echo", "sleep 20; slow", *on_bus, "--session", "c1") as asking:
             async with events, asyncio.timeout(20):
@@ -360,7 +361,7 @@ async def test_an_ask_that_times_out_or_is_stopped_interrupts_its_reply(
         assert errors == ["error: agent 'echo' gave no final answer in session 't1' within 1s"]
         assert await status("t1") == "idle"  # interrupted, not left running for nobody
 
-        events = await bus.observe(bus.subjects.events("echo", "t2"))
+        events = await bus.observe(bus.subjects.events("echo", "t2", ANY_OWNER))
         await bus.flush()
         with running_cli("ask", "echo", "sleep 20; slow", *on_bus, "--session", "t2") as asking:
             async with events, asyncio.timeout(20):

@@ -22,6 +22,7 @@ from fleetbus.agents import Agent, MsgHub, Permissions, RemoteAgent
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.agents.state import PendingCall
 from fleetbus.bus import Bus, EmbeddedServer, Observation, Request
+from fleetbus.bus.subjects import ANY_OWNER
 from fleetbus.errors import (
     CallTimeoutError,
     ConfigError,
@@ -307,7 +308,7 @@ async def test_cancel_interrupts_the_running_reply(
 ) -> None:
     async with serving(nats_server.url, prefix, echo()):
         writer = RemoteAgent(bus, "echo", timeout=20)
-        events = await bus.observe(bus.subjects.events("echo", writer.session_id))
+        events = await bus.observe(bus.subjects.events("echo", writer.session_id, ANY_OWNER))
         control = await bus.observe(bus.subjects.agent_control("echo"))
         async with control, asyncio.TaskGroup() as tg:
             replying = tg.create_task(writer.reply("sleep 20; slow"))

@@ -21,6 +21,7 @@ import pytest
 from fleetbus.agents import Agent, Permissions, RemoteAgent
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, EmbeddedServer, Observation
+from fleetbus.bus.subjects import ANY_OWNER
 from fleetbus.errors import BusError, CallTimeoutError, RemoteError
 from fleetbus.protocol import (
     AnyMessage,
@@ -138,7 +139,7 @@ async def test_events_arrive_in_order_then_one_final_answer(
         desk = RemoteAgent(bus, "clerk", session_id="s1", timeout=20)
         watched: list[AnyMessage] = []
         async with (
-            await bus.observe(bus.subjects.events("clerk", "s1")) as events,
+            await bus.observe(bus.subjects.events("clerk", "s1", ANY_OWNER)) as events,
             await bus.observe(bus.subjects.agent_control("clerk")) as control,
         ):
             await bus.flush()
@@ -206,7 +207,7 @@ async def test_leaving_the_stream_interrupts_the_remote_reply(
     async with serving(nats_server.url, prefix, clerk([], slow)):
         desk = RemoteAgent(bus, "clerk", session_id="s2", timeout=60)
         async with (
-            await bus.observe(bus.subjects.events("clerk", "s2")) as events,
+            await bus.observe(bus.subjects.events("clerk", "s2", ANY_OWNER)) as events,
             await bus.observe(bus.subjects.agent_control("clerk")) as control,
         ):
             await bus.flush()
@@ -247,7 +248,7 @@ async def test_a_stream_past_its_deadline_raises_call_timeout_error(
     async with serving(nats_server.url, prefix, clerk([])):
         desk = RemoteAgent(bus, "clerk", session_id="late", timeout=60)
         seen: list[Event | FinalAnswer] = []
-        async with await bus.observe(bus.subjects.events("clerk", "late")) as events:
+        async with await bus.observe(bus.subjects.events("clerk", "late", ANY_OWNER)) as events:
             await bus.flush()
             started = time.monotonic()
             with pytest.raises(

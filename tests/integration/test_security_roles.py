@@ -200,9 +200,9 @@ async def _scenario(
     await refused(object_store(bob, "session_blobs"))
 
     # The watcher reads, and publishes nothing.
-    await watcher_bus.publish(subjects.events("a1", "s1"), Event(sender="w", event="x"))
+    await watcher_bus.publish(subjects.events("a1", "s1", "alice"), Event(sender="w", event="x"))
     denial = await refused(watcher_bus.flush())
-    assert str(denial) == f"permission denied: publish to {subjects.events('a1', 's1')}"
+    assert str(denial) == f"permission denied: publish to {subjects.events('a1', 's1', 'alice')}"
 
 
 async def test_a_user_named_in_the_url_reads_its_own_replies(fleet: Fleet) -> None:

@@ -24,6 +24,7 @@ import pytest
 from fleetbus.agents import Agent, AgentService, AgentSettings, AgentState, ContextConfig, Msg
 from fleetbus.agents.serving.sessions import SessionStore, session_key
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
+from fleetbus.bus.subjects import ANY_OWNER
 from fleetbus.models import ModelRequest
 from fleetbus.models.model import ModelResponse, ModelStreamItem
 from fleetbus.protocol import (
@@ -392,7 +393,7 @@ async def test_a_replica_that_loses_its_session_answers_nothing(
     gate = asyncio.Event()
     caplog.set_level(logging.WARNING, logger="fleetbus.agents.serving")
     async with step_worker(nats_server.url, bus.prefix, runs, gate):
-        events, stop_events = await answers(bus, bus.subjects.events(AGENT, "s3"))
+        events, stop_events = await answers(bus, bus.subjects.events(AGENT, "s3", ANY_OWNER))
         inbox = bus.nc.new_inbox()
         got, stop_got = await answers(bus, inbox)
         async with serving(

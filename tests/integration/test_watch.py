@@ -111,7 +111,7 @@ async def test_watch_shows_calls_results_events_and_filters(bus: Bus, peer: Bus)
             agent_client = ToolClient(peer, sender="a1", timeout=5.0)
             assert (await agent_client.call("add", {"a": 5, "b": 6}, call_id="c-3")).ok
             await peer.publish(
-                peer.subjects.events("a1", "s1"),
+                peer.subjects.events("a1", "s1", "alice"),
                 Event(sender="a1", session_id="s1", call_id="r-1", event="reply_start"),
             )
             await client.discover(timeout=0.2)  # $SRV replies on _INBOX: not ours to show

@@ -76,7 +76,7 @@ def test_the_block_is_nats_server_syntax() -> None:
     assert 'nkey: "UABC"' in block
     assert 'publish: { deny: [">"] }' in block  # the watcher publishes nothing
     assert "allow_responses: { max: 1 }" in block
-    assert len(ROLES) == 5
+    assert len(ROLES) == 6
     with pytest.raises(ConfigError):
         authorization("f", [User(role="client")])
 

@@ -21,9 +21,9 @@ def test_subjects_follow_the_design() -> None:
     assert s.agent_queue("planner") == "agent.planner"
     assert s.topic("news") == "fleet.topic.news"
     assert s.model("gpt-4o") == "fleet.model.gpt-4o"
-    assert s.events("planner", "s-42") == "fleet.events.planner.s-42"
+    assert s.events("planner", "s-42", "alice") == "fleet.events.planner.s-42.alice"
     assert s.all_events() == "fleet.events.>"
-    assert s.all_events("planner") == "fleet.events.planner.*"
+    assert s.all_events("planner") == "fleet.events.planner.>"
     assert s.tool_control("calculator") == "fleet.tool.calculator.control"
 
 

@@ -8,8 +8,10 @@ an ``event`` named ``observed``; a ``confirm_result`` or ``external_result``
 resumes the paused reply of its session and is answered by its
 ``final_answer``; anything it cannot handle is answered by an ``error``
 message. Every event of a reply is also published on
-``<prefix>.events.<agent>.<session_id>`` (the answer is not: it is stored
-once, in the session's journal, and sent once, to the requester); a replica
+``<prefix>.events.<agent>.<session_id>.<owner>``, the owner being the
+identity in the request's reply subject (:meth:`Subjects.reply_owner
+<fleetbus.bus.Subjects.reply_owner>`; the answer is not published: it is
+stored once, in the session's journal, and sent once, to the requester); a replica
 that takes a session over after a crash sends the final answer to the
 original request's reply subject. A ``cancel`` published on
 ``<prefix>.agent.<name>.control`` interrupts the reply running in its
@@ -69,6 +71,12 @@ class MessageBus(Protocol):
     @property
     def client_name(self) -> str:
         """The default ``sender`` of messages."""
+        ...
+
+    @property
+    def inbox_prefix(self) -> str:
+        """Where replies to this client travel (whose events it reads follows
+        from it: :meth:`Subjects.inbox_owner <fleetbus.bus.Subjects.inbox_owner>`)."""
         ...
 
     async def request(

@@ -10,6 +10,12 @@ the lease. A replica that dies in between leaves a lease that lapses, and
 whoever takes over sends the stored answer again (a duplicate at worst,
 never a loss). A replica that loses its session stops quietly: only the
 owner answers.
+
+A reply's events go where its answer goes: on the events subject of the
+owner of the reply subject it answers
+(``<prefix>.events.<agent>.<session>.<owner>``, see
+:meth:`Subjects.reply_owner <fleetbus.bus.Subjects.reply_owner>`), whose
+identity the server lets read them, and nobody else but the fleet's watchers.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from fleetbus.agents.serving.sessions import (
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus, CallScope
 from fleetbus.bus.store import wait_for_store
+from fleetbus.bus.subjects import NO_OWNER
 from fleetbus.errors import (
     BusError,
     ProtocolError,
@@ -299,7 +306,6 @@ class ReplyRunning:
     ) -> FinalAnswer | None:
         """Run each phase; write the end, send the last answer, release."""
         session = lease.record.session_id
-        events = self.bus.subjects.events(lease.record.agent, session)
         final: FinalAnswer | None = None
         last_to: list[str | None] = []
         for index, phase in enumerate(phases):
@@ -307,6 +313,7 @@ class ReplyRunning:
             if isinstance(phase.input, AgentMessage) and not phase.input.reply:
                 await agent.observe(phase.input)
                 continue
+            events = self._events_subjects(lease.record.agent, session, phase.to)
             final = await self._stream(agent, phase.input, session, events, run)
             if index == len(phases) - 1:
                 last_to = phase.to  # answered once its end is written
@@ -383,8 +390,17 @@ class ReplyRunning:
                 session_id=record.session_id,
             ) from exc
 
+    def _events_subjects(self, name: str, session: str, to: list[str | None]) -> list[str]:
+        """Where the events of a phase answering ``to`` go: the events subject
+        of each owner of its reply subjects (:meth:`Subjects.reply_owner
+        <fleetbus.bus.Subjects.reply_owner>`), so that only those who may read
+        the answer read them; ``_`` when nobody waits for it."""
+        subjects = self.bus.subjects
+        owners = dict.fromkeys(subjects.reply_owner(reply_to) for reply_to in to if reply_to)
+        return [subjects.events(name, session, owner) for owner in owners or [NO_OWNER]]
+
     async def _stream(
-        self, agent: Agent, inputs: Any, session: str, events: str, run: Run
+        self, agent: Agent, inputs: Any, session: str, events: list[str], run: Run
     ) -> FinalAnswer | None:
         final: FinalAnswer | None = None
         # Events that are not published are not made (but for the middleware
@@ -397,7 +413,8 @@ class ReplyRunning:
                 if isinstance(item, FinalAnswer):
                     final = item  # stored in the journal, sent to the requester
                 elif self.events == "all":
-                    await self._publish(events, item)
+                    for subject in events:
+                        await self._publish(subject, item)
         finally:
             await stream.aclose()
         return final

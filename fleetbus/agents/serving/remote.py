@@ -128,6 +128,8 @@ class RemoteAgent:
         self._bus = bus
         self._name = name
         self._inbox = bus.subjects.agent_inbox(name)  # validates the name now
+        # Whose events the replies to this client's requests are: its identity.
+        self._owner = bus.subjects.inbox_owner(bus.inbox_prefix)
         self._session_id = session_id or new_id()
         self.timeout = timeout
         self.sender = sender or bus.client_name
@@ -207,9 +209,14 @@ class RemoteAgent:
         """Ask the agent to reply, yielding each event as it happens and the
         final answer last, once.
 
-        Subscribes to the session's events subject (and makes sure the server
-        has the subscription) before it sends the request. The events are
-        those published in the session until the answer: in a session that
+        Subscribes to the session's events subject of this client's identity,
+        ``<prefix>.events.<agent>.<session>.<identity>`` (and makes sure the
+        server has the subscription) before it sends the request; a client
+        without credentials subscribes to every owner's (``.*``), and one
+        with an inbox prefix of its own to ``._``
+        (:meth:`Subjects.inbox_owner <fleetbus.bus.Subjects.inbox_owner>`).
+        The events are those published in the session for this client until
+        the answer: in a session that
         another replica's crash left a reply in, the end of that reply comes
         first. The final answer is the request's reply (see the module
         docstring). A reply that
@@ -261,7 +268,7 @@ class RemoteAgent:
         )
         try:
             observation = await self._bus.observe(
-                self._bus.subjects.events(self._name, session),
+                self._bus.subjects.events(self._name, session, self._owner),
                 timeout=max(deadline - loop.time(), 0.001),
             )
         except CallTimeoutError as exc:
