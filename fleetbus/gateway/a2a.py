@@ -58,14 +58,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
-import orjson
-from a2a.helpers import get_data_parts, new_data_part, new_text_part
 from a2a.server.context import ServerCallContext
 from a2a.server.events import Event as A2AEvent
 from a2a.server.request_handlers import RequestHandler
@@ -76,7 +73,6 @@ from a2a.types import (
     AgentCard,
     AgentInterface,
     AgentSkill,
-    Artifact,
     CancelTaskRequest,
     DeleteTaskPushNotificationConfigRequest,
     GetExtendedAgentCardRequest,
@@ -91,22 +87,17 @@ from a2a.types import (
     ListTasksRequest,
     ListTasksResponse,
     Message,
-    Part,
     PushNotificationNotSupportedError,
-    Role,
     SecurityRequirement,
     SecurityScheme,
     SendMessageRequest,
     StringList,
     SubscribeToTaskRequest,
     Task,
-    TaskArtifactUpdateEvent,
     TaskNotCancelableError,
     TaskNotFoundError,
     TaskPushNotificationConfig,
     TaskState,
-    TaskStatus,
-    TaskStatusUpdateEvent,
     UnsupportedOperationError,
 )
 from a2a.utils.errors import A2AError
@@ -118,9 +109,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from fleetbus._version import __version__
-from fleetbus.agents.events import TEXT_DELTA, TOOL_CALL, TOOL_RESULT
-from fleetbus.agents.messages import Msg
-from fleetbus.agents.serving.client import confirm_result, external_result
 from fleetbus.agents.serving.directory import AgentInfo
 from fleetbus.agents.serving.facts import SessionRecord
 from fleetbus.agents.state import PendingCall
@@ -131,18 +119,31 @@ from fleetbus.errors import (
     NoRespondersError,
     RemoteError,
 )
+from fleetbus.gateway._a2a_tasks import (
+    INPUT_REQUIRED,
+    TASK_MARK,
+    WORKING,
+    TaskRef,
+    answer_to,
+    context_of,
+    end_events,
+    make_task,
+    message_content,
+    outcome,
+    progress,
+    stamped,
+    struct_json,
+    task_of,
+)
 from fleetbus.gateway._common import caller as token_caller
-from fleetbus.gateway._common import content_text, error_body, yes_or_no
+from fleetbus.gateway._common import content_text, error_body
 from fleetbus.gateway.auth import Caller, Unauthorized
 from fleetbus.gateway.fleet import Ask, GatewayFleet, NotFound, TooManyStreams
-from fleetbus.protocol import ContentBlock, Event, FinalAnswer, TextBlock, UserRequest, new_id
+from fleetbus.protocol import FinalAnswer, UserRequest, new_id
 
 __all__ = ["CANCEL_WAIT", "TASK_MARK", "FleetRequestHandler", "add_a2a_routes", "agent_card"]
 
 logger = logging.getLogger(__name__)
-
-TASK_MARK: Final = "a2a_task"
-"""The key of a request's ``metadata`` that holds the mark of its task."""
 
 CANCEL_WAIT: Final = 10.0
 """Seconds ``CancelTask`` waits for the session to say how the reply ended."""
@@ -152,29 +153,7 @@ CARD_PATH: Final = "/.well-known/agent-card.json"
 
 _CALLER: Final = "fleetbus.caller"
 _AGENT: Final = "fleetbus.agent"
-_ANSWER: Final = "answer"
-"""The id and name of a task's one artifact."""
-_SHOWN_EVENTS: Final = frozenset({TEXT_DELTA, TOOL_CALL, TOOL_RESULT})
-_NOT_A_REQUEST: Final = frozenset({"hint", "observed"})
-"""Marks of user messages that do not start a reply."""
 _MODES: Final = ["text/plain", "application/json"]
-
-_WORKING: Final = TaskState.TASK_STATE_WORKING
-_COMPLETED: Final = TaskState.TASK_STATE_COMPLETED
-_FAILED: Final = TaskState.TASK_STATE_FAILED
-_CANCELED: Final = TaskState.TASK_STATE_CANCELED
-_INPUT_REQUIRED: Final = TaskState.TASK_STATE_INPUT_REQUIRED
-_ENDS: Final[dict[str, TaskState]] = {
-    "completed": _COMPLETED,
-    "exceed_max_iters": _COMPLETED,
-    "repeated_action": _COMPLETED,
-    "paused": _INPUT_REQUIRED,
-    "interrupted": _CANCELED,
-    "error": _FAILED,
-}
-"""The task state of each ``finished_reason``."""
-
-_AGENT_NAME: Final = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
 
 def add_a2a_routes(
@@ -291,35 +270,10 @@ class _CallContexts(DefaultServerCallContextBuilder):
 
 
 @dataclass(frozen=True, slots=True)
-class _TaskRef:
-    """What a task id names: a reply of an agent in a session."""
-
-    agent: str
-    session_id: str
-    mark: str
-
-    @property
-    def task_id(self) -> str:
-        return f"{self.agent}.{self.session_id}.{self.mark}"
-
-    @classmethod
-    def parse(cls, task_id: str, agent: str) -> _TaskRef:
-        """The task ``task_id`` of ``agent``.
-
-        Raises:
-            TaskNotFoundError: it cannot be one.
-        """
-        parts = task_id.split(".")
-        if len(parts) != 3 or parts[0] != agent or not all(_AGENT_NAME.match(p) for p in parts):
-            raise TaskNotFoundError(f"no task {task_id!r}")
-        return cls(*parts)
-
-
-@dataclass(frozen=True, slots=True)
 class _Start:
     """A message to send, and the task it starts or continues."""
 
-    ref: _TaskRef
+    ref: TaskRef
     context_id: str
     asking: Ask
     schema: dict[str, Any] | None
@@ -369,7 +323,7 @@ class FleetRequestHandler(RequestHandler):
                     if at_once:
                         break
         return apply_history_length(
-            _task(start.ref, start.context_id, _WORKING, history), params.configuration
+            make_task(start.ref, start.context_id, WORKING, history), params.configuration
         )
 
     async def on_message_send_stream(
@@ -389,17 +343,17 @@ class FleetRequestHandler(RequestHandler):
                 # The first item is awaited before anything is sent: a reply
                 # that cannot start is an error answer, not a broken stream.
                 item = await anext(stream)
-                task = _task(ref, context_id, _WORKING, [start.request])
+                task = make_task(ref, context_id, WORKING, [start.request])
                 yield apply_history_length(task, params.configuration)
                 while True:
                     if isinstance(item, FinalAnswer):
                         ended = await self._ended(ref, context_id, [start.request], item)
-                        for event in _end_events(ended):
+                        for event in end_events(ended):
                             yield event
                         return
-                    progress = _progress(ref, context_id, item)
-                    if progress is not None:
-                        yield progress
+                    told = progress(ref, context_id, item)
+                    if told is not None:
+                        yield told
                     item = await anext(stream)
 
     async def _start(self, caller: Caller, agent: str, params: SendMessageRequest) -> _Start:
@@ -415,20 +369,22 @@ class FleetRequestHandler(RequestHandler):
             return await self._resume(caller, agent, message)
         with _translated(InvalidParamsError):
             session = self.fleet.session_id(caller, message.context_id or None)
-        ref = _TaskRef(agent, session, new_id())
-        context_id = _context_of(caller, session)
-        metadata = _struct(message.metadata) if message.HasField("metadata") else {}
+        ref = TaskRef(agent, session, new_id())
+        context_id = context_of(caller, session)
+        metadata = struct_json(message.metadata) if message.HasField("metadata") else {}
         schema = metadata.get("output_schema")
         if schema is not None and not isinstance(schema, dict):
             raise InvalidParamsError("metadata.output_schema must be a JSON Schema (an object)")
         asking = UserRequest(
-            sender=caller.user, content=_blocks(message.parts), metadata={TASK_MARK: ref.mark}
+            sender=caller.user,
+            content=message_content(message.parts),
+            metadata={TASK_MARK: ref.mark},
         )
-        return _Start(ref, context_id, asking, schema, _stamped(message, ref, context_id))
+        return _Start(ref, context_id, asking, schema, stamped(message, ref, context_id))
 
     async def _resume(self, caller: Caller, agent: str, message: Message) -> _Start:
-        ref = _TaskRef.parse(message.task_id, agent)
-        context_id = _context_of(caller, ref.session_id)
+        ref = TaskRef.parse(message.task_id, agent)
+        context_id = context_of(caller, ref.session_id)
         if message.context_id:
             with _translated(InvalidParamsError):
                 named = self.fleet.session_id(caller, message.context_id)
@@ -437,25 +393,25 @@ class FleetRequestHandler(RequestHandler):
                     f"context {message.context_id!r} is not that of task {message.task_id!r}"
                 )
         record = await self._record(caller, ref)
-        state = _task_of(record, ref, context_id).status.state
-        if state != _INPUT_REQUIRED:
+        state = task_of(record, ref, context_id).status.state
+        if state != INPUT_REQUIRED:
             raise InvalidParamsError(
                 f"task {ref.task_id} does not wait for input ({TaskState.Name(state)}): "
                 "send a message without a taskId to start another"
             )
-        asking = _answer_to(message, record.state.reply.pending if record.state.reply else [])
+        asking = answer_to(message, record.state.reply.pending if record.state.reply else [])
         asking = _signed(asking, caller.user, ref.session_id)
-        return _Start(ref, context_id, asking, None, _stamped(message, ref, context_id))
+        return _Start(ref, context_id, asking, None, stamped(message, ref, context_id))
 
     async def _ended(
-        self, ref: _TaskRef, context_id: str, history: list[Message], final: FinalAnswer
+        self, ref: TaskRef, context_id: str, history: list[Message], final: FinalAnswer
     ) -> Task:
         """The task a final answer ends (the calls it waits for, when paused)."""
         pending: list[PendingCall] = []
         if final.finished_reason == "paused":
             with _translated():
                 pending = await self.fleet.pending(ref.agent, ref.session_id)
-        return _outcome(
+        return outcome(
             ref,
             context_id,
             history,
@@ -472,10 +428,10 @@ class FleetRequestHandler(RequestHandler):
         validate_proto_required_fields(params)
         validate_history_length(params)
         caller, agent = _who(context)
-        ref = _TaskRef.parse(params.id, agent)
+        ref = TaskRef.parse(params.id, agent)
         record = await self._record(caller, ref)
         return apply_history_length(
-            _task_of(record, ref, _context_of(caller, ref.session_id)), params
+            task_of(record, ref, context_of(caller, ref.session_id)), params
         )
 
     async def on_cancel_task(self, params: CancelTaskRequest, context: ServerCallContext) -> Task:
@@ -483,24 +439,24 @@ class FleetRequestHandler(RequestHandler):
         ended (or as it stands after :data:`CANCEL_WAIT` seconds)."""
         validate_proto_required_fields(params)
         caller, agent = _who(context)
-        ref = _TaskRef.parse(params.id, agent)
-        context_id = _context_of(caller, ref.session_id)
+        ref = TaskRef.parse(params.id, agent)
+        context_id = context_of(caller, ref.session_id)
         record = await self._record(caller, ref)
-        task = _task_of(record, ref, context_id)
-        if task.status.state == _INPUT_REQUIRED:
+        task = task_of(record, ref, context_id)
+        if task.status.state == INPUT_REQUIRED:
             raise TaskNotCancelableError(
                 f"task {ref.task_id} waits for input: answer 'no' to deny its calls"
             )
-        if task.status.state != _WORKING:
+        if task.status.state != WORKING:
             raise TaskNotCancelableError(
                 f"task {ref.task_id} is over ({TaskState.Name(task.status.state)})"
             )
         with _translated():
             await self.fleet.cancel(caller, agent, ref.session_id)
         record = await self._settled(caller, ref, record)
-        return _task_of(record, ref, context_id)
+        return task_of(record, ref, context_id)
 
-    async def _record(self, caller: Caller, ref: _TaskRef) -> SessionRecord:
+    async def _record(self, caller: Caller, ref: TaskRef) -> SessionRecord:
         try:
             return await self.fleet.session(caller, ref.agent, ref.session_id)
         except NotFound:
@@ -508,7 +464,7 @@ class FleetRequestHandler(RequestHandler):
         except FleetbusError as exc:
             raise InternalError(str(exc)) from exc
 
-    async def _settled(self, caller: Caller, ref: _TaskRef, seen: SessionRecord) -> SessionRecord:
+    async def _settled(self, caller: Caller, ref: TaskRef, seen: SessionRecord) -> SessionRecord:
         """The session once its journal says the reply running at ``seen``
         is over (or after :data:`CANCEL_WAIT` seconds)."""
         try:
@@ -607,314 +563,6 @@ def _translated(kind: type[A2AError] = InternalError) -> Iterator[None]:
         raise InternalError(str(exc)) from exc
 
 
-def _context_of(caller: Caller, session_id: str) -> str:
-    """The ``contextId`` of a session: the conversation's name, without the
-    caller's tag (``GatewayFleet.session_id`` puts it back)."""
-    own = f"{caller.tag}-"
-    return session_id[len(own) :] if session_id.startswith(own) else session_id
-
-
-def _blocks(parts: Sequence[Part]) -> list[ContentBlock]:
-    """A message's parts as a request's content.
-
-    Raises:
-        InvalidParamsError: a part is a file, or there is nothing to say.
-    """
-    blocks: list[ContentBlock] = []
-    for part in parts:
-        if part.HasField("text"):
-            if part.text.strip():
-                blocks.append(TextBlock(text=part.text))
-        elif part.HasField("data"):
-            data = _plain(get_data_parts([part])[0])
-            blocks.append(TextBlock(text=orjson.dumps(data).decode()))
-        else:
-            raise InvalidParamsError("only text and data parts are accepted, not files")
-    if not blocks:
-        raise InvalidParamsError("the message says nothing: give a text or a data part")
-    return blocks
-
-
-def _answer_to(message: Message, pending: Sequence[PendingCall]) -> Ask:
-    """What a message answering a paused task means (see the module docstring).
-
-    Raises:
-        InvalidParamsError: it does not answer it.
-    """
-    confirm = [p.call_id for p in pending if p.kind == "confirm"]
-    external = [p.call_id for p in pending if p.kind == "external"]
-    try:
-        for data in (_plain(d) for d in get_data_parts(message.parts)):
-            if isinstance(data, dict) and isinstance(data.get("confirm"), dict):
-                decisions: dict[str, Any] = data["confirm"]
-                _known(decisions, confirm, "waits for no confirmation of")
-                if not all(isinstance(v, bool) for v in decisions.values()):
-                    raise InvalidParamsError('"confirm" maps call ids to true or false')
-                return confirm_result(
-                    "",
-                    allow=[c for c, ok in decisions.items() if ok],
-                    deny=[c for c, ok in decisions.items() if not ok],
-                )
-            if isinstance(data, dict) and isinstance(data.get("results"), dict):
-                results: dict[str, Any] = data["results"]
-                _known(results, external, "waits for no result of")
-                return external_result("", results=results.items())
-        text = " ".join(p.text for p in message.parts if p.HasField("text"))
-        verdict = yes_or_no(text)
-        if verdict is not None and confirm:
-            return confirm_result(
-                "", allow=confirm if verdict else (), deny=() if verdict else confirm
-            )
-    except ConfigError as exc:
-        raise InvalidParamsError(str(exc)) from exc
-    raise InvalidParamsError(
-        "the task waits for input: answer 'yes' or 'no', or send a data part "
-        '{"confirm": {"<call_id>": true}} or {"results": {"<call_id>": …}}'
-    )
-
-
-def _known(given: dict[str, Any], waiting: Sequence[str], what: str) -> None:
-    unknown = [c for c in given if c not in waiting]
-    if unknown:
-        raise InvalidParamsError(f"the task {what} {', '.join(map(repr, unknown))}")
-
-
 def _signed(asking: Ask, sender: str, session_id: str) -> Ask:
     """``asking`` as ``sender``'s, in ``session_id``."""
     return msgspec.structs.replace(asking, sender=sender, session_id=session_id)
-
-
-def _stamped(message: Message, ref: _TaskRef, context_id: str) -> Message:
-    """A copy of ``message`` in its task and context."""
-    stamped = Message()
-    stamped.CopyFrom(message)
-    stamped.task_id = ref.task_id
-    stamped.context_id = context_id
-    if not stamped.message_id:
-        stamped.message_id = new_id()
-    return stamped
-
-
-def _struct(struct: Any) -> dict[str, Any]:
-    """A protobuf ``Struct`` as a dict (read as a data part is)."""
-    part = Part()
-    part.data.struct_value.CopyFrom(struct)
-    found = _plain(get_data_parts([part])[0])
-    return found if isinstance(found, dict) else {}
-
-
-def _plain(value: Any) -> Any:
-    """JSON read from protobuf, whose numbers are all floats: whole ones as ints."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value
-
-
-# -- tasks ---------------------------------------------------------------------------------
-
-
-def _task(
-    ref: _TaskRef,
-    context_id: str,
-    state: TaskState,
-    history: Sequence[Message],
-    *,
-    note: Message | None = None,
-    artifacts: Sequence[Artifact] = (),
-) -> Task:
-    status = TaskStatus(state=state)
-    if note is not None:
-        status.message.CopyFrom(note)
-    return Task(
-        id=ref.task_id, context_id=context_id, status=status, history=history, artifacts=artifacts
-    )
-
-
-def _agent_says(ref: _TaskRef, context_id: str, parts: Sequence[Part]) -> Message:
-    return Message(
-        message_id=new_id(),
-        role=Role.ROLE_AGENT,
-        parts=parts,
-        task_id=ref.task_id,
-        context_id=context_id,
-    )
-
-
-def _outcome(
-    ref: _TaskRef,
-    context_id: str,
-    history: Sequence[Message],
-    *,
-    reason: str,
-    text: str,
-    structured: dict[str, Any] | None,
-    pending: Sequence[PendingCall],
-) -> Task:
-    """The task a reply that ended ``reason`` makes."""
-    state = _ENDS.get(reason, _COMPLETED)
-    if state == _COMPLETED:
-        part = new_data_part(structured) if structured is not None else new_text_part(text)
-        answer = Artifact(artifact_id=_ANSWER, name=_ANSWER, parts=[part])
-        return _task(ref, context_id, state, history, artifacts=[answer])
-    if state == _INPUT_REQUIRED:
-        note = _agent_says(ref, context_id, _waiting(pending))
-        return _task(ref, context_id, state, history, note=note)
-    told = text or ("the reply was interrupted" if state == _CANCELED else "the reply failed")
-    return _task(
-        ref, context_id, state, history, note=_agent_says(ref, context_id, [new_text_part(told)])
-    )
-
-
-def _waiting(pending: Sequence[PendingCall]) -> list[Part]:
-    """What a paused reply waits for: in words, and as data."""
-    confirm = [p for p in pending if p.kind == "confirm"]
-    external = [p for p in pending if p.kind == "external"]
-    lines = []
-    if confirm:
-        calls = ", ".join(f"{p.tool_name}({_args(p.parameters)}) [{p.call_id}]" for p in confirm)
-        lines.append(
-            f"The agent asks to run {calls}. Answer 'yes' or 'no' in this task, or send a data "
-            f'part {{"confirm": {{"{confirm[0].call_id}": true}}}}.'
-        )
-    if external:
-        calls = ", ".join(f"{p.tool_name}({_args(p.parameters)}) [{p.call_id}]" for p in external)
-        lines.append(
-            f"The agent waits for the result of {calls}, run outside the fleet: send a data "
-            f'part {{"results": {{"{external[0].call_id}": …}}}} in this task.'
-        )
-    pending_data = [p.model_dump(mode="json") for p in pending]
-    return [
-        new_text_part("\n\n".join(lines) or "The agent's reply is paused."),
-        new_data_part({"pending": pending_data}),
-    ]
-
-
-def _args(parameters: dict[str, Any]) -> str:
-    text = ", ".join(f"{k}={orjson.dumps(v).decode()}" for k, v in parameters.items())
-    return text if len(text) <= 200 else text[:199] + "…"
-
-
-def _progress(ref: _TaskRef, context_id: str, event: Event) -> TaskStatusUpdateEvent | None:
-    """A status update telling an event of the reply (``None``: not told)."""
-    if event.event not in _SHOWN_EVENTS:
-        return None
-    if event.event == TEXT_DELTA:
-        part = new_text_part(str(event.data.get("text", "")))
-    else:
-        part = new_data_part(orjson.loads(orjson.dumps(event.data)))
-    update = TaskStatusUpdateEvent(
-        task_id=ref.task_id,
-        context_id=context_id,
-        status=TaskStatus(state=_WORKING, message=_agent_says(ref, context_id, [part])),
-    )
-    update.metadata.update({"event": event.event})
-    return update
-
-
-def _end_events(task: Task) -> list[A2AEvent]:
-    """The last events of a streamed task: its artifacts, then its status."""
-    events: list[A2AEvent] = [
-        TaskArtifactUpdateEvent(
-            task_id=task.id, context_id=task.context_id, artifact=artifact, last_chunk=True
-        )
-        for artifact in task.artifacts
-    ]
-    events.append(
-        TaskStatusUpdateEvent(task_id=task.id, context_id=task.context_id, status=task.status)
-    )
-    return events
-
-
-def _task_of(record: SessionRecord, ref: _TaskRef, context_id: str) -> Task:
-    """The task ``ref`` as the session ``record`` tells it.
-
-    Raises:
-        TaskNotFoundError: the session holds no such task.
-    """
-    memory = record.state.memory
-    pending_input = record.pending_input or {}
-    waiting = (pending_input.get("metadata") or {}).get(TASK_MARK)
-    at = next(
-        (
-            i
-            for i in range(len(memory) - 1, -1, -1)
-            if memory[i].role == "user" and memory[i].metadata.get(TASK_MARK) == ref.mark
-        ),
-        None,
-    )
-    if at is None:
-        if waiting == ref.mark:  # taken, not yet in memory
-            asked = _user_message(ref, context_id, ref.mark, _text_of(pending_input.get("content")))
-            return _task(ref, context_id, _WORKING, [asked])
-        raise TaskNotFoundError(f"no task {ref.task_id!r}")
-    request = memory[at]
-    history = [_user_message(ref, context_id, request.msg_id, request.text)]
-    after = memory[at + 1 :]
-    later = next((i for i, m in enumerate(after) if _starts_reply(m)), None)
-    if later is not None or (record.pending_input is not None and waiting != ref.mark):
-        # An earlier task of the conversation: over, its answer the last text it gave.
-        told = _last_text(after[:later])
-        return _outcome(
-            ref, context_id, history, reason="completed", text=told, structured=None, pending=()
-        )
-    if record.status == "running":
-        return _task(ref, context_id, _WORKING, history)
-    if record.state.paused and record.state.reply is not None:
-        return _outcome(
-            ref,
-            context_id,
-            history,
-            reason="paused",
-            text="",
-            structured=None,
-            pending=record.state.reply.pending,
-        )
-    final = record.final or {}
-    structured = final.get("structured")
-    return _outcome(
-        ref,
-        context_id,
-        history,
-        reason=str(final.get("finished_reason") or "completed"),
-        text=_text_of(final.get("content")) if final else _last_text(after),
-        structured=structured if isinstance(structured, dict) else None,
-        pending=(),
-    )
-
-
-def _starts_reply(message: Msg) -> bool:
-    return message.role == "user" and not (message.marks & _NOT_A_REQUEST)
-
-
-def _last_text(messages: Sequence[Msg]) -> str:
-    for message in reversed(messages):
-        if message.role == "assistant" and message.text:
-            return message.text
-    return ""
-
-
-def _text_of(content: Any) -> str:
-    """The text of a message's ``content`` as JSON (a string, or blocks)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n\n".join(
-            str(b.get("text", ""))
-            for b in content
-            if isinstance(b, dict) and b.get("type") == "text"
-        )
-    return ""
-
-
-def _user_message(ref: _TaskRef, context_id: str, message_id: str, text: str) -> Message:
-    return Message(
-        message_id=message_id,
-        role=Role.ROLE_USER,
-        parts=[new_text_part(text)],
-        task_id=ref.task_id,
-        context_id=context_id,
-    )
