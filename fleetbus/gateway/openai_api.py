@@ -549,6 +549,8 @@ async def create_response(body: ResponsesRequest, request: Request, who: Who) ->
     if body.instructions:
         turns.insert(0, ("system", [TextBlock(text=body.instructions)]))
     message = await _request(service, who, agent, session, named, turns)
+    # The response's id names the request, whose answer carries its call id.
+    message = msgspec.structs.replace(message, call_id=message.call_id or new_id())
     response_id = _response_id(agent, session, message.call_id)
     created = int(time.time())
     headers = {SESSION_HEADER: session}

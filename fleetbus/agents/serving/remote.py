@@ -166,7 +166,8 @@ class RemoteAgent:
                 another agent's message (sent with ``reply=True``), or a
                 ``user_request`` / ``confirm_result`` / ``external_result``
                 (sent as it is); a message is sent in the call's session,
-                with a new ``call_id``, and its ``sender`` when it has one.
+                with its own ``call_id`` when it has one, else a new one, and
+                its ``sender`` when it has one.
                 ``None`` sends an empty request: the agent continues the reply
                 in progress, or answers its memory as it is.
             session_id: the conversation, for this call only.
@@ -495,7 +496,7 @@ class RemoteAgent:
     def _message(
         self, inputs: RemoteInput | None, session: str, schema: dict[str, Any] | None
     ) -> Request:
-        """The request to send: in ``session``, with a new ``call_id`` (and
+        """The request to send: in ``session``, with its ``call_id`` or a new one (and
         ``schema`` as its ``output_schema``, when given), asking for a
         receipt unless requests are not sent again."""
         receipt = self.resend_after is not None
@@ -505,7 +506,7 @@ class RemoteAgent:
                 reply=True,
                 sender=inputs.sender or self.sender,
                 session_id=session,
-                call_id=new_id(),
+                call_id=inputs.call_id or new_id(),
                 output_schema=inputs.output_schema if schema is None else schema,
                 receipt=receipt,
             )
@@ -514,7 +515,7 @@ class RemoteAgent:
                 inputs,
                 sender=inputs.sender or self.sender,
                 session_id=session,
-                call_id=new_id(),
+                call_id=inputs.call_id or new_id(),
                 output_schema=inputs.output_schema if schema is None else schema,
                 receipt=receipt,
             )
@@ -528,7 +529,7 @@ class RemoteAgent:
                 inputs,
                 sender=inputs.sender or self.sender,
                 session_id=session,
-                call_id=new_id(),
+                call_id=inputs.call_id or new_id(),
                 receipt=receipt,
             )
         return UserRequest(
