@@ -1,0 +1,108 @@
+"""``fleetbus gateway`` as a user runs it, in front of the demo fleet: a
+tool worker, the demo's agent (offline model) and the gateway, each its own
+process; the OpenAI SDK, pointed at the gateway with ``OPENAI_BASE_URL``,
+lists the agent and gets an answer that used a tool of the fleet; the A2A
+card of the agent is served; the command's errors are one line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+
+import httpx
+import openai
+import pytest
+
+from fleetbus.bus import EmbeddedServer
+from tests.helpers import free_port, output, running, spawn
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "sk-process-0123456789"
+
+
+async def _ready(url: str, proc: object) -> None:
+    """Wait until the gateway lists the assistant (the agent and the
+    gateway both started, the agent discovered)."""
+    async with httpx.AsyncClient() as http:
+        async with asyncio.timeout(60):
+            while True:
+                try:
+                    models = await http.get(f"{url}/v1/models", headers={"authorization": f"Bearer {TOKEN}"})
+                    if any(m["id"] == "assistant" for m in models.json().get("data", [])):
+                        return
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.2)
+
+
+async def test_the_openai_sdk_talks_to_the_demo_fleet_through_the_gateway(
+    nats_server: EmbeddedServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        "FLEETBUS_MODEL": "offline",
+        "FLEETBUS_GATEWAY_TOKENS": json.dumps([{"user": "me", "token": TOKEN}]),
+    }
+    bus = ["--nats", nats_server.url, "--prefix", prefix]
+    with running(
+        [
+            ["worker", "fleetbus.tools_workers.builtin", *bus],
+            ["agent", "fleetbus.cli.demo_fleet:agents", *bus],
+            ["gateway", "--port", str(port), *bus],
+        ],
+        env=env,
+    ) as procs:
+        await _ready(url, procs[2])
+        monkeypatch.setenv("OPENAI_BASE_URL", f"{url}/v1")
+        monkeypatch.setenv("OPENAI_API_KEY", TOKEN)
+        async with openai.AsyncOpenAI(max_retries=0) as client:
+            models = [m.id async for m in client.models.list()]
+            assert models == ["assistant"]
+            chat = await client.chat.completions.create(
+                model="assistant", messages=[{"role": "user", "content": "What is 2026 - 1991?"}]
+            )
+            assert "35" in (chat.choices[0].message.content or "")
+            stream = await client.chat.completions.create(
+                model="assistant",
+                messages=[{"role": "user", "content": "What is 6 * 7?"}],
+                stream=True,
+            )
+            pieces = [c async for c in stream]
+            reasoning = "".join(
+                getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                for c in pieces
+                if c.choices
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
+            assert "[calling calculator(" in reasoning and "42" in text
+        async with httpx.AsyncClient() as http:
+            card = await http.get(
+                f"{url}/a2a/assistant/.well-known/agent-card.json",
+                headers={"authorization": f"Bearer {TOKEN}"},
+            )
+            assert card.status_code == 200 and card.json()["name"] == "assistant"
+        gateway = procs[2]
+        gateway.send_signal(signal.SIGTERM)
+        assert gateway.wait(30) == 0
+        said = output(gateway)
+        assert "gateway on http://127.0.0.1:" in said and "gateway stopped" in said
+
+
+def test_the_gateway_without_tokens_says_how_to_give_them(nats_server: EmbeddedServer) -> None:
+    proc = spawn(["gateway", "--nats", nats_server.url, "--port", "0"], env={"FLEETBUS_GATEWAY_TOKENS": ""})
+    assert proc.wait(60) == 1
+    said = output(proc)
+    assert "the gateway has no tokens" in said and "FLEETBUS_GATEWAY_TOKENS" in said
+    assert "Traceback" not in said
+
+
+def test_new_token_prints_a_token_and_its_entry() -> None:
+    proc = spawn(["gateway", "--new-token", "alice"])
+    assert proc.wait(60) == 0
+    said = output(proc)
+    token = said.split("token: ", 1)[1].split()[0]
+    entry = json.loads(said.split("entry: ", 1)[1].strip())
+    assert entry["user"] == "alice" and "sha256" in entry and token not in said.split("entry: ")[1]
