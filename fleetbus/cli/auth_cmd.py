@@ -64,6 +64,7 @@ from pathlib import Path
 
 import nkeys  # type: ignore[import-untyped]
 
+from fleetbus.agents.serving.directory import AGENT_SERVICE_NAME
 from fleetbus.bus import (
     SERVICE_NAME,
     ConnectOptions,
@@ -91,7 +92,7 @@ __all__ = [
 ROLES = ("tool-worker", "agent", "model-worker", "client", "gateway", "watcher")
 """Every role ``fleetbus auth`` makes a user for."""
 
-AGENT_SERVICE = "fleetbus-agents"
+AGENT_SERVICE = AGENT_SERVICE_NAME
 """The NATS micro service name agent hosts register under."""
 
 MODEL_SERVICE = "fleetbus-models"

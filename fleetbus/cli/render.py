@@ -258,7 +258,7 @@ class ReplyPrinter:
     """Prints the events of one reply, and its final answer, as they arrive.
 
     Feed it every message of a reply in order — the ``event`` messages of
-    ``Agent.reply_stream`` or of ``<prefix>.events.<agent>.<session>``, then the
+    ``Agent.reply_stream`` or of ``<prefix>.events.<agent>.<session>.<owner>``, then the
     ``final_answer`` — with :meth:`handle`. Deltas continue the current line;
     other events start a new one. The end of the reply is printed once, with
     the answer when it was not streamed.

@@ -16,7 +16,7 @@ What an agent's inbox takes:
 
 - ``user_request`` (or ``agent_message`` with ``reply=True``): run a reply in
   the message's session and answer ``final_answer``; every event of the reply
-  is published on ``<prefix>.events.<agent>.<session_id>`` (the final answer
+  is published on ``<prefix>.events.<agent>.<session_id>.<owner>`` (the final answer
   is written in the session's journal). A message's ``output_schema``
   reaches the agent with the message (the agent reads it, see
   ``Agent.reply``) and is saved with the reply it starts, so a take-over,
