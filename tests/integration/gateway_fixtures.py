@@ -12,7 +12,7 @@ from typing import Any
 
 import uvicorn
 
-from fleetbus.bus import Bus
+from fleetbus.bus import Bus, ConnectOptions
 from fleetbus.cli._web import server_class
 from fleetbus.gateway import GatewaySettings, Tokens, create_app
 from fleetbus.gateway.auth import TokenEntry
@@ -43,10 +43,15 @@ async def gateway(
     *,
     tokens: Tokens = TOKENS,
     a2a: bool = False,
+    options: ConnectOptions | None = None,
     **settings: Any,
 ) -> AsyncIterator[Gateway]:
-    """A gateway until the block ends (settings: :class:`GatewaySettings` fields)."""
-    bus = await Bus.connect(nats_url, prefix=prefix, name="gateway")
+    """A gateway until the block ends (settings: :class:`GatewaySettings`
+    fields), connected with ``options`` when given (a user of its own)."""
+    if options is not None:
+        bus = await Bus.connect(options=options, timeout=5.0)
+    else:
+        bus = await Bus.connect(nats_url, prefix=prefix, name="gateway")
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     app = create_app(bus, tokens, GatewaySettings(**settings), a2a=a2a)

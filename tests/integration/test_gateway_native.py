@@ -49,7 +49,9 @@ def clerk(stamped: list[str], lingering: asyncio.Event | None = None) -> Agent:
 
 
 @pytest.fixture
-async def http(nats_server: EmbeddedServer, prefix: str) -> AsyncIterator[tuple[httpx.AsyncClient, list[str]]]:
+async def http(
+    nats_server: EmbeddedServer, prefix: str
+) -> AsyncIterator[tuple[httpx.AsyncClient, list[str]]]:
     stamped: list[str] = []
     async with (
         serving(nats_server.url, prefix, clerk(stamped)),
@@ -67,13 +69,19 @@ def events_of(text: str) -> list[tuple[str, dict[str, Any]]]:
     """The (event, data) pairs of an SSE body."""
     found = []
     for block in text.split("\n\n"):
-        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line and not line.startswith(":"))
+        lines = dict(
+            line.split(": ", 1)
+            for line in block.splitlines()
+            if ": " in line and not line.startswith(":")
+        )
         if "data" in lines:
             found.append((lines.get("event", "message"), json.loads(lines["data"])))
     return found
 
 
-async def test_agents_are_listed_with_their_tools(http: tuple[httpx.AsyncClient, list[str]]) -> None:
+async def test_agents_are_listed_with_their_tools(
+    http: tuple[httpx.AsyncClient, list[str]],
+) -> None:
     client, _ = http
     listed = (await client.get("/agents", headers=auth())).json()["agents"]
     assert [(a["name"], a["description"]) for a in listed] == [("clerk", "Stamps tags.")]
@@ -158,7 +166,11 @@ async def test_users_see_only_their_own_sessions(http: tuple[httpx.AsyncClient, 
 
 async def test_no_token_no_access(http: tuple[httpx.AsyncClient, list[str]]) -> None:
     client, _ = http
-    for headers in ({}, {"authorization": "Bearer nope-nope-nope-nope"}, {"authorization": "Basic abc"}):
+    for headers in (
+        {},
+        {"authorization": "Bearer nope-nope-nope-nope"},
+        {"authorization": "Basic abc"},
+    ):
         response = await client.get("/agents", headers=headers)
         assert response.status_code == 401
         assert response.headers["www-authenticate"] == "Bearer"
@@ -186,7 +198,9 @@ async def test_a_client_that_goes_away_cancels_its_reply_and_frees_its_stream(
         async with client.stream("POST", "/agents/clerk/messages", headers=auth(), json=body) as s:
             await lingering.wait()
             # The token's one stream is taken.
-            busy = await client.post("/agents/clerk/messages", headers=auth(), json={"content": "x"})
+            busy = await client.post(
+                "/agents/clerk/messages", headers=auth(), json={"content": "x"}
+            )
             assert busy.status_code == 429
             session = s.headers["x-fleetbus-session"]
         # Gone: the reply is interrupted, and the stream is free again.

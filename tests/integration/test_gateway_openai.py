@@ -46,7 +46,9 @@ def clerk(stamped: list[str]) -> Agent:
 
 
 @pytest.fixture
-async def served(nats_server: EmbeddedServer, prefix: str) -> AsyncIterator[tuple[Gateway, list[str]]]:
+async def served(
+    nats_server: EmbeddedServer, prefix: str
+) -> AsyncIterator[tuple[Gateway, list[str]]]:
     stamped: list[str] = []
     async with (
         serving(nats_server.url, prefix, clerk(stamped)),
@@ -169,7 +171,9 @@ async def test_the_paused_reply_streamed_also_says_so(served: tuple[Gateway, lis
     gw, stamped = served
     chat = client(gw, **{"X-Fleetbus-Session": "s2"}).chat.completions
     stream = await chat.create(
-        model="clerk", messages=[{"role": "user", "content": 'tool stamp {"tag": "B"}'}], stream=True
+        model="clerk",
+        messages=[{"role": "user", "content": 'tool stamp {"tag": "B"}'}],
+        stream=True,
     )
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert "waits for your confirmation to run stamp" in text
@@ -244,7 +248,6 @@ async def test_structured_output_from_response_format(
             text={"format": {"type": "json_schema", "name": "forecast", "schema": schema}},
         )
         assert json.loads(response.output_text) == {"city": "Rome", "celsius": 18}
-
 
 
 async def test_errors_have_the_openai_shape(served: tuple[Gateway, list[str]]) -> None:

@@ -29,7 +29,9 @@ async def _ready(url: str, proc: object) -> None:
         async with asyncio.timeout(60):
             while True:
                 try:
-                    models = await http.get(f"{url}/v1/models", headers={"authorization": f"Bearer {TOKEN}"})
+                    models = await http.get(
+                        f"{url}/v1/models", headers={"authorization": f"Bearer {TOKEN}"}
+                    )
                     if any(m["id"] == "assistant" for m in models.json().get("data", [])):
                         return
                 except httpx.HTTPError:
@@ -92,7 +94,9 @@ async def test_the_openai_sdk_talks_to_the_demo_fleet_through_the_gateway(
 
 
 def test_the_gateway_without_tokens_says_how_to_give_them(nats_server: EmbeddedServer) -> None:
-    proc = spawn(["gateway", "--nats", nats_server.url, "--port", "0"], env={"FLEETBUS_GATEWAY_TOKENS": ""})
+    proc = spawn(
+        ["gateway", "--nats", nats_server.url, "--port", "0"], env={"FLEETBUS_GATEWAY_TOKENS": ""}
+    )
     assert proc.wait(60) == 1
     said = output(proc)
     assert "the gateway has no tokens" in said and "FLEETBUS_GATEWAY_TOKENS" in said
