@@ -152,6 +152,30 @@ class Toolkit:
         """
         return [self.add(t, group=group).name for t in server.tools]
 
+    async def add_a2a(
+        self,
+        url: str,
+        *,
+        name: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        group: str | None = None,
+    ) -> str:
+        """Add the agent of an A2A server whose card is at ``url`` (the
+        agent's URL, or its card's) as a tool
+        (:class:`~fleetbus.tools_workers.a2a.A2AAgentTool`: named after the
+        agent unless ``name`` is given, ``headers`` sent with every request);
+        its name.
+
+        Raises:
+            ConfigError: a2a-sdk is not installed, or ``url`` is not HTTP(S).
+            ToolError: the card could not be read.
+            ToolDefinitionError: the name cannot be a tool's, or is taken.
+        """
+        from fleetbus.tools_workers.a2a import A2AAgentTool
+
+        made = await A2AAgentTool.from_url(url, name=name, headers=headers)
+        return self.add(made, group=group).name
+
     def add(self, item: ToolLike | Callable[..., Any], *, group: str | None = None) -> ToolLike:
         """Add a tool (a plain function is made one first).
 
