@@ -5,7 +5,8 @@ Routes, per agent, both needing a token (``Authorization: Bearer TOKEN``):
 ``GET /a2a/{agent}/.well-known/agent-card.json``
     the agent's card: its name and description, one skill for the agent
     itself and one per tool of its toolkit, streaming, a bearer security
-    scheme, and the JSON-RPC interface ``<public URL>/a2a/{agent}``.
+    scheme, and the JSON-RPC endpoint ``<public URL>/a2a/{agent}``, listed
+    for A2A 1.0 and for A2A 0.3 (whose clients read the card's ``url``).
 ``POST /a2a/{agent}``
     JSON-RPC 2.0. A2A 1.0's ``SendMessage``, ``SendStreamingMessage``
     (Server-Sent Events), ``GetTask`` and ``CancelTask`` (with the header
@@ -36,7 +37,7 @@ What is what:
 - a paused task is continued by a message with its ``taskId`` whose content
   answers it: the text ``yes`` or ``no`` (also ``y``, ``allow``, ``approve``,
   ``ok``, ``go ahead`` / ``n``, ``deny``, ``reject``, ``stop``; any case, a
-  full stop allowed) allows or denies every call waiting for confirmation; a
+  trailing ``.`` or ``!`` allowed) allows or denies every call waiting for confirmation; a
   data part ``{"confirm": {"<call_id>": true | false, …}}`` decides each call
   named; a data part ``{"results": {"<call_id>": <any JSON>, …}}`` gives the
   results of calls run outside the agent.
@@ -50,7 +51,12 @@ data), each with ``metadata.event`` naming the fleetbus event; at the end the
 answer as an artifact update, then the final status.
 
 Errors: no token, or an unknown one → HTTP 401; an agent the token may not
-talk to → HTTP 404; a task that is not the caller's → ``TaskNotFoundError``.
+talk to → HTTP 404 (for the card, also an agent not served); a task that is
+not the caller's, or not found → ``TaskNotFoundError`` (-32001); a message
+that cannot be sent as it is → ``InvalidParamsError`` (-32602); the token's
+limit of open replies → ``InvalidRequestError`` (-32600); an agent not
+served, not answering in time, or answering an error → ``InternalError``
+(-32603).
 """
 
 from __future__ import annotations
@@ -233,8 +239,11 @@ def agent_card(info: AgentInfo, url: str) -> AgentCard:
     return AgentCard(
         name=info.name,
         description=info.description or f"The fleetbus agent {info.name}.",
+        # One endpoint, both versions: A2A 0.3 clients read the card's
+        # top-level url (written from the 0.3 interface) and use 0.3's names.
         supported_interfaces=[
-            AgentInterface(url=url, protocol_binding="JSONRPC", protocol_version="1.0")
+            AgentInterface(url=url, protocol_binding="JSONRPC", protocol_version=version)
+            for version in ("1.0", "0.3")
         ],
         version=__version__,
         capabilities=AgentCapabilities(streaming=True, push_notifications=False),
@@ -277,8 +286,8 @@ class _Start:
     context_id: str
     asking: Ask
     schema: dict[str, Any] | None
-    request: Message
-    """The message, as the task's history shows it."""
+    history: list[Message]
+    """The task's messages, this one last."""
 
 
 class FleetRequestHandler(RequestHandler):
@@ -304,7 +313,7 @@ class FleetRequestHandler(RequestHandler):
         validate_history_length(params.configuration)
         caller, agent = _who(context)
         start = await self._start(caller, agent, params)
-        history = [start.request]
+        history = start.history
         at_once = params.configuration.return_immediately
         with _translated():
             stream = self.fleet.stream(
@@ -343,11 +352,11 @@ class FleetRequestHandler(RequestHandler):
                 # The first item is awaited before anything is sent: a reply
                 # that cannot start is an error answer, not a broken stream.
                 item = await anext(stream)
-                task = make_task(ref, context_id, WORKING, [start.request])
+                task = make_task(ref, context_id, WORKING, start.history)
                 yield apply_history_length(task, params.configuration)
                 while True:
                     if isinstance(item, FinalAnswer):
-                        ended = await self._ended(ref, context_id, [start.request], item)
+                        ended = await self._ended(ref, context_id, start.history, item)
                         for event in end_events(ended):
                             yield event
                         return
@@ -380,7 +389,7 @@ class FleetRequestHandler(RequestHandler):
             content=message_content(message.parts),
             metadata={TASK_MARK: ref.mark},
         )
-        return _Start(ref, context_id, asking, schema, stamped(message, ref, context_id))
+        return _Start(ref, context_id, asking, schema, [stamped(message, ref, context_id)])
 
     async def _resume(self, caller: Caller, agent: str, message: Message) -> _Start:
         ref = TaskRef.parse(message.task_id, agent)
@@ -393,7 +402,8 @@ class FleetRequestHandler(RequestHandler):
                     f"context {message.context_id!r} is not that of task {message.task_id!r}"
                 )
         record = await self._record(caller, ref)
-        state = task_of(record, ref, context_id).status.state
+        task = task_of(record, ref, context_id)
+        state = task.status.state
         if state != INPUT_REQUIRED:
             raise InvalidParamsError(
                 f"task {ref.task_id} does not wait for input ({TaskState.Name(state)}): "
@@ -401,7 +411,8 @@ class FleetRequestHandler(RequestHandler):
             )
         asking = answer_to(message, record.state.reply.pending if record.state.reply else [])
         asking = _signed(asking, caller.user, ref.session_id)
-        return _Start(ref, context_id, asking, None, stamped(message, ref, context_id))
+        history = [*task.history, stamped(message, ref, context_id)]
+        return _Start(ref, context_id, asking, None, history)
 
     async def _ended(
         self, ref: TaskRef, context_id: str, history: list[Message], final: FinalAnswer

@@ -167,8 +167,10 @@ async def test_the_card_shows_the_agent_and_a_skill_per_tool(fleet: Fleet) -> No
         "tool:linger": ("linger", "Take a minute.", ["tool"]),
     }
     assert card.capabilities.streaming
-    (interface,) = card.supported_interfaces
-    assert (interface.url, interface.protocol_binding) == (fleet.url(), "JSONRPC")
+    interfaces = [
+        (i.url, i.protocol_binding, i.protocol_version) for i in card.supported_interfaces
+    ]
+    assert interfaces == [(fleet.url(), "JSONRPC", "1.0"), (fleet.url(), "JSONRPC", "0.3")]
     assert card.security_schemes["bearer"].http_auth_security_scheme.scheme == "bearer"
     assert "bearer" in card.security_requirements[0].schemes
 
@@ -267,8 +269,8 @@ async def test_a_task_is_read_from_another_gateway(
         earlier = await elsewhere.get_task(GetTaskRequest(id=done.id))
         assert earlier.status.state == COMPLETED
         assert answer(earlier) == answer(done)
+        session = done.id.rsplit(".", 1)[0]
         with pytest.raises(TaskNotFoundError):
-            session = done.id.rsplit(".", 1)[0]
             await elsewhere.get_task(GetTaskRequest(id=f"{session}.nothing"))
 
 
@@ -305,6 +307,7 @@ async def test_a_paused_task_is_continued_with_an_approval(fleet: Fleet) -> None
         done = await send(client, ask("Yes", task_id=paused.id, context_id=paused.context_id))
         assert done.id == paused.id
         assert done.status.state == COMPLETED
+        assert [get_message_text(m) for m in done.history] == ['tool stamp {"tag": "A"}', "Yes"]
         assert answer(done).startswith("done stamp=stamped A")
         assert fleet.stamped == ["A"]
         with pytest.raises(InvalidParamsError):  # over: nothing to answer
@@ -396,6 +399,8 @@ async def test_a2a_0_3_method_names_answer(fleet: Fleet) -> None:
             "curl",
         )
         assert task["artifacts"][0]["parts"][0]["text"].startswith("echo hi from ")
+        card = (await http.get(f"{fleet.url()}/.well-known/agent-card.json")).json()
+        assert (card["url"], card["protocolVersion"]) == (fleet.url(), "0.3")
         read = await rpc("tasks/get", {"id": task["id"]})
         assert read["result"]["status"]["state"] == "completed"
         missing = await rpc("tasks/get", {"id": "clerk.nobody.nothing"})
