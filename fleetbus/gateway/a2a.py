@@ -45,6 +45,9 @@ What is what:
   session says how it ended (within :data:`CANCEL_WAIT` seconds); a task
   that waits for input is not cancelled (deny its calls: answer ``no``).
 
+With ``returnImmediately``, a message is answered ``working`` once the
+agent has taken it, and the reply runs on in its session.
+
 Streamed, a task sends: the task (``working``); a status update per piece
 of text (a text part) and per tool call and result (a data part: the event's
 data), each with ``metadata.event`` naming the fleetbus event; at the end the

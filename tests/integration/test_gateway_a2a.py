@@ -290,6 +290,22 @@ async def test_a_slow_task_is_cancelled(fleet: Fleet) -> None:
             await other.cancel_task(CancelTaskRequest(id=first.task.id))
 
 
+async def test_a_task_answered_at_once_goes_on(fleet: Fleet) -> None:
+    """``returnImmediately``: the task is answered ``working``, and its reply
+    runs on after the answer, until cancelled."""
+    async with a2a(fleet.url()) as client:
+        request = ask("tool linger")
+        request.configuration.return_immediately = True
+        task = await send(client, request)
+        assert task.status.state == WORKING
+        async with asyncio.timeout(30):
+            await fleet.lingering.wait()
+        read = await client.get_task(GetTaskRequest(id=task.id))
+        assert read.status.state == WORKING
+        cancelled = await client.cancel_task(CancelTaskRequest(id=task.id))
+        assert cancelled.status.state == CANCELED
+
+
 async def test_a_paused_task_is_continued_with_an_approval(fleet: Fleet) -> None:
     async with a2a(fleet.url()) as client:
         paused = await send(client, ask('tool stamp {"tag": "A"}'))
