@@ -45,6 +45,7 @@ from fleetbus.errors import ConfigError
 from fleetbus.protocol import PROTOCOL_VERSION, render_schemas, to_builtins
 
 if TYPE_CHECKING:
+    from fleetbus.tools_workers.a2a import A2ATools
     from fleetbus.tools_workers.mcp import MCPTools
 
 DEFAULT_SCHEMA_DIR = Path("docs/protocol")
@@ -79,13 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser(
-        "worker", help="serve the tools of a Python module, or of MCP servers, on the bus"
+        "worker",
+        help="serve the tools of a Python module, of MCP servers or of A2A agents, on the bus",
     )
     p.add_argument(
         "spec",
         metavar="MODULE[:ATTR]",
         nargs="?",
-        help="e.g. fleetbus.tools_workers.builtin (optional with --mcp or --mcp-url)",
+        help="e.g. fleetbus.tools_workers.builtin (optional with --mcp, --mcp-url or --a2a)",
     )
     p.add_argument(
         "--mcp",
@@ -107,6 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME[=VALUE]",
         help="pass this variable (from this environment, or VALUE) to --mcp servers; repeatable",
+    )
+    p.add_argument(
+        "--a2a",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="serve a remote A2A agent as a tool (its URL or its card's); repeatable",
+    )
+    p.add_argument(
+        "--a2a-header",
+        action="append",
+        default=[],
+        metavar='"NAME: VALUE"',
+        help="an HTTP header of every --a2a request (Authorization: Bearer …); repeatable",
     )
     p.add_argument(
         "--concurrency", type=POSITIVE, default=64, help="calls run at once (default 64)"
@@ -279,16 +295,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Serve a toolkit until SIGTERM/SIGINT, then drain and exit 0."""
     from fleetbus.tools_workers import Toolkit, ToolWorker, load_toolkit
 
-    if not (args.spec or args.mcp or args.mcp_url):
-        raise ConfigError("give the tools to serve: MODULE[:ATTR], --mcp or --mcp-url")
-    servers = _mcp_servers(args)
+    if not (args.spec or args.mcp or args.mcp_url or args.a2a):
+        raise ConfigError("give the tools to serve: MODULE[:ATTR], --mcp, --mcp-url or --a2a")
+    servers: list[MCPTools | A2ATools] = [*_mcp_servers(args), *_a2a_agents(args)]
     toolkit = load_toolkit(args.spec) if args.spec else Toolkit()
 
     async def serve() -> int:
         async with contextlib.AsyncExitStack() as stack:
-            # Each MCP session stays open, and is re-established, while the worker serves.
+            # Each MCP session (and A2A connection pool) stays open while the worker serves.
             for server in servers:
-                for served in (await stack.enter_async_context(server)).tools:
+                await stack.enter_async_context(server)
+                for served in server.tools:
                     toolkit.add(served)
             return await serve_toolkit()
 
@@ -318,6 +335,27 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 0
 
     return run(serve())
+
+
+def _a2a_agents(args: argparse.Namespace) -> list[A2ATools]:
+    """The remote A2A agents named by ``--a2a`` (not yet open).
+
+    Raises:
+        ConfigError: a2a-sdk is missing, or a header is not ``NAME: VALUE``.
+    """
+    if not args.a2a:
+        if args.a2a_header:
+            raise ConfigError("--a2a-header goes with --a2a")
+        return []
+    from fleetbus.tools_workers.a2a import A2ATools
+
+    headers: dict[str, str] = {}
+    for item in args.a2a_header:
+        name, colon, value = item.partition(":")
+        if not colon or not name.strip():
+            raise ConfigError(f"--a2a-header takes 'NAME: VALUE', not {item!r}")
+        headers[name.strip()] = value.strip()
+    return [A2ATools(args.a2a, headers=headers)]
 
 
 def _mcp_servers(args: argparse.Namespace) -> list[MCPTools]:

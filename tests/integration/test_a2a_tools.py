@@ -23,13 +23,13 @@ from a2a.types import AgentCapabilities, AgentCard, AgentInterface, AgentSkill, 
 from starlette.applications import Starlette
 
 from fleetbus.agents import Agent, Permissions
-from fleetbus.bus import EmbeddedServer
+from fleetbus.bus import Bus, EmbeddedServer, ToolClient
 from fleetbus.errors import ToolDefinitionError, ToolError
 from fleetbus.protocol import ToolResultBlock
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
 from fleetbus.tools_workers.a2a import A2AAgentTool, A2ATools
-from tests.helpers import serving
+from tests.helpers import output, running, serving, spawn, wait_for_workers
 from tests.integration.agent_specs import CommandModel
 from tests.integration.gateway_fixtures import ALICE, gateway
 
@@ -236,3 +236,31 @@ async def test_an_agent_asks_a_gateway_agent_through_a2a(
     assert stamp.state == "error"
     assert "clerk needs input to go on: The agent asks to run stamp" in str(stamp.output)
     assert stamped == []
+
+
+@pytest.mark.slow
+async def test_a_worker_serves_a_remote_a2a_agent_on_the_bus(
+    nats_server: EmbeddedServer, bus: Bus, prefix: str
+) -> None:
+    async with echo_server(Echo()) as url:
+        command = [
+            "worker",
+            "--a2a",
+            url,
+            "--a2a-header",
+            "X-Caller: fleet",
+            "--nats",
+            nats_server.url,
+            "--prefix",
+            prefix,
+        ]
+        with running([command]):
+            await wait_for_workers(bus, "Echo_Agent", 1)
+            result = await ToolClient(bus).call("Echo_Agent", {"message": "over the bus"})
+    assert (result.status, result.content) == ("success", "OVER THE BUS")
+
+
+def test_an_a2a_header_must_be_a_name_and_a_value() -> None:
+    proc = spawn(["worker", "--a2a", "http://127.0.0.1:9", "--a2a-header", "no colon"])
+    assert proc.wait(60) == 1
+    assert "--a2a-header takes 'NAME: VALUE'" in output(proc)
