@@ -64,7 +64,6 @@ from pathlib import Path
 
 import nkeys  # type: ignore[import-untyped]
 
-from fleetbus.agents.serving.directory import AGENT_SERVICE_NAME
 from fleetbus.bus import (
     SERVICE_NAME,
     ConnectOptions,
@@ -92,8 +91,10 @@ __all__ = [
 ROLES = ("tool-worker", "agent", "model-worker", "client", "gateway", "watcher")
 """Every role ``fleetbus auth`` makes a user for."""
 
-AGENT_SERVICE = AGENT_SERVICE_NAME
-"""The NATS micro service name agent hosts register under."""
+AGENT_SERVICE = "fleetbus-agents"
+"""The NATS micro service name agent hosts register under
+(:data:`fleetbus.agents.serving.AGENT_SERVICE_NAME`; named here so that the
+command line's parser imports no agent code)."""
 
 MODEL_SERVICE = "fleetbus-models"
 """The NATS micro service name model workers register under."""

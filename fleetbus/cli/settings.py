@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fleetbus.errors import ConfigError
+from fleetbus._ranges import settings_from
 
 __all__ = ["CliSettings", "cli_settings"]
 
@@ -68,11 +68,4 @@ def cli_settings(**given: Any) -> CliSettings:
         ConfigError: a value is invalid; the message names its variable (or
             its field, for a value given here).
     """
-    values = {name: value for name, value in given.items() if value is not None}
-    try:
-        return CliSettings(**values)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        field = str(error["loc"][0]) if error["loc"] else ""
-        where = field if field in values else f"FLEETBUS_{field.upper()}"
-        raise ConfigError(f"{where}: {error['msg']}") from exc
+    return settings_from(CliSettings, "FLEETBUS_", **given)

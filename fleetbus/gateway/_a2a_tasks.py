@@ -32,7 +32,7 @@ from fleetbus.agents.serving.client import confirm_result, external_result
 from fleetbus.agents.serving.facts import SessionRecord
 from fleetbus.agents.state import PendingCall
 from fleetbus.errors import ConfigError
-from fleetbus.gateway._common import yes_or_no
+from fleetbus.gateway._common import call_list, yes_or_no
 from fleetbus.gateway.auth import Caller
 from fleetbus.gateway.fleet import Ask
 from fleetbus.protocol import ContentBlock, Event, TextBlock, new_id
@@ -273,13 +273,13 @@ def _waiting(pending: Sequence[PendingCall]) -> list[Part]:
     external = [p for p in pending if p.kind == "external"]
     lines = []
     if confirm:
-        calls = ", ".join(f"{p.tool_name}({_args(p.parameters)}) [{p.call_id}]" for p in confirm)
+        calls = call_list(confirm)
         lines.append(
             f"The agent asks to run {calls}. Answer 'yes' or 'no' in this task, or send a data "
             f'part {{"confirm": {{"{confirm[0].call_id}": true}}}}.'
         )
     if external:
-        calls = ", ".join(f"{p.tool_name}({_args(p.parameters)}) [{p.call_id}]" for p in external)
+        calls = call_list(external)
         lines.append(
             f"The agent waits for the result of {calls}, run outside the fleet: send a data "
             f'part {{"results": {{"{external[0].call_id}": …}}}} in this task.'
@@ -289,11 +289,6 @@ def _waiting(pending: Sequence[PendingCall]) -> list[Part]:
         new_text_part("\n\n".join(lines) or "The agent's reply is paused."),
         new_data_part({"pending": pending_data}),
     ]
-
-
-def _args(parameters: dict[str, Any]) -> str:
-    text = ", ".join(f"{k}={orjson.dumps(v).decode()}" for k, v in parameters.items())
-    return text if len(text) <= 200 else text[:199] + "…"
 
 
 def progress(ref: TaskRef, context_id: str, event: Event) -> TaskStatusUpdateEvent | None:

@@ -36,6 +36,7 @@ __all__ = [
     "SESSION_HEADER",
     "Who",
     "answer_text",
+    "call_list",
     "caller",
     "error_body",
     "fleet",
@@ -114,19 +115,24 @@ def paused_note(base_url: str, agent: str, session: str, pending: Sequence[Pendi
     lines = []
     where = f"{base_url.rstrip('/')}/v1/fleet/agents/{agent}/sessions/{session}"
     if confirm:
-        calls = ", ".join(f"{p.tool_name}({_args(p.parameters)}) [{p.call_id}]" for p in confirm)
+        calls = call_list(confirm)
         lines.append(
             f"The agent waits for your confirmation to run {calls}. Answer 'yes' or 'no' in "
             f'this conversation, or POST {where}/confirm {{"allow": ["{confirm[0].call_id}"]}} '
             f"(or run: fleetbus confirm {session} --agent {agent} --allow {confirm[0].call_id})."
         )
     if external:
-        calls = ", ".join(f"{p.tool_name}({_args(p.parameters)}) [{p.call_id}]" for p in external)
+        calls = call_list(external)
         lines.append(
             f"The agent waits for the result of {calls}, run outside the fleet: POST "
             f'{where}/results {{"results": {{"{external[0].call_id}": …}}}}.'
         )
     return "\n\n".join(lines) or "The agent's reply is paused."
+
+
+def call_list(calls: Sequence[PendingCall]) -> str:
+    """Calls as a person reads them: ``name(arg=value, …) [call id], …``."""
+    return ", ".join(f"{p.tool_name}({_args(p.parameters)}) [{p.call_id}]" for p in calls)
 
 
 def _args(parameters: dict[str, Any]) -> str:

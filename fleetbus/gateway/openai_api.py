@@ -248,6 +248,18 @@ def _note(request: Request, agent: str, session: str, reply: Reply) -> str:
     return paused_note(_base_url(request), agent, session, reply.pending)
 
 
+def _whole(request: Request, agent: str, session: str, reply: Reply) -> tuple[str, str]:
+    """``(text, reasoning)`` of a reply not streamed: the answer (and what a
+    paused one waits for), and the model's thinking."""
+    text = "\n\n".join(
+        t for t in (answer_text(reply.final), _note(request, agent, session, reply)) if t
+    )
+    thinking = "".join(
+        str(e.data.get("thinking", "")) for e in reply.events if e.event == ev.THINKING_DELTA
+    )
+    return text, thinking
+
+
 def _fleetbus(agent: str, session: str, final: FinalAnswer) -> dict[str, Any]:
     return {"agent": agent, "session": session, "finished_reason": final.finished_reason}
 
@@ -279,12 +291,7 @@ async def chat_completions(body: ChatRequest, request: Request, who: Who) -> Res
     created = int(time.time())
     if not body.stream:
         reply = await service.reply(who, agent, session, message, schema=schema)
-        text = "\n\n".join(
-            t for t in (answer_text(reply.final), _note(request, agent, session, reply)) if t
-        )
-        thinking = "".join(
-            str(e.data.get("thinking", "")) for e in reply.events if e.event == ev.THINKING_DELTA
-        )
+        text, thinking = _whole(request, agent, session, reply)
         used = usage(reply.events)
         choice_message: dict[str, Any] = {"role": "assistant", "content": text}
         if thinking:
@@ -556,12 +563,7 @@ async def create_response(body: ResponsesRequest, request: Request, who: Who) ->
     headers = {SESSION_HEADER: session}
     if not body.stream:
         reply = await service.reply(who, agent, session, message, schema=schema)
-        text = "\n\n".join(
-            t for t in (answer_text(reply.final), _note(request, agent, session, reply)) if t
-        )
-        reasoning = "".join(
-            str(e.data.get("thinking", "")) for e in reply.events if e.event == ev.THINKING_DELTA
-        )
+        text, reasoning = _whole(request, agent, session, reply)
         return JSONResponse(
             _response(
                 response_id,

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from fleetbus.errors import ConfigError
+from fleetbus._ranges import settings_from
 
 __all__ = ["GatewaySettings", "gateway_settings"]
 
@@ -54,11 +54,4 @@ def gateway_settings(**given: Any) -> GatewaySettings:
         ConfigError: a value is invalid; the message names its variable (or
             its field, for a value given here).
     """
-    values = {name: value for name, value in given.items() if value is not None}
-    try:
-        return GatewaySettings(**values)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        field = str(error["loc"][0]) if error["loc"] else ""
-        where = field if field in values else f"FLEETBUS_GATEWAY_{field.upper()}"
-        raise ConfigError(f"{where}: {error['msg']}") from exc
+    return settings_from(GatewaySettings, "FLEETBUS_GATEWAY_", **given)

@@ -5,7 +5,6 @@ with where to confirm and continued with a "yes"."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,9 +12,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types.responses import ResponseCompletedEvent
 
 from fleetbus.agents import Agent, Permissions
-from fleetbus.bus import Bus, EmbeddedServer
+from fleetbus.bus import EmbeddedServer
 from fleetbus.models import FINISH_TOOL
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
@@ -94,9 +94,10 @@ async def test_chat_completion_answers_and_a_named_conversation_remembers(
         model="clerk", messages=[{"role": "user", "content": "hello"}]
     )
     first = raw.parse()
-    assert first.choices[0].message.content.startswith("echo hello from ")
+    assert (first.choices[0].message.content or "").startswith("echo hello from ")
     assert first.choices[0].finish_reason == "stop"
-    assert first.usage is not None and first.usage.completion_tokens == 1
+    assert first.usage is not None
+    assert first.usage.completion_tokens == 1
     session = raw.headers["x-fleetbus-session"]
     assert session.endswith("-talk")
     # The session remembers: only the new user message is sent.
@@ -125,7 +126,9 @@ async def test_a_chat_without_a_conversation_gets_the_earlier_turns_as_a_transcr
         ],
     )
     text = answer.choices[0].message.content or ""
-    assert "Earlier in this conversation:" in text and "user: one" in text and "two" in text
+    assert "Earlier in this conversation:" in text
+    assert "user: one" in text
+    assert "two" in text
 
 
 async def test_chat_completion_streams_text_and_tool_progress(
@@ -147,7 +150,8 @@ async def test_chat_completion_streams_text_and_tool_progress(
             finish = choice.finish_reason or finish
     assert content.startswith("echo hi there from ")
     assert finish == "stop"
-    assert usage is not None and usage.total_tokens == 2
+    assert usage is not None
+    assert usage.total_tokens == 2
 
 
 async def test_a_paused_reply_says_where_to_confirm_and_a_yes_continues_it(
@@ -160,7 +164,8 @@ async def test_a_paused_reply_says_where_to_confirm_and_a_yes_continues_it(
     )
     text = paused.choices[0].message.content or ""
     assert "waits for your confirmation to run stamp" in text
-    assert "/v1/fleet/agents/clerk/sessions/" in text and "/confirm" in text
+    assert "/v1/fleet/agents/clerk/sessions/" in text
+    assert "/confirm" in text
     assert stamped == []
     done = await chat.create(model="clerk", messages=[{"role": "user", "content": "yes"}])
     assert "stamp=stamped A" in (done.choices[0].message.content or "")
@@ -197,10 +202,13 @@ async def test_responses_continue_by_previous_response_id_streamed_and_not(
     async for event in stream:
         events.append(event)
     kinds = [e.type for e in events]
-    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert kinds[0] == "response.created"
+    assert kinds[-1] == "response.completed"
     assert "response.output_text.delta" in kinds
-    assert events[-1].response.output_text == "heard: alpha"
-    again = await responses.retrieve(events[-1].response.id)
+    completed = events[-1]
+    assert isinstance(completed, ResponseCompletedEvent)
+    assert completed.response.output_text == "heard: alpha"
+    again = await responses.retrieve(completed.response.id)
     assert again.output_text == "heard: alpha"
 
 

@@ -14,15 +14,15 @@ import httpx
 import openai
 import pytest
 
-from fleetbus.bus import EmbeddedServer
-from tests.helpers import free_port, output, running, spawn
+from fleetbus.bus import Bus, EmbeddedServer
+from tests.helpers import free_port, output, running, spawn, wait_for_workers
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "sk-process-0123456789"
 
 
-async def _ready(url: str, proc: object) -> None:
+async def _ready(url: str) -> None:
     """Wait until the gateway lists the assistant (the agent and the
     gateway both started, the agent discovered)."""
     async with httpx.AsyncClient() as http:
@@ -40,7 +40,7 @@ async def _ready(url: str, proc: object) -> None:
 
 
 async def test_the_openai_sdk_talks_to_the_demo_fleet_through_the_gateway(
-    nats_server: EmbeddedServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+    nats_server: EmbeddedServer, bus: Bus, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -48,49 +48,54 @@ async def test_the_openai_sdk_talks_to_the_demo_fleet_through_the_gateway(
         "FLEETBUS_MODEL": "offline",
         "FLEETBUS_GATEWAY_TOKENS": json.dumps([{"user": "me", "token": TOKEN}]),
     }
-    bus = ["--nats", nats_server.url, "--prefix", prefix]
-    with running(
-        [
-            ["worker", "fleetbus.tools_workers.builtin", *bus],
-            ["agent", "fleetbus.cli.demo_fleet:agents", *bus],
-            ["gateway", "--port", str(port), *bus],
-        ],
-        env=env,
-    ) as procs:
-        await _ready(url, procs[2])
-        monkeypatch.setenv("OPENAI_BASE_URL", f"{url}/v1")
-        monkeypatch.setenv("OPENAI_API_KEY", TOKEN)
-        async with openai.AsyncOpenAI(max_retries=0) as client:
-            models = [m.id async for m in client.models.list()]
-            assert models == ["assistant"]
-            chat = await client.chat.completions.create(
-                model="assistant", messages=[{"role": "user", "content": "What is 2026 - 1991?"}]
-            )
-            assert "35" in (chat.choices[0].message.content or "")
-            stream = await client.chat.completions.create(
-                model="assistant",
-                messages=[{"role": "user", "content": "What is 6 * 7?"}],
-                stream=True,
-            )
-            pieces = [c async for c in stream]
+    fleet = ["--nats", nats_server.url, "--prefix", prefix]
+    with running([["worker", "fleetbus.tools_workers.builtin", *fleet]], env=env):
+        # The agent finds its tools on the bus as it starts: start it once they are served.
+        await wait_for_workers(bus, "calculator", 1)
+        with running(
+            [
+                ["agent", "fleetbus.cli.demo_fleet:agents", *fleet],
+                ["gateway", "--port", str(port), *fleet],
+            ],
+            env=env,
+        ) as (_, gateway):
+            await _ready(url)
+            monkeypatch.setenv("OPENAI_BASE_URL", f"{url}/v1")
+            monkeypatch.setenv("OPENAI_API_KEY", TOKEN)
+            async with openai.AsyncOpenAI(max_retries=0) as client:
+                models = [m.id async for m in client.models.list()]
+                assert models == ["assistant"]
+                chat = await client.chat.completions.create(
+                    model="assistant",
+                    messages=[{"role": "user", "content": "What is 2026 - 1991?"}],
+                )
+                assert "35" in (chat.choices[0].message.content or "")
+                stream = await client.chat.completions.create(
+                    model="assistant",
+                    messages=[{"role": "user", "content": "What is 6 * 7?"}],
+                    stream=True,
+                )
+                pieces = [c async for c in stream]
             reasoning = "".join(
                 getattr(c.choices[0].delta, "reasoning_content", None) or ""
                 for c in pieces
                 if c.choices
             )
             text = "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
-            assert "[calling calculator(" in reasoning and "42" in text
-        async with httpx.AsyncClient() as http:
-            card = await http.get(
-                f"{url}/a2a/assistant/.well-known/agent-card.json",
-                headers={"authorization": f"Bearer {TOKEN}"},
-            )
-            assert card.status_code == 200 and card.json()["name"] == "assistant"
-        gateway = procs[2]
-        gateway.send_signal(signal.SIGTERM)
-        assert gateway.wait(30) == 0
-        said = output(gateway)
-        assert "gateway on http://127.0.0.1:" in said and "gateway stopped" in said
+            assert "[calling calculator(" in reasoning
+            assert "42" in text
+            async with httpx.AsyncClient() as http:
+                card = await http.get(
+                    f"{url}/a2a/assistant/.well-known/agent-card.json",
+                    headers={"authorization": f"Bearer {TOKEN}"},
+                )
+                assert card.status_code == 200
+                assert card.json()["name"] == "assistant"
+            gateway.send_signal(signal.SIGTERM)
+            assert gateway.wait(30) == 0
+            said = output(gateway)
+            assert "gateway on http://127.0.0.1:" in said
+            assert "gateway stopped" in said
 
 
 def test_the_gateway_without_tokens_says_how_to_give_them(nats_server: EmbeddedServer) -> None:
@@ -99,7 +104,8 @@ def test_the_gateway_without_tokens_says_how_to_give_them(nats_server: EmbeddedS
     )
     assert proc.wait(60) == 1
     said = output(proc)
-    assert "the gateway has no tokens" in said and "FLEETBUS_GATEWAY_TOKENS" in said
+    assert "the gateway has no tokens" in said
+    assert "FLEETBUS_GATEWAY_TOKENS" in said
     assert "Traceback" not in said
 
 
@@ -109,4 +115,6 @@ def test_new_token_prints_a_token_and_its_entry() -> None:
     said = output(proc)
     token = said.split("token: ", 1)[1].split()[0]
     entry = json.loads(said.split("entry: ", 1)[1].strip())
-    assert entry["user"] == "alice" and "sha256" in entry and token not in said.split("entry: ")[1]
+    assert entry["user"] == "alice"
+    assert "sha256" in entry
+    assert token not in said.split("entry: ")[1]

@@ -112,12 +112,14 @@ async def test_the_gateway_serves_within_its_role(
         done = await http.post(
             f"/v1/fleet/agents/clerk/sessions/{session}/confirm", json={"allow": [call_id]}
         )
-        assert "stamped S" in done.json()["final"]["content"] and clerk == ["S"]
+        assert "stamped S" in done.json()["final"]["content"]
+        assert clerk == ["S"]
         listed = (await http.get("/v1/fleet/sessions")).json()["sessions"]
         assert [s["session"] for s in listed] == [session]
         facts = (await http.get(f"/v1/fleet/agents/clerk/sessions/{session}/journal")).json()[
             "facts"
         ]
-        assert facts and facts[-1]["kind"] in ("end", "snapshot")
+        assert facts
+        assert facts[-1]["kind"] in ("end", "snapshot")
         read = (await http.get(f"/v1/fleet/agents/clerk/sessions/{session}")).json()
         assert read["status"] == "done"

@@ -104,3 +104,10 @@ def test_a_permission_violation_becomes_one_line() -> None:
     assert str(found) == "permission denied: subscription to A.B"
     assert denials.since(denials.count) is None
     assert denials.since(mark, "publish") is None
+
+
+def test_the_agents_service_name_is_the_one_hosts_register() -> None:
+    from fleetbus.agents.serving import AGENT_SERVICE_NAME
+    from fleetbus.cli.auth_cmd import AGENT_SERVICE
+
+    assert AGENT_SERVICE == AGENT_SERVICE_NAME

@@ -36,7 +36,8 @@ def test_a_token_or_its_digest_names_a_user_and_a_role() -> None:
     assert (alice.user, alice.role, alice.agents) == ("alice", "user", None)
     bob = tokens.caller(None, "sk-bob-sixteen-chars")
     assert (bob.user, bob.role, bob.agents) == ("bob", "admin", frozenset({"writer"}))
-    assert bob.may_talk_to("writer") and not bob.may_talk_to("reader")
+    assert bob.may_talk_to("writer")
+    assert not bob.may_talk_to("reader")
     assert SECRET not in alice.token_id
 
 
@@ -117,6 +118,9 @@ def test_session_ids_keep_users_apart() -> None:
     alice = tokens.caller(f"Bearer {SECRET}", None)
     ops = tokens.caller("Bearer sk-ops-sixteen-chars", None)
     mine = f"{session_tag('alice')}-talk"
-    assert alice.owns(mine) and not alice.owns(f"{session_tag('bob')}-talk")
-    assert not alice.owns("talk") and ops.owns("talk") and ops.owns(mine)
+    assert alice.owns(mine)
+    assert not alice.owns(f"{session_tag('bob')}-talk")
+    assert not alice.owns("talk")
+    assert ops.owns("talk")
+    assert ops.owns(mine)
     assert session_tag("alice") != session_tag("alice ")
