@@ -80,6 +80,14 @@ def add_parser(
         help="a client gone mid-reply: interrupt the reply (cancel, the default) or let it "
         "finish in its session (detach)",
     )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let pages of this web origin call the gateway from a browser (a chat UI: "
+        "https://chat.example.com; * for any); repeatable",
+    )
     p.add_argument("--no-a2a", action="store_true", help="do not serve A2A")
     p.add_argument(
         "--new-token",
@@ -145,7 +153,12 @@ def cmd(args: argparse.Namespace) -> int:
         bus = await connect(args.nats, args.prefix, "gateway")
         try:
             app = gateway.create_app(
-                bus, tokens, settings, public_url=args.public_url, a2a=not args.no_a2a
+                bus,
+                tokens,
+                settings,
+                public_url=args.public_url,
+                a2a=not args.no_a2a,
+                cors_origins=args.cors_origin,
             )
             config = uvicorn.Config(
                 app,

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,7 +24,7 @@ from fleetbus._version import __version__
 from fleetbus.bus import Bus
 from fleetbus.errors import FleetbusError
 from fleetbus.gateway import native, openai_api
-from fleetbus.gateway._common import error_body
+from fleetbus.gateway._common import SESSION_HEADER, error_body
 from fleetbus.gateway.auth import Tokens
 from fleetbus.gateway.fleet import GatewayFleet
 from fleetbus.gateway.settings import GatewaySettings
@@ -88,6 +89,7 @@ def create_app(
     *,
     public_url: str | None = None,
     a2a: bool = True,
+    cors_origins: Sequence[str] = (),
 ) -> FastAPI:
     """The gateway application.
 
@@ -99,6 +101,9 @@ def create_app(
             gives (where to confirm, agent cards); the request's own by
             default.
         a2a: serve A2A (needs ``a2a-sdk``, in the gateway extra).
+        cors_origins: the web origins whose pages may call the gateway from
+            a browser (a chat UI served elsewhere); ``"*"`` for any. None by
+            default: browsers refuse other origins' pages.
     """
     settings = settings or GatewaySettings()
     fleet = GatewayFleet(bus, settings)
@@ -120,6 +125,14 @@ def create_app(
     app.state.tokens = tokens
     app.state.public_url = public_url
     app.add_middleware(_BodyLimit, limit=settings.max_request_bytes)
+    if cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type", "x-api-key", SESSION_HEADER],
+            expose_headers=[SESSION_HEADER],
+        )
 
     @app.exception_handler(FleetbusError)
     async def fleetbus_error(_request: Request, exc: FleetbusError) -> Response:

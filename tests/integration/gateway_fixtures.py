@@ -44,6 +44,7 @@ async def gateway(
     tokens: Tokens = TOKENS,
     a2a: bool = False,
     options: ConnectOptions | None = None,
+    cors_origins: tuple[str, ...] = (),
     **settings: Any,
 ) -> AsyncIterator[Gateway]:
     """A gateway until the block ends (settings: :class:`GatewaySettings`
@@ -54,7 +55,7 @@ async def gateway(
         bus = await Bus.connect(nats_url, prefix=prefix, name="gateway")
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    app = create_app(bus, tokens, GatewaySettings(**settings), a2a=a2a)
+    app = create_app(bus, tokens, GatewaySettings(**settings), a2a=a2a, cors_origins=cors_origins)
     config = uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2
     )

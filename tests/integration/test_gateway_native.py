@@ -244,3 +244,25 @@ async def test_with_detach_a_client_that_goes_away_leaves_the_reply_to_finish(
         final = await ended(bus, session)
         assert final["finished_reason"] == "completed"
         assert final["content"].startswith("echo sleep 1; later from ")
+
+
+async def test_a_browser_page_of_an_allowed_origin_may_call_and_others_may_not(
+    nats_server: EmbeddedServer, prefix: str
+) -> None:
+    async with (
+        gateway(nats_server.url, prefix, cors_origins=("https://chat.example.com",)) as gw,
+        httpx.AsyncClient(base_url=gw.url) as client,
+    ):
+        asked = {
+            "access-control-request-method": "POST",
+            "access-control-request-headers": "authorization,content-type",
+        }
+        allowed = await client.options(
+            "/v1/chat/completions", headers={"origin": "https://chat.example.com", **asked}
+        )
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == "https://chat.example.com"
+        refused = await client.options(
+            "/v1/chat/completions", headers={"origin": "https://evil.example", **asked}
+        )
+        assert "access-control-allow-origin" not in refused.headers
