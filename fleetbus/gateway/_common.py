@@ -4,11 +4,11 @@ Server-Sent Events, the text of an answer, a paused reply told in words."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any, Final, TypeVar
 
+import anyio
 import orjson
 from fastapi import Depends, Request
 from fastapi.responses import StreamingResponse
@@ -36,6 +36,7 @@ __all__ = [
     "SESSION_HEADER",
     "Who",
     "answer_text",
+    "authenticated",
     "call_list",
     "caller",
     "error_body",
@@ -66,10 +67,7 @@ def fleet(request: Request) -> GatewayFleet:
 _BEARER: Final = HTTPBearer(auto_error=False, description="a token of the gateway's tokens file")
 
 
-def caller(
-    request: Request,
-    _shown: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)] = None,
-) -> Caller:
+def authenticated(request: Request) -> Caller:
     """Who sends ``request`` (``Authorization: Bearer`` or ``x-api-key``).
 
     Raises:
@@ -77,6 +75,20 @@ def caller(
     """
     tokens: Tokens = request.app.state.tokens
     return tokens.caller(request.headers.get("authorization"), request.headers.get("x-api-key"))
+
+
+async def caller(
+    request: Request,
+    _shown: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)] = None,
+) -> Caller:
+    """:func:`authenticated`, as the routes' dependency (a coroutine, though
+    it waits for nothing: FastAPI runs a plain function in its thread pool,
+    a hop per request).
+
+    Raises:
+        Unauthorized: no token, or an unknown one.
+    """
+    return authenticated(request)
 
 
 Who = Annotated[Caller, Depends(caller)]
@@ -177,11 +189,16 @@ async def _with_keepalive(body: AsyncIterator[bytes], every: float) -> AsyncIter
                 return
             yield chunk
     finally:
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
-        await _close(iterator)
+        # The server cancels a response whose client went away, and under
+        # its (anyio) cancellation every await fails at once: shielded, the
+        # body's own clean-up (a reply's cancel) runs to its end.
+        with anyio.CancelScope(shield=True):
+            if pending is not None:
+                pending.cancel()
+                await asyncio.wait([pending])
+                if not pending.cancelled():
+                    pending.exception()  # retrieved: the stream ended or failed already
+            await _close(iterator)
 
 
 def sse_response(

@@ -144,8 +144,7 @@ from fleetbus.gateway._a2a_tasks import (
     struct_json,
     task_of,
 )
-from fleetbus.gateway._common import caller as token_caller
-from fleetbus.gateway._common import content_text, error_body
+from fleetbus.gateway._common import authenticated, content_text, error_body
 from fleetbus.gateway.auth import Caller, Unauthorized
 from fleetbus.gateway.fleet import Ask, GatewayFleet, NotFound, TooManyStreams
 from fleetbus.protocol import FinalAnswer, UserRequest, new_id
@@ -184,7 +183,7 @@ def add_a2a_routes(
             tokens of ``app.state.tokens`` (``Authorization: Bearer`` or
             ``x-api-key``).
     """
-    who = authenticate or token_caller
+    who = authenticate or authenticated
     handler = FleetRequestHandler(fleet)
     rpc = create_jsonrpc_routes(
         handler, "/a2a/{agent}", context_builder=_CallContexts(), enable_v0_3_compat=True

@@ -260,6 +260,13 @@ class GatewayFleet:
         if detach is None:
             detach = self.settings.on_disconnect == "detach"
         with self._slot(caller):
+            if not detach:  # read here: leaving early closes the stream, which cancels
+                stream = remote.reply_stream(message, schema=schema)
+                async with contextlib.aclosing(stream):
+                    async for item in stream:
+                        yield item
+                return
+            # Read by a task of its own, which the reader may leave running.
             items: asyncio.Queue[Event | FinalAnswer | BaseException] = asyncio.Queue()
 
             async def follow() -> None:
@@ -275,16 +282,16 @@ class GatewayFleet:
             done = False
             try:
                 while True:
-                    item = await items.get()
-                    if isinstance(item, BaseException):
+                    got = await items.get()
+                    if isinstance(got, BaseException):
                         done = True
-                        raise item
-                    yield item
-                    if isinstance(item, FinalAnswer):
+                        raise got
+                    yield got
+                    if isinstance(got, FinalAnswer):
                         done = True
                         return
             finally:
-                if not done and detach:
+                if not done:
                     self._detached.add(task)
                     task.add_done_callback(self._detached.discard)
                     logger.info(
@@ -295,7 +302,6 @@ class GatewayFleet:
                         extra={"session_id": session_id},
                     )
                 else:
-                    task.cancel()
                     await asyncio.wait([task])
 
     async def reply(
@@ -313,7 +319,9 @@ class GatewayFleet:
             What :meth:`stream` raises.
         """
         events: list[Event] = []
-        stream = self.stream(caller, agent, session_id, message, schema=schema)
+        # Not detached: a request that is not streamed is not left early by
+        # its client (the server runs its handler to the end).
+        stream = self.stream(caller, agent, session_id, message, schema=schema, detach=False)
         async with contextlib.aclosing(stream):
             async for item in stream:
                 if isinstance(item, FinalAnswer):
