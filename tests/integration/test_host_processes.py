@@ -202,7 +202,10 @@ async def test_one_host_process_serves_1000_agents_on_constant_subscriptions(pre
     # One wildcard inbox in the host's queue group, however many agents it served.
     assert after == before
     assert (f"{prefix}.agent.*.inbox", "host.crowd") in after
-    assert len(after) <= 6, after
+    # And the directory's nine: three verbs on three subjects each, whatever the agents.
+    served = [(s, q) for s, q in after if not s.startswith("$SRV.")]
+    assert len(served) <= 6, after
+    assert len(after) - len(served) == 9, after
     assert not [s for s, _ in after if re.search(r"\bc\d{4}\b", s)]
 
 

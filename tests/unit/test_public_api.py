@@ -59,6 +59,7 @@ def test_top_level_exports_the_names_users_type() -> None:
             "logs",
             "tracing",
             "dashboard",
+            "gateway",
         }
     }
     assert public <= set(fleetbus.__all__), public - set(fleetbus.__all__)
