@@ -228,7 +228,10 @@ def test_without_arguments_or_sdk_the_worker_says_what_is_missing(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert main(["worker"]) == 1
-    assert "give the tools to serve: MODULE[:ATTR], --mcp, --mcp-url or --a2a" in capsys.readouterr().err
+    assert (
+        "give the tools to serve: MODULE[:ATTR], --mcp, --mcp-url or --a2a"
+        in capsys.readouterr().err
+    )
     monkeypatch.setitem(sys.modules, "mcp", None)
     assert main(["worker", "--mcp", MCP_SERVER]) == 1
     err = capsys.readouterr().err
