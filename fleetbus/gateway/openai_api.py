@@ -498,6 +498,11 @@ def _response(
     metadata = {"fleetbus_agent": agent, "fleetbus_session": session}
     if final is not None:
         metadata["fleetbus_finished_reason"] = final.finished_reason
+    error = None
+    if final is not None and final.finished_reason == "error":
+        # The reply ended in error (a model that failed…): its text says why.
+        status = "failed"
+        error = {"code": "server_error", "message": text or answer_text(final)}
     return {
         "id": response_id,
         "object": "response",
@@ -505,7 +510,7 @@ def _response(
         "status": status,
         "model": agent,
         "output": output,
-        "error": None,
+        "error": error,
         "incomplete_details": None,
         "instructions": None,
         "metadata": metadata,
@@ -688,7 +693,8 @@ async def create_response(body: ResponsesRequest, request: Request, who: Who) ->
                 events=events,
                 previous=body.previous_response_id,
             )
-            yield emit("response.completed", response=done)
+            ended = "response.failed" if done["status"] == "failed" else "response.completed"
+            yield emit(ended, response=done)
 
     return await _streamed(
         request, service, who, agent, session, message, schema, body_events, headers

@@ -17,6 +17,7 @@ from openai.types.responses import ResponseCompletedEvent
 from fleetbus.agents import Agent, Permissions
 from fleetbus.bus import EmbeddedServer
 from fleetbus.models import FINISH_TOOL
+from fleetbus.models.model import ModelError
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
 from tests.helpers import serving
@@ -280,3 +281,24 @@ async def test_errors_have_the_openai_shape(served: tuple[Gateway, list[str]]) -
         )
         assert big.status_code == 413
         assert big.json()["error"]["code"] == "request_too_large"
+
+
+async def test_a_reply_that_ends_in_error_is_a_failed_response(
+    nats_server: EmbeddedServer, prefix: str
+) -> None:
+    model = ScriptedModel([ModelError("the model is down", retryable=False)], repeat_last=True)
+    async with (
+        serving(nats_server.url, prefix, Agent("broken", "", model)),
+        gateway(nats_server.url, prefix) as gw,
+    ):
+        response = await client(gw).responses.create(model="broken", input="hi")
+        assert response.status == "failed"
+        assert response.error is not None
+        assert "the model is down" in response.error.message
+        stream = await client(gw).responses.create(model="broken", input="hi", stream=True)
+        kinds = [event.type async for event in stream]
+        assert kinds[-1] == "response.failed"
+        chat = await client(gw).chat.completions.create(
+            model="broken", messages=[{"role": "user", "content": "hi"}]
+        )
+        assert "the model is down" in (chat.choices[0].message.content or "")
