@@ -2,11 +2,14 @@
 tool worker, the demo's agent (offline model) and the gateway, each its own
 process; the OpenAI SDK, pointed at the gateway with ``OPENAI_BASE_URL``,
 lists the agent and gets an answer that used a tool of the fleet; the A2A
-card of the agent is served; the command's errors are one line."""
+card of the agent is served; the command's errors are one line. A gateway
+killed mid-reply loses nothing: the reply ends in its session, and another
+replica reads it and continues the responses the dead one gave."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 
@@ -14,25 +17,29 @@ import httpx
 import openai
 import pytest
 
+from fleetbus.agents import Agent
+from fleetbus.agents.serving import SessionJournals
 from fleetbus.bus import Bus, EmbeddedServer
-from tests.helpers import free_port, output, running, spawn, wait_for_workers
+from tests.helpers import free_port, output, running, serving, spawn, wait_for_workers
+from tests.integration.agent_specs import CommandModel
+from tests.integration.gateway_fixtures import ALICE, gateway
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "sk-process-0123456789"
 
 
-async def _ready(url: str) -> None:
-    """Wait until the gateway lists the assistant (the agent and the
-    gateway both started, the agent discovered)."""
+async def _ready(url: str, *, token: str = TOKEN, agent: str = "assistant") -> None:
+    """Wait until the gateway lists ``agent`` (the agent and the gateway both
+    started, the agent discovered)."""
     async with httpx.AsyncClient() as http:
         async with asyncio.timeout(60):
             while True:
                 try:
                     models = await http.get(
-                        f"{url}/v1/models", headers={"authorization": f"Bearer {TOKEN}"}
+                        f"{url}/v1/models", headers={"authorization": f"Bearer {token}"}
                     )
-                    if any(m["id"] == "assistant" for m in models.json().get("data", [])):
+                    if any(m["id"] == agent for m in models.json().get("data", [])):
                         return
                 except httpx.HTTPError:
                     pass
@@ -118,3 +125,52 @@ def test_new_token_prints_a_token_and_its_entry() -> None:
     assert entry["user"] == "alice"
     assert "sha256" in entry
     assert token not in said.split("entry: ")[1]
+
+
+async def test_a_gateway_killed_mid_reply_loses_nothing_another_replica_serves_on(
+    nats_server: EmbeddedServer, prefix: str
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    tokens = json.dumps([{"user": "alice", "token": ALICE}])
+    headers = {"authorization": f"Bearer {ALICE}"}
+    command = ["gateway", "--port", str(port), "--no-a2a", "--nats", nats_server.url]
+    async with serving(nats_server.url, prefix, Agent("clerk", "", CommandModel())):
+        with running([[*command, "--prefix", prefix]], env={"FLEETBUS_GATEWAY_TOKENS": tokens}) as (
+            first,
+        ):
+            await _ready(url, token=ALICE, agent="clerk")
+            async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as http:
+                started = await http.post(
+                    "/v1/responses", json={"model": "clerk", "input": "remember this"}
+                )
+                response_id = started.json()["id"]
+                body = {"content": "sleep 2; slow work", "session": "k", "stream": True}
+                with contextlib.suppress(httpx.HTTPError):
+                    async with http.stream(
+                        "POST", "/v1/fleet/agents/clerk/messages", json=body
+                    ) as s:
+                        session = s.headers["x-fleetbus-session"]
+                        async for line in s.aiter_lines():
+                            if line == "event: reply_start":
+                                first.kill()  # mid-reply, no goodbye
+                                break
+        # Another replica: the reply the dead one followed ran to its end, and
+        # the response it gave continues here.
+        async with (
+            gateway(nats_server.url, prefix) as other,
+            httpx.AsyncClient(base_url=other.url, headers=headers, timeout=30) as http,
+        ):
+            journals = await SessionJournals.open_journals(other.bus)
+            async with asyncio.timeout(30):
+                async for fact in journals.follow("clerk", session):
+                    if fact.kind in ("end", "snapshot"):
+                        break
+            read = (await http.get(f"/v1/fleet/agents/clerk/sessions/{session}")).json()
+            assert read["final"]["finished_reason"] == "completed"
+            assert read["final"]["content"].startswith("echo sleep 2; slow work from ")
+            again = await http.post(
+                "/v1/responses",
+                json={"model": "clerk", "input": "heard?", "previous_response_id": response_id},
+            )
+            assert again.json()["output"][0]["content"][0]["text"] == "heard: remember this"
