@@ -1,7 +1,8 @@
 """The gateway's web application: the OpenAI-compatible face, the
 fleet-native face, and A2A, over one bus connection.
 
-Every route but ``/healthz`` needs a token. Request bodies are limited in
+Every route needs a token but ``/healthz`` and the API's description
+(``/openapi.json``, ``/docs``). Request bodies are limited in
 size (``max_request_bytes``: a larger one is refused with 413 before it is
 read whole); errors of every face have OpenAI's shape (``{"error":
 {"message", "type", "code"}}``); ``/openapi.json`` describes the REST routes.
@@ -120,6 +121,7 @@ def create_app(
         version=__version__,
         description="Agents of a fleetbus fleet over HTTP: OpenAI-compatible, fleet-native, A2A.",
         lifespan=lifespan,
+        redoc_url=None,
     )
     app.state.fleet = fleet
     app.state.tokens = tokens
