@@ -44,11 +44,11 @@ import logging
 import re
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from functools import partial
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Final, Self
+from typing import TYPE_CHECKING, Any, Final
 
 import orjson
 
+from fleetbus._opening import Opening
 from fleetbus.bus.subjects import check_name
 from fleetbus.errors import ConfigError, InvalidSubjectError, ToolDefinitionError, ToolError
 from fleetbus.protocol import ToolResult, ToolSpec, new_id
@@ -260,7 +260,7 @@ class A2AAgentTool:
                 await client.close()
 
 
-class A2ATools:
+class A2ATools(Opening):
     """The agents of A2A servers, as tools, over one HTTP connection pool.
 
     Use it as an async context manager (or :meth:`open` and :meth:`close`);
@@ -304,18 +304,6 @@ class A2ATools:
 
     def __repr__(self) -> str:
         return f"A2ATools({self.urls!r}, tools={[t.name for t in self.tools]})"
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def open(self) -> None:
         """Read every agent's card and make its tool.

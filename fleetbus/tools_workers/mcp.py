@@ -42,12 +42,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from pydantic import BaseModel, Field
 
+from fleetbus._opening import Opening
 from fleetbus._version import __version__
 from fleetbus.bus.subjects import check_name
 from fleetbus.errors import ConfigError, InvalidSubjectError, ToolDefinitionError, ToolError
@@ -177,7 +177,7 @@ class MCPTool:
         )
 
 
-class MCPTools:
+class MCPTools(Opening):
     """The tools of one MCP server, over one session kept open.
 
     Use it as an async context manager (or :meth:`open` and :meth:`close`);
@@ -255,18 +255,6 @@ class MCPTools:
 
     def __repr__(self) -> str:
         return f"MCPTools({self.label!r}, tools={[t.name for t in self.tools]})"
-
-    async def __aenter__(self) -> Self:
-        await self.open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     async def open(self) -> None:
         """Start (or reach) the server, open the session, and list its tools.
