@@ -36,8 +36,10 @@ logger = logging.getLogger(__name__)
 
 
 class _BodyLimit:
-    """Refuses (413) a request whose body is larger than ``limit`` bytes:
-    by its ``Content-Length`` before reading, else as the body arrives."""
+    """Refuses (413) a request whose body is larger than ``limit`` bytes: by
+    its ``Content-Length`` before reading (the server holds a body to its
+    length), else — a chunked body — as it arrives, reading it whole (it is
+    at most ``limit`` bytes) before the application sees it."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -48,24 +50,36 @@ class _BodyLimit:
             await self.app(scope, receive, send)
             return
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            await self._refuse(scope, receive, send)
+        if length is not None:
+            if length.isdigit() and int(length) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
             return
+        chunks: list[bytes] = []
         seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
-            return message
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        whole: Message | None = {"type": "http.request", "body": b"".join(chunks)}
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._refuse(scope, receive, send)
+        async def replayed() -> Message:
+            nonlocal whole
+            if whole is not None:
+                message, whole = whole, None
+                return message
+            return await receive()  # what comes next: the client going away
+
+        await self.app(scope, replayed, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = {
@@ -77,10 +91,6 @@ class _BodyLimit:
             }
         }
         await JSONResponse(body, status_code=413)(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 def create_app(

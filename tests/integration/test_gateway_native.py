@@ -266,3 +266,24 @@ async def test_a_browser_page_of_an_allowed_origin_may_call_and_others_may_not(
             "/v1/chat/completions", headers={"origin": "https://evil.example", **asked}
         )
         assert "access-control-allow-origin" not in refused.headers
+
+
+async def test_a_chunked_body_over_the_limit_is_refused_as_one_with_a_length(
+    http: tuple[httpx.AsyncClient, list[str]],
+) -> None:
+    client, _ = http
+
+    async def chunks(size: int) -> AsyncIterator[bytes]:
+        body = json.dumps({"content": "x" * size}).encode()
+        for start in range(0, len(body), 64 * 1024):
+            yield body[start : start + 64 * 1024]
+
+    headers = {**auth(), "content-type": "application/json"}
+    big = await client.post(
+        "/agents/clerk/messages", headers=headers, content=chunks(2 * 1024 * 1024)
+    )
+    assert big.status_code == 413
+    assert big.json()["error"]["code"] == "request_too_large"
+    small = await client.post("/agents/clerk/messages", headers=headers, content=chunks(10))
+    assert small.status_code == 200, small.text
+    assert small.json()["final"]["content"].startswith("echo xxxxxxxxxx from ")
