@@ -166,6 +166,10 @@ def cmd(args: argparse.Namespace) -> int:
                 access_log=False,
                 lifespan="on",
                 timeout_graceful_shutdown=5,
+                # Longer than the idle timeout of the load balancers in front
+                # (60 s is common), so that they, not the gateway, close an
+                # idle connection: a request is never sent on one just closed.
+                timeout_keep_alive=75,
             )
             server = Server(config)
 

@@ -182,6 +182,13 @@ async def test_no_token_no_access(http: tuple[httpx.AsyncClient, list[str]]) -> 
         assert response.headers["www-authenticate"] == "Bearer"
         assert response.json()["error"]["type"] == "authentication_error"
     assert (await client.get("/agents", headers={"x-api-key": ALICE})).status_code == 200
+    # No such route, or not with that method: the same shape of error.
+    missing = await client.get("/nowhere", headers=auth())
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "not_found_error"
+    wrong = await client.delete("/agents", headers=auth())
+    assert wrong.status_code == 405
+    assert wrong.json()["error"]["type"] == "invalid_request_error"
 
 
 async def test_openapi_describes_the_routes(http: tuple[httpx.AsyncClient, list[str]]) -> None:
