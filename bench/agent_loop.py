@@ -40,8 +40,25 @@ not grow with memory. The prior messages are frozen out of the garbage
 collector (``gc.freeze``): a larger heap makes full collections slower, which
 is not the loop's work.
 
+``fresh``: what a reply costs beyond its steps. A new agent for each
+reply, as a host serving a new session makes it (a clone of the agent's
+definition with the state a new session starts from,
+``definition.clone(state=definition.initial_state())``), answers at once
+(``reply_1step``: one model step, no tool call) or after four noop calls
+(``reply_5step``: five steps), the tool in-process; the two kinds
+alternate, ``--fresh-runs`` replies of each after ``--fresh-warmup`` not
+measured, timed from the clone to the answer. ``step_us`` is the ``local``
+figure of the same event loop (a step of a long reply), and the fixed cost a
+reply is derived from it: ``fixed_from_1step_us`` is ``reply_1step_us``
+minus ``step_us``, ``fixed_from_5step_us`` is ``reply_5step_us`` minus 5
+times ``step_us``. A step of a long reply makes a tool call and the last
+step of a reply makes none, so both leave out the cost of one in-process
+tool call: they agree but for noise, and the fixed cost is theirs plus that
+call.
+
 Prints one JSON line. Targets: the remote case under 1 ms an iteration
-(median, uvloop when measured); ``ratio_1000_10`` at most 1.5.
+(median, uvloop when measured); ``ratio_1000_10`` at most 1.5; a fresh
+agent's fixed cost a reply under 0.2 ms (both derivations).
 """
 
 from __future__ import annotations
@@ -82,6 +99,7 @@ SYSTEM_PROMPT = "You call noop until you are done."
 PROMPT = "Call noop."
 TARGET_REMOTE_US = 1000.0
 TARGET_MEMORY_RATIO = 1.5
+TARGET_FIXED_US = 200.0
 
 RunTool = Callable[[ToolUseBlock], Awaitable[ToolResultBlock]]
 
@@ -190,6 +208,24 @@ async def agent_reply(toolkit: Toolkit, iterations: int) -> float:
     return elapsed
 
 
+async def fresh_reply(definition: Agent, iterations: int) -> float:
+    """Seconds of one reply of a new session's agent (a clone of ``definition``
+    with a fresh state), from the clone to the answer; checks it ran every
+    call and answered."""
+    model = ScriptedModel(script(iterations))
+    started = time.perf_counter()
+    agent = definition.clone(state=definition.initial_state())
+    agent.model = model
+    final = await agent.reply(PROMPT)
+    elapsed = time.perf_counter() - started
+    results = [b for m in agent.memory for b in m.tool_results]
+    if final.finished_reason != "completed" or len(results) != iterations - 1:
+        raise RuntimeError(f"the agent ended {final.finished_reason!r}: {final.content!r}")
+    if any(b.state != "success" for b in results):
+        raise RuntimeError("a tool call of a fresh agent failed")
+    return elapsed
+
+
 async def hand_loop(model: ScriptedModel, run_tool: RunTool, iterations: int) -> str:
     """The bare minimum of a ReAct loop: model turn, tool, append, repeat."""
     tools = [noop.spec()]
@@ -284,6 +320,37 @@ async def compare(
     }
 
 
+async def measure_fresh(
+    toolkit: Toolkit, step_us: float, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Median microseconds of a fresh agent's 1-step and 5-step replies, and
+    the fixed cost a reply derived with ``step_us`` (see the module docstring)."""
+    definition = Agent(
+        "bench",
+        SYSTEM_PROMPT,
+        ScriptedModel(),
+        toolkit=toolkit,
+        settings=AgentSettings(max_iters=5, max_repeated_calls=None),
+    )
+    times: dict[int, list[float]] = {1: [], 5: []}
+    gc.collect()
+    for index in range(args.fresh_warmup + args.fresh_runs):
+        for steps in (1, 5) if index % 2 == 0 else (5, 1):
+            elapsed = await fresh_reply(definition, steps)
+            if index >= args.fresh_warmup:
+                times[steps].append(elapsed * 1e6)
+    one, five = statistics.median(times[1]), statistics.median(times[5])
+    return {
+        "reply_1step_us": round(one, 1),
+        "reply_5step_us": round(five, 1),
+        "step_us": step_us,
+        "fixed_from_1step_us": round(one - step_us, 1),
+        "fixed_from_5step_us": round(five - 5 * step_us, 1),
+        "reply_1step_min_max_us": [round(min(times[1]), 1), round(max(times[1]), 1)],
+        "reply_5step_min_max_us": [round(min(times[5]), 1), round(max(times[5]), 1)],
+    }
+
+
 async def measure(
     url: str,
     prefix: str,
@@ -301,6 +368,7 @@ async def measure(
             runs,
             warmup,
         )
+        results["fresh"] = await measure_fresh(local_kit, results["local"]["fleetbus_us"], args)
         bus = await Bus.connect(url, prefix=prefix)
         try:
             client = ToolClient(bus, timeout=5.0, attempts=1)
@@ -464,11 +532,19 @@ def main() -> None:
     parser.add_argument(
         "--memory-iterations", type=int, default=3, help="model steps a reply at each memory size"
     )
+    parser.add_argument(
+        "--fresh-runs", type=int, default=301, help="measured fresh-agent replies of each kind"
+    )
+    parser.add_argument(
+        "--fresh-warmup", type=int, default=30, help="fresh-agent replies of each kind not measured"
+    )
     args = parser.parse_args()
     if args.iterations < 2 or args.runs < 1 or args.warmup < 0:
         parser.error("need --iterations >= 2, --runs >= 1, --warmup >= 0")
     if args.memory_iterations < 2 or len(args.memory_sizes) < 2 or min(args.memory_sizes) < 0:
         parser.error("need --memory-iterations >= 2 and two --memory-sizes or more, >= 0")
+    if args.fresh_runs < 1 or args.fresh_warmup < 0:
+        parser.error("need --fresh-runs >= 1, --fresh-warmup >= 0")
     # SIGTERM (a CI timeout) unwinds like Ctrl-C, so the worker and the
     # server are stopped on the way out.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -499,6 +575,11 @@ def main() -> None:
     report["targets_met"] = {
         "remote_under_1ms": report[target_loop]["remote"]["fleetbus_us"] < TARGET_REMOTE_US,
         "memory_ratio_at_most_1_5": memory_ratio <= TARGET_MEMORY_RATIO,
+        "fresh_fixed_under_0_2ms": max(
+            report[target_loop]["fresh"]["fixed_from_1step_us"],
+            report[target_loop]["fresh"]["fixed_from_5step_us"],
+        )
+        < TARGET_FIXED_US,
     }
     report["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(report, separators=(",", ":")))
