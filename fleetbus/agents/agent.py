@@ -338,7 +338,10 @@ class Agent:
             return result
 
     def interrupt(self, *, pending: bool = False) -> None:
-        """Stop the reply in progress; it ends with ``finished_reason="interrupted"``.
+        """Stop the reply in progress: what it waits for is cut short, nothing
+        new starts, and it ends with ``finished_reason="interrupted"`` (an
+        interrupt after its last model call and tool call leaves its answer
+        as it is).
 
         Idempotent: once the reply is being interrupted, further calls do
         nothing (they must not cut short the saving of its end).
@@ -383,20 +386,17 @@ class Agent:
                 keeps the schema it started with.
             session_id: carried by the reply's events and final message.
 
+        Its events are not made (but for the middleware that watches them):
+        :meth:`reply_stream` streams them. Cancelling the caller interrupts
+        the reply: it ends ``interrupted`` with memory consistent, then the
+        cancellation goes on.
+
         Raises:
             ConfigError: both ``structured_model`` and ``structured_schema``.
         """
-        final: FinalAnswer | None = None
-        async for item in self.reply_stream(
-            inputs,
-            structured_model=structured_model,
-            structured_schema=structured_schema,
-            session_id=session_id,
-        ):
-            if isinstance(item, FinalAnswer):
-                final = item
-        assert final is not None  # reply_stream always ends with one
-        return final
+        if structured_model is not None and structured_schema is not None:
+            raise ConfigError("give structured_model or structured_schema, not both")
+        return await self._final_only(inputs, structured_model, structured_schema, session_id)
 
     async def confirm(
         self,
@@ -465,6 +465,9 @@ class Agent:
         """
         if structured_model is not None and structured_schema is not None:
             raise ConfigError("give structured_model or structured_schema, not both")
+        if not events:  # the final answer alone: nothing to queue, nobody to wait for
+            yield await self._final_only(inputs, structured_model, structured_schema, session_id)
+            return
         queue: asyncio.Queue[Event | FinalAnswer | None] = asyncio.Queue()
         reading = asyncio.Event()
         """Set while the reader waits on an empty queue: it has read everything."""
@@ -482,31 +485,9 @@ class Agent:
             finally:
                 self._stalled = False
 
-        async def run() -> FinalAnswer:
-            if self._lock.locked() and self._stalled:
-                self.interrupt()  # the previous reply's reader left: end it
-            # The task holds the lock, not the generator: a reply that ends
-            # frees the agent even while its abandoned stream is not closed.
-            async with self._lock:
-                self._interrupted = False
-                self._running = asyncio.current_task()
-                if self._interrupt_next:
-                    self._interrupt_next = False
-                    self.interrupt()  # cancels this task at its first wait
-                try:
-                    return await self._reply(
-                        inputs,
-                        structured_model,
-                        structured_schema,
-                        session_id,
-                        emit,
-                        demand,
-                        events=events,
-                    )
-                finally:
-                    self._running = None
-
-        task = asyncio.get_running_loop().create_task(run())
+        task = asyncio.get_running_loop().create_task(
+            self._run(inputs, structured_model, structured_schema, session_id, emit, demand)
+        )
         # The end of the task, however it ends, wakes the reader.
         task.add_done_callback(lambda _: queue.put_nowait(None))
         try:
@@ -530,22 +511,97 @@ class Agent:
             # Our own task: wait for it without letting its end cancel us.
             await asyncio.wait({task})
 
+    async def _final_only(
+        self,
+        inputs: ReplyInput,
+        structured_model: type[pydantic.BaseModel] | None,
+        structured_schema: dict[str, Any] | None,
+        session_id: str | None,
+    ) -> FinalAnswer:
+        """The reply's final answer, its events not made (but for the
+        middleware watching them). The reply runs in a task of its own, as a
+        streamed one does (an interrupt cancels that task, not the caller); a
+        cancel of the caller interrupts it, waits for its end, and goes on."""
+        task = asyncio.get_running_loop().create_task(
+            self._run(inputs, structured_model, structured_schema, session_id, None, None)
+        )
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                if self._running is task:
+                    self._interrupted = True
+                task.cancel()
+                # Our own task: wait for it without letting its end cancel us.
+                await asyncio.wait({task})
+            raise
+
+    async def _run(
+        self,
+        inputs: ReplyInput,
+        structured_model: type[pydantic.BaseModel] | None,
+        structured_schema: dict[str, Any] | None,
+        session_id: str | None,
+        emit: Callable[[Event | FinalAnswer], None] | None,
+        demand: Callable[[], Awaitable[Any]] | None,
+    ) -> FinalAnswer:
+        """The task of a reply: one at a time, each interruptible (``emit``:
+        where its events and final answer go, ``None`` for none; ``demand``:
+        awaited before each model call and tool call, :meth:`_landing` when
+        ``None``)."""
+        if self._lock.locked() and self._stalled:
+            self.interrupt()  # the previous reply's reader left: end it
+        # The task holds the lock, not the generator: a reply that ends
+        # frees the agent even while its abandoned stream is not closed.
+        async with self._lock:
+            self._interrupted = False
+            task = self._running = asyncio.current_task()
+            if self._interrupt_next:
+                self._interrupt_next = False
+                self.interrupt()  # cancels this task at its first wait
+            try:
+                final = await self._reply(
+                    inputs,
+                    structured_model,
+                    structured_schema,
+                    session_id,
+                    emit,
+                    demand or self._landing,
+                )
+            finally:
+                self._running = None
+        if task is not None and task.cancelling():
+            # An interrupt that came after the reply's last wait: the reply
+            # ended all the same, and its answer must not be lost to it.
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                task.uncancel()
+        return final
+
+    async def _landing(self) -> None:
+        """Awaited before each model call and tool call of a reply nobody
+        streams: once it is being interrupted, a wait, where the interrupt
+        lands before anything new starts (a reply whose model and tools
+        never wait would run to its end otherwise)."""
+        if self._interrupted:
+            await asyncio.sleep(0)
+
     async def _reply(
         self,
         inputs: ReplyInput,
         structured_model: type[pydantic.BaseModel] | None,
         structured_schema: dict[str, Any] | None,
         session_id: str | None,
-        emit: Callable[[Event | FinalAnswer], None],
+        emit: Callable[[Event | FinalAnswer], None] | None,
         demand: Callable[[], Awaitable[Any]] | None = None,
-        *,
-        events: bool = True,
     ) -> FinalAnswer:
         run: ReplyRun | None = None
         try:
             prepared = self._prepare(inputs, structured_model, structured_schema, session_id)
             if isinstance(prepared, FinalAnswer):
-                emit(prepared)
+                if emit is not None:
+                    emit(prepared)
                 return prepared
             reply, resume = prepared
             if self._state.permissions.asks:  # accepted rules only ever answer an ask
@@ -556,7 +612,7 @@ class Agent:
                     self._state,
                     reply,
                     structured_model=structured_model,
-                    emit=emit if events else None,
+                    emit=emit,
                     demand=demand,
                     checkpoint=self.checkpoint,
                 )
@@ -596,7 +652,8 @@ class Agent:
             )
         with contextlib.suppress(Exception):
             await self.checkpoint()
-        emit(final)
+        if emit is not None:
+            emit(final)
         return final
 
     def _reply_settings(self) -> ReplySettings:

@@ -1,11 +1,14 @@
-"""An interrupted reply's memory tells what really happened to each call, and
-leaving ``reply_stream`` early stops the reply from starting anything new."""
+"""An interrupted reply's memory tells what really happened to each call,
+leaving ``reply_stream`` early stops the reply from starting anything new, and
+an interrupt lands before the next model or tool call of a reply whose model
+and tools never wait (one nobody streams too)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from fleetbus.agents import Agent, AgentSettings, Msg
+from fleetbus.agents import Agent, AgentSettings, Middleware, Msg
+from fleetbus.agents.middleware import ReplyContext
 from fleetbus.protocol import Event, FinalAnswer, ToolResultBlock
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
@@ -113,3 +116,50 @@ async def test_an_interrupt_before_the_reply_starts_applies_only_when_pending() 
     assert final.finished_reason == "interrupted"
     assert written == ["z"]  # its tool never ran
     assert (await pending.reply("again")).finished_reason == "completed"  # once only
+
+
+async def test_a_pending_interrupt_stops_a_final_only_stream_before_anything_runs() -> None:
+    # The model and the tool never wait: the interrupt still lands before
+    # the first model call, as for a streamed reply.
+    written: list[str] = []
+    model = ScriptedModel([ScriptedModel.call("write", {"text": "z"}), ScriptedModel.text("done")])
+    agent = Agent("a", "", model, toolkit=kit(written, asyncio.Event()))
+    agent.interrupt(pending=True)
+    items = [item async for item in agent.reply_stream("go", events=False)]
+    assert [type(i).__name__ for i in items] == ["FinalAnswer"]
+    final = items[0]
+    assert isinstance(final, FinalAnswer)
+    assert final.finished_reason == "interrupted"
+    assert (model.requests, written, agent.state.reply) == ([], [], None)
+
+
+async def test_an_interrupt_from_inside_a_reply_lands_before_its_next_model_call() -> None:
+    agents: list[Agent] = []
+
+    @tool
+    async def stop() -> str:
+        """Stop the reply (and never wait)."""
+        agents[0].interrupt()
+        return "stopping"
+
+    model = ScriptedModel([ScriptedModel.call("stop", {}, call_id="s1"), ScriptedModel.text("no")])
+    agents.append(Agent("a", "", model, toolkit=Toolkit([stop])))
+    final = await agents[0].reply("go")
+    assert final.finished_reason == "interrupted"
+    assert len(model.requests) == 1
+    assert results(agents[0].memory)["s1"].output == "stopping"
+
+
+async def test_an_interrupt_after_the_last_wait_of_a_reply_does_not_lose_its_answer() -> None:
+    agents: list[Agent] = []
+
+    class StopAtTheEnd(Middleware):
+        def on_event(self, ctx: ReplyContext, event: Event) -> None:
+            if event.event == "reply_end":
+                agents[0].interrupt()  # too late: the reply has ended
+
+    agents.append(Agent("a", "", ScriptedModel(["done"]), middlewares=[StopAtTheEnd()]))
+    final = await agents[0].reply("go")
+    assert (final.content, final.finished_reason) == ("done", "completed")
+    items = [i async for i in agents[0].reply_stream("again", events=False)]
+    assert [type(i).__name__ for i in items] == ["FinalAnswer"]  # (the model ran out: an error)

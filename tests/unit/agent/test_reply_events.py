@@ -1,9 +1,15 @@
 """reply_stream(events=False) yields the final answer alone and makes no
-events, but for the middleware that watches them; the reply is the same."""
+events, but for the middleware that watches them; the reply is the same.
+reply() makes none either."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from fleetbus.agents import Agent, Middleware
+from fleetbus.agents.events import EventFactory
 from fleetbus.agents.middleware import ReplyContext
 from fleetbus.protocol import Event, FinalAnswer
 from fleetbus.testing import ScriptedModel
@@ -59,3 +65,29 @@ async def test_the_middleware_watching_events_still_sees_every_one() -> None:
     assert watching.seen[0] == "reply_start"
     assert watching.seen[-1] == "reply_end"
     assert "tool_result" in watching.seen
+
+
+async def test_reply_makes_no_events_but_for_the_middleware_watching(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[str] = []
+    make = EventFactory.__call__
+
+    def counting(self: EventFactory, name: str, **data: Any) -> Event:
+        made.append(name)
+        return make(self, name, **data)
+
+    monkeypatch.setattr(EventFactory, "__call__", counting)
+    streamed = [item async for item in adder().reply_stream("2+3?")]
+    assert len(made) == len(streamed) - 1  # (the counter sees what a stream makes)
+    made.clear()
+
+    final = await adder().reply("2+3?")
+
+    assert (final.content, final.finished_reason) == ("It is 5.", "completed")
+    assert made == []
+    watching = Watching()
+    assert (await adder(watching).reply("2+3?")).content == "It is 5."
+    assert watching.seen == made
+    assert watching.seen[0] == "reply_start"
+    assert watching.seen[-1] == "reply_end"
