@@ -264,9 +264,11 @@ class Permissions(BaseModel):
         default: the action when no rule matches.
     """
 
-    rules: list[PermissionRule] = []
+    # default_factory, not a [] default, which pydantic deep-copies for every
+    # new state (a new session's).
+    rules: list[PermissionRule] = Field(default_factory=list)
     default: Action = "allow"
-    accepted: list[PermissionRule] = []
+    accepted: list[PermissionRule] = Field(default_factory=list)
     """Allow rules a person accepted in this session (:meth:`accept`): they
     outrank ``ask`` rules, not ``deny`` ones."""
     agent_accepted: list[PermissionRule] = Field(default_factory=list, exclude=True)
