@@ -325,6 +325,15 @@ def add_sim_parser(
     q.add_argument("--worker-id", help="this worker's id")
     bus_options(q)
 
+    q = sim.add_parser("report", help="write one HTML page of a run's charts (RUN_DIR/report.html)")
+    q.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's directory (its --out)")
+    q.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE",
+        help="where to write the page (default: RUN_DIR/report.html)",
+    )
+
     q = sim.add_parser("server", help="the embedded nats-server of a run (sim run starts it)")
     q.add_argument("--state-dir", type=Path, required=True, help="JetStream storage")
     q.add_argument("--parent-pipe", action="store_true", help=argparse.SUPPRESS)

@@ -6,6 +6,8 @@
   answer, runs the rounds with a progress bar, prints a table of the rounds,
   and stops everything it started (at the end, on Ctrl-C, on an error).
   Rerun on the same ``--out`` after a crash: it resumes.
+- ``sim report RUN_DIR`` — writes one HTML page of a run's charts
+  (``RUN_DIR/report.html``, or ``--out FILE``) and prints its path.
 - ``sim host SPEC`` — serves the population (one host; start more, on any
   machine, to share the load).
 - ``sim tools SPEC`` — serves the simulation's tools and environment tools.
@@ -58,6 +60,7 @@ from fleetbus.sim import (
     load_simulation,
 )
 from fleetbus.sim.processes import Children, announce_ready, stop_when_parent_exits
+from fleetbus.sim.report import write_report
 
 __all__ = ["add_parser", "cmd"]
 
@@ -77,6 +80,7 @@ def cmd(args: argparse.Namespace) -> int:
         "host": cmd_host,
         "tools": cmd_tools,
         "server": cmd_server,
+        "report": cmd_report,
     }[args.sim_command](args)
 
 
@@ -318,6 +322,16 @@ def _show(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+# -- sim report ------------------------------------------------------------------------
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Write the HTML page of a run's charts; print its path."""
+    path = write_report(args.run_dir, args.out)
+    console.print(str(path), highlight=False, soft_wrap=True)
+    return 0
 
 
 # -- the serving processes --------------------------------------------------------------
