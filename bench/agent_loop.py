@@ -51,10 +51,10 @@ measured, timed from the clone to the answer. ``step_us`` is the ``local``
 figure of the same event loop (a step of a long reply), and the fixed cost a
 reply is derived from it: ``fixed_from_1step_us`` is ``reply_1step_us``
 minus ``step_us``, ``fixed_from_5step_us`` is ``reply_5step_us`` minus 5
-times ``step_us``. A step of a long reply makes a tool call and the last
-step of a reply makes none, so both leave out the cost of one in-process
-tool call: they agree but for noise, and the fixed cost is theirs plus that
-call.
+times ``step_us``. Both understate it: a step of a long reply makes a tool
+call, which the last step of a reply does not, and costs a little more than
+a step of a short reply (a longer memory, colder caches), which takes most
+from the 5-step figure.
 
 Prints one JSON line. Targets: the remote case under 1 ms an iteration
 (median, uvloop when measured); ``ratio_1000_10`` at most 1.5; a fresh
