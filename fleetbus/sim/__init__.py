@@ -12,10 +12,12 @@
   a deadline each, writes the results (:class:`RunFiles`), and resumes an
   interrupted run from its last finished round;
 - :class:`PopulationHost`, :class:`SimulationToolWorker` — the processes that
-  serve the agents and the tools.
+  serve the agents and the tools;
+- :mod:`fleetbus.sim.report` — a run's results as one self-contained HTML
+  page of charts (``write_report``).
 
-``fleetbus sim run SPEC`` does it all from the command line; see
-``docs/simulations.md``.
+``fleetbus sim run SPEC`` does it all from the command line, ``fleetbus sim
+report RUN_DIR`` draws the page; see ``docs/simulations.md``.
 """
 
 from fleetbus.sim.environment import ENVIRONMENT_TOOLS, Environment, Versioned, environment_tools
