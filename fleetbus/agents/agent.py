@@ -510,6 +510,8 @@ class Agent:
                 task.cancel()
             # Our own task: wait for it without letting its end cancel us.
             await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()  # seen, whether or not the reader above raised it
 
     async def _final_only(
         self,
@@ -534,6 +536,8 @@ class Agent:
                 task.cancel()
                 # Our own task: wait for it without letting its end cancel us.
                 await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()  # the caller's cancel wins; what ended the task is seen
             raise
 
     async def _run(
