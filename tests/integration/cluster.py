@@ -142,7 +142,7 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-async def stream_info(bus: Bus, stream: str, timeout: float = 2.0) -> dict[str, Any]:
+async def stream_info(bus: Bus, stream: str, timeout: float = 10.0) -> dict[str, Any]:
     """A stream's info as JetStream's API answers it (raw JSON: ``config``,
     ``cluster.leader``, ``cluster.replicas``…).
 
@@ -343,7 +343,7 @@ class NatsCluster:
         last: object = None
         while asyncio.get_running_loop().time() < deadline:
             try:
-                info = await stream_info(bus, stream)
+                info = await stream_info(bus, stream, timeout=2.0)  # asked again if need be
             except Exception as exc:  # no leader yet, or the connection is failing over
                 last = exc
             else:

@@ -12,7 +12,7 @@ import pytest
 
 from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus
-from fleetbus.errors import StoreError
+from fleetbus.errors import NoRespondersError, StoreError
 from fleetbus.protocol import AnyMessage, FinalAnswer, UserRequest, to_builtins
 from tests.integration.cluster import NatsCluster, stream_info
 from tests.integration.test_sessions_durable import (
@@ -47,6 +47,25 @@ async def open_store(bus: Bus, timeout: float = 30.0) -> SessionStore:
             await asyncio.sleep(0.2)
 
 
+async def warm_up(bus: Bus, session: str, timeout: float = 30.0) -> AnyMessage:
+    """The agent's answer to an empty request, once the node this client is
+    connected to knows the agent's inbox: on a cluster under load, the
+    host's subscription reaches the other nodes over their routes a moment
+    after the host is ready (until then a request has no responders)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            return await bus.request(
+                bus.subjects.agent_inbox(AGENT),
+                UserRequest(session_id=session, content=""),
+                timeout=timeout,
+            )
+        except NoRespondersError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
 @pytest.mark.timeout(150)
 async def test_replies_finish_when_the_sessions_leader_is_killed(
     cluster: NatsCluster, cluster_bus: Bus
@@ -76,11 +95,7 @@ async def test_replies_finish_when_the_sessions_leader_is_killed(
             info = await stream_info(bus, stream)
             assert info["config"]["num_replicas"] == 3
         # Every node knows the agent's inbox before the requests go out.
-        warm = await bus.request(
-            bus.subjects.agent_inbox(AGENT),
-            UserRequest(session_id="warm-up", content=""),
-            timeout=30,
-        )
+        warm = await warm_up(bus, "warm-up")
         assert isinstance(warm, FinalAnswer)
         for session, text in texts.items():
             inbox = bus.nc.new_inbox()
@@ -135,7 +150,7 @@ async def test_requests_that_come_while_the_leases_leader_is_killed_wait_for_the
         ),
     ):
         inbox = bus.subjects.agent_inbox(AGENT)
-        warm = await bus.request(inbox, UserRequest(session_id="warm", content=""), timeout=30)
+        warm = await warm_up(bus, "warm")
         assert isinstance(warm, FinalAnswer)
         stream = f"KV_{bus.subjects.kv_bucket('session_leases')}"
         cluster.kill(await cluster.stream_leader(bus, stream))
