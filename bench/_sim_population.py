@@ -49,7 +49,8 @@ class Population:
         if not isinstance(name, str) or not name.startswith("sim-"):
             return False
         digits = name[4:]
-        return digits.isdigit() and len(digits) == 5 and int(digits) < self.size
+        # Five digits at least, as __iter__ writes them: sim-00042, sim-123456.
+        return digits.isdigit() and int(digits) < self.size and name == f"sim-{int(digits):05d}"
 
     def agent(self, name: str) -> Agent:
         return Agent(
