@@ -56,6 +56,25 @@ versions:
 bench: install
 	@for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done
 
+# The simulation at scale, one command each (docs/performance.md): 100,000
+# agents on one server (about 3 minutes on 2 cores), the same on three
+# nats-servers with routes on this machine (about 5), and a million agents on
+# one server, without the broadcast (about 15). Each appends its JSON line to
+# bench/results/simulation.jsonl.
+.PHONY: bench-100k bench-100k-cluster bench-1m
+SIM_100K := bench/simulation.py --agents 100000 --hosts 2 --rounds 1 --no-compare-old \
+	--deadline 600 --results bench/results/simulation.jsonl
+
+bench-100k: install
+	$(PY) $(SIM_100K)
+
+bench-100k-cluster: install
+	$(PY) $(SIM_100K) --cluster 3
+
+bench-1m: install
+	$(PY) bench/simulation.py --agents 1000000 --hosts 2 --rounds 1 --no-compare-old \
+		--no-broadcast --idle 3 --deadline 1500 --results bench/results/simulation.jsonl
+
 schema: install
 	$(BIN)/fleetbus schema
 

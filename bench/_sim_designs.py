@@ -7,7 +7,8 @@ design counted on the server.
   the start-up measured is not a compilation), removed at the end;
 - :class:`Writes`: the messages stored in each stream of a fleet, from the
   streams' last sequences (appends and lease writes, as the server counts
-  them: nothing is added to the path measured);
+  them: nothing is added to the path measured); and each stream's bytes,
+  copies and leader (:meth:`Writes.streams`);
 - :class:`ApiTap`: the JetStream API requests of each fleet (reads: direct
   gets, message gets; the rest), heard by a plain subscription on
   ``$JS.API.>``.
@@ -22,6 +23,7 @@ import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -69,6 +71,21 @@ class Writes:
             if name is not None:
                 last[name] = info.state.last_seq
         return last
+
+    async def streams(self) -> dict[str, dict[str, Any]]:
+        """Each stream's messages and bytes stored (``state.bytes``), its
+        copies, and its leader on a cluster (the node's ``server_name``)."""
+        out = {}
+        for info in await self._js.streams_info():
+            name = _owned(info.config.name or "", self.bucket_prefix)
+            if name is not None:
+                out[name] = {
+                    "messages": info.state.messages,
+                    "bytes": info.state.bytes,
+                    "replicas": info.config.num_replicas or 1,
+                    "leader": info.cluster.leader if info.cluster is not None else None,
+                }
+        return dict(sorted(out.items()))
 
     @staticmethod
     def per(before: dict[str, int], after: dict[str, int], replies: int) -> dict[str, float]:

@@ -1,21 +1,41 @@
-"""A simulation's runtime at scale: N agents served by one host process.
+"""A simulation's runtime at scale: N agents served by host processes.
 
-In one run, over one embedded nats-server: a tool worker process serving a
-no-op tool, a host process serving N agents (``fleetbus agent
-bench._sim_population:population --checkpoints reply``: each reply is one
-ReAct step with one call of the tool on the worker), and this process as the
-runner. Measured:
+In one run, over one embedded nats-server (or, with ``--cluster 3``, three
+nats-servers with routes on this machine): a tool worker process serving a
+no-op tool, ``--hosts`` host processes in one group serving N agents
+(``fleetbus agent bench._sim_population:population --checkpoints reply``:
+each reply is one ReAct step with one call of the tool on the worker), and
+this process as the runner. Measured:
 
-- start-up: from starting the host process to every agent answering;
-- idle: the host's RSS (per agent, against a host of one agent started the
-  same way) and CPU over 10 s, before and after the rounds;
+- start-up: from starting the host processes to every agent answering;
+- idle: the main host's RSS (per agent, against a host of one agent started
+  the same way) and CPU over ``--idle`` s, before and after the rounds;
+- memory: the RSS of every process of the run (each host, the tool worker,
+  each nats-server, the runner) and their total, at ready and after the
+  rounds, and its peak while the rounds run (sampled every second: the peak
+  of each process, and the peak of the sum of one sample) — ``rss_mb``; the
+  host of one agent and the raw responder are instruments, not counted;
 - one round: every agent gets a prompt, runs its step with its remote tool
   call, answers; with at most ``--in-flight`` requests out at once. For each
-  round, what the server stored per reply in each of the fleet's streams
+  round: its seconds, the CPU per reply of each process and of all of them
+  (``cpu_ms_per_answer_total``: hosts, worker, server(s), runner), the answer
+  rate in each tenth of the round (answers counted by completion time; the
+  first tenth holds the ramp-up of the first ``--in-flight`` requests, the
+  last the drain of the last ones) and the first tenth's rate over the
+  last's; what the server stored per reply in each of the fleet's streams
   (journal appends, lease writes: ``--checkpoints reply`` writes a session
   when a request is taken and when it is answered — 2 lease writes, and 1
   append, the end, on a released session, 2 on a new one, its ``taken``
   fact too), and the JetStream API requests per reply (reads);
+- against a smaller round (``--compare-agents``, 10,000 by default when
+  ``--agents`` is larger): before each round, the first 10,000 agents play a
+  round of their own (their own session, as long as the big round's), with
+  the same requests in flight; ``vs_10k`` is the big round's time over the
+  small one's (linear: ``--agents`` / 10,000), ``rate_vs_10k`` its answers a
+  second over the small one's (linear: 1);
+- disk, after the rounds: the bytes the JetStream store of each server
+  takes (``du``), and each fleet stream's messages and bytes (stream info),
+  copies and leader;
 - a broadcast on a topic every agent observes, until it is recorded in the
   session of every agent;
 - the floor: the same number of raw nats-py request/replies between this
@@ -24,8 +44,19 @@ runner. Measured:
   (``bench/_raw_host.py``) doing a reply's bus work and nothing else on the
   session layout of journals (take the lease, read the journal when its end
   is not known, append ``taken``, call the tool, append ``end``, answer,
-  release), on streams fleetbus made. What is above it is the work of
-  fleetbus's host in Python (the agent, its session's records).
+  release), on streams fleetbus made; its CPU per reply (its hosts and the
+  server(s)). What is above it is the work of fleetbus's host in Python (the
+  agent, its session's records).
+
+With ``--cluster 3`` the three nodes run ``deploy/nats-cluster/*.conf`` made
+fit for this machine (``bench/_sim_cluster.py``; JetStream flushed as
+``--sync`` says). Host ``i`` connects to node ``i % 3 + 1`` (the protocol
+floor's hosts too); the runner, the tool worker and the host of one agent to
+node 1; the raw responder to node 2 (the floor's request/replies cross a
+route). Assets get ``--js-replicas`` copies (default: fleetbus's, 3 on a
+cluster). Also measured on a cluster: the CPU of each node, and the messages
+and bytes the nodes sent each other over their routes per reply (the API
+tap's copies of JetStream API requests among them: ``api_requests_per_reply``).
 
 With ``--compare-old`` (the default), the previous session design (KV heads
 and chunks, commit 4557175: ``--old-commit``) is measured in the same run:
@@ -41,6 +72,8 @@ tree others edit meanwhile is not measured half-changed).
 Every round plays the same sessions: each is one reply longer per round, and
 what a reply reads of its session grows with it (``--rounds`` many to see
 how). About 2 minutes at 10,000 agents with both designs on 2 cores.
+``make bench-100k``, ``make bench-100k-cluster`` and ``make bench-1m`` run
+100,000 agents (one server, then three nodes) and a million.
 
 ``BENCH_PROFILE=DIR`` runs each design's host under cProfile
 (``DIR/<design>.prof``, written when it stops).
@@ -48,7 +81,9 @@ how). About 2 minutes at 10,000 agents with both designs on 2 cores.
 Prints one JSON line (``--results FILE`` appends it there too). Targets (2
 cores): ready <= 10 s, <= 2 KB per idle agent, idle CPU < 5 % of a core, a
 round of 10,000 agents <= 10 s, nothing lost; rounds no slower than the
-previous design's.
+previous design's. At 100,000 agents: every process together <= 1 GB of
+RSS, a round <= 2x the protocol floor and <= 10x the round of 10,000 (no
+slow-down as it goes on), <= 1 ms of CPU per answer across the processes.
 """
 
 from __future__ import annotations
@@ -64,7 +99,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -72,7 +107,9 @@ from typing import Any
 
 import nats
 import orjson
+from _sim_cluster import LocalCluster
 from _sim_designs import ApiTap, Writes, exported
+from _sim_resources import Memory, Rate, cpu_seconds, disk_bytes, rss_kb
 
 from fleetbus.bus import Bus, EmbeddedServer, key_value
 from fleetbus.bus.journal import journal
@@ -80,7 +117,6 @@ from fleetbus.protocol import AgentMessage, FinalAnswer, TextBlock, UserRequest
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-TICKS = os.sysconf("SC_CLK_TCK")
 OLD_COMMIT = "4557175"
 CHECKPOINTS = "reply"
 EVENTS = "final"
@@ -124,23 +160,42 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise RuntimeError("no VmRSS")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
-
-
 async def idle_cpu(pid: int, seconds: float) -> float:
     """Share of one core the process used over ``seconds``."""
     before = cpu_seconds(pid)
     await asyncio.sleep(seconds)
     return (cpu_seconds(pid) - before) / seconds
+
+
+@dataclass
+class Topology:
+    """The server(s) the run's processes connect to: one embedded nats-server,
+    or the nodes of a local cluster (process ``i`` of a kind to node ``i %
+    nodes``)."""
+
+    urls: list[str]
+    pids: list[int]
+    stores: list[Path]
+    cluster: LocalCluster | None = None
+
+    def url(self, i: int) -> str:
+        return self.urls[i % len(self.urls)]
+
+    def labels(self) -> list[str]:
+        """The servers' labels in the RSS figures."""
+        if self.cluster is None:
+            return ["server"]
+        return [f"nats{i + 1}" for i in range(len(self.pids))]
+
+    def cpu(self) -> list[float]:
+        """Each server's CPU seconds so far."""
+        return [cpu_seconds(pid) for pid in self.pids]
+
+    async def routes(self) -> tuple[int, int]:
+        """Messages and bytes sent over the cluster's routes so far (none on one server)."""
+        if self.cluster is None:
+            return 0, 0
+        return await asyncio.to_thread(self.cluster.routes_sent)
 
 
 @dataclass
@@ -207,9 +262,14 @@ class Design:
 
 
 async def fan_out(
-    send: Callable[[str, float], Awaitable[bool]], names: list[str], in_flight: int, deadline: float
+    send: Callable[[str, float], Awaitable[bool]],
+    names: list[str],
+    in_flight: int,
+    deadline: float,
+    rate: Rate | None = None,
 ) -> tuple[float, int, int, int]:
-    """Send to every name with ``in_flight`` at most; (seconds, answered, errors, late)."""
+    """Send to every name with ``in_flight`` at most; (seconds, answered,
+    errors, late). Each answer is counted in ``rate`` when given."""
     pending = iter(names)
     answered = errors = late = 0
     loop = asyncio.get_running_loop()
@@ -231,9 +291,13 @@ async def fan_out(
             else:
                 if ok:
                     answered += 1
+                    if rate is not None:
+                        rate.answered()
                 else:
                     errors += 1
 
+    if rate is not None:
+        rate.start()
     started = time.perf_counter()
     async with asyncio.TaskGroup() as tg:
         for _ in range(min(in_flight, len(names))):
@@ -242,23 +306,27 @@ async def fan_out(
 
 
 async def protocol_floor(
-    url: str, prefix: str, names: list[str], args: argparse.Namespace, server_pid: int
-) -> list[tuple[float, float, float]]:
+    top: Topology, prefix: str, names: list[str], args: argparse.Namespace
+) -> list[dict[str, Any]]:
     """The rounds served by raw nats-py hosts doing a reply's bus work only:
-    for each round, its seconds, and the hosts' and the server's CPU
-    milliseconds per agent."""
+    for each round, its seconds, the hosts' and the servers' CPU
+    milliseconds per agent, and (on a cluster) the route traffic per agent."""
     floor = f"{prefix}floor"
-    bus = await Bus.connect(url, prefix=floor, name="sim-floor")
+    bus = await Bus.connect(top.url(0), prefix=floor, name="sim-floor")
     # The journal stream and the lease bucket, as fleetbus's session store
     # opens them.
     journals = await journal(bus, "session")
     await key_value(bus, "session_leases", ttl=24 * 3600.0, expiring_markers=True, republish=True)
     concurrency = os.environ.get("BENCH_HOST_CONCURRENCY", "64")
-    command = [sys.executable, str(HERE / "_raw_host.py"), url, floor, f"{prefix}.raw"]
-    hosts = [start([*command, concurrency]) for _ in range(args.hosts)]
+    raw_host = [sys.executable, str(HERE / "_raw_host.py")]
+    hosts = [
+        start([*raw_host, top.url(i), floor, f"{prefix}.raw", concurrency])
+        for i in range(args.hosts)
+    ]
     try:
         await asyncio.sleep(1.0)  # (started with the interpreter alone: no imports to wait for)
         out = []
+        n = len(names)
         for number in range(1, args.rounds + 1):
 
             async def play(name: str, timeout: float, number: int = number) -> bool:
@@ -267,13 +335,24 @@ async def protocol_floor(
                 return True
 
             before = sum(cpu_seconds(h.pid) for h in hosts)
-            server_before = cpu_seconds(server_pid)
+            server_before = top.cpu()
+            routes_before = await top.routes()
             round_s, answered, *_ = await fan_out(play, names, args.in_flight, args.deadline)
-            if answered != len(names):
-                raise RuntimeError(f"the protocol floor answered {answered} of {len(names)}")
+            if answered != n:
+                raise RuntimeError(f"the protocol floor answered {answered} of {n}")
             spent = sum(cpu_seconds(h.pid) for h in hosts) - before
-            server = cpu_seconds(server_pid) - server_before
-            out.append((round_s, spent * 1000 / len(names), server * 1000 / len(names)))
+            servers = [a - b for a, b in zip(top.cpu(), server_before, strict=True)]
+            routes = await top.routes()
+            entry: dict[str, Any] = {
+                "s": round_s,
+                "host_cpu_ms": spent * 1000 / n,
+                "server_cpu_ms": sum(servers) * 1000 / n,
+            }
+            if top.cluster is not None:
+                entry["server_cpu_ms_by_node"] = [round(c * 1000 / n, 3) for c in servers]
+                entry["route_msgs"] = round((routes[0] - routes_before[0]) / n, 2)
+                entry["route_bytes"] = round((routes[1] - routes_before[1]) / n)
+            out.append(entry)
         return out
     finally:
         for proc in hosts:
@@ -284,10 +363,14 @@ async def protocol_floor(
         await bus.close()
 
 
-async def wait_ready(design: Design, url: str, names: list[str], args: argparse.Namespace) -> None:
+async def wait_ready(
+    design: Design, top: Topology, names: list[str], args: argparse.Namespace
+) -> None:
     """Start the design's host(s); the seconds until the last agent answers."""
     started = time.perf_counter()
-    design.hosts = [design.host(url, design.prefix, "bench", len(names)) for _ in range(args.hosts)]
+    design.hosts = [
+        design.host(top.url(i), design.prefix, "bench", len(names)) for i in range(args.hosts)
+    ]
     while True:  # every agent is served once one answers: the host subscribes once
         try:
             if await design.ask(names[-1], 2.0, session="ready"):
@@ -300,7 +383,7 @@ async def wait_ready(design: Design, url: str, names: list[str], args: argparse.
     design.figures["ready_s"] = round(time.perf_counter() - started, 2)
     progress(f"{design.name} host ready in {design.figures['ready_s']} s")
     # The host of one agent, for the per-agent figure (also answered once).
-    one_bus = await Bus.connect(url, prefix=f"{design.prefix}one")
+    one_bus = await Bus.connect(top.url(0), prefix=f"{design.prefix}one")
     try:
         while True:
             try:
@@ -318,6 +401,53 @@ async def wait_ready(design: Design, url: str, names: list[str], args: argparse.
         await one_bus.close()
 
 
+async def played(
+    design: Design, names: list[str], session: str, args: argparse.Namespace, top: Topology
+) -> dict[str, Any]:
+    """One round of ``names`` on ``session``: its seconds, answers, CPU per
+    agent of each process and of all, answer rate by tenth, route traffic."""
+    assert design.worker is not None
+    n = len(names)
+    worker = design.worker
+
+    def cpu_now() -> dict[str, float]:
+        return {
+            "hosts": sum(cpu_seconds(h.pid) for h in design.hosts),
+            "worker": cpu_seconds(worker.pid),
+            "server": sum(top.cpu()),
+            "runner": time.process_time(),
+        }
+
+    async def play(name: str, timeout: float) -> bool:
+        return await design.ask(name, timeout, session=session)
+
+    before, nodes_before, routes_before = cpu_now(), top.cpu(), await top.routes()
+    rate = Rate()
+    round_s, answered, errors, late = await fan_out(
+        play, names, args.in_flight, args.deadline, rate
+    )
+    after, nodes, routes = cpu_now(), top.cpu(), await top.routes()
+    cpu = {k: (after[k] - before[k]) * 1000 / n for k in after}
+    tenths = rate.tenths(round_s)
+    out: dict[str, Any] = {
+        "s": round(round_s, 2),
+        "answered": answered,
+        "errors": errors,
+        "late": late,
+        "cpu_ms_per_agent": {k: round(v, 3) for k, v in cpu.items()},
+        "cpu_ms_per_answer_total": round(sum(cpu.values()), 3),
+        "answers_per_s_by_tenth": tenths,
+        "rate_first_over_last_tenth": round(tenths[0] / tenths[-1], 2) if tenths[-1] else None,
+    }
+    if top.cluster is not None:
+        out["server_cpu_ms_per_agent_by_node"] = [
+            round((a - b) * 1000 / n, 3) for a, b in zip(nodes, nodes_before, strict=True)
+        ]
+        out["route_msgs_per_reply"] = round((routes[0] - routes_before[0]) / n, 2)
+        out["route_bytes_per_reply"] = round((routes[1] - routes_before[1]) / n)
+    return out
+
+
 async def play_round(
     design: Design,
     number: int,
@@ -325,46 +455,37 @@ async def play_round(
     args: argparse.Namespace,
     floor_s: float,
     tap: ApiTap,
-    server_pid: int,
+    top: Topology,
 ) -> None:
     assert design.bus is not None
-    assert design.worker is not None
     n = len(names)
     writes = Writes(design.bus.nc, design.prefix)
-    worker = design.worker
-
-    def cpu_now() -> dict[str, float]:
-        return {
-            "hosts": sum(cpu_seconds(h.pid) for h in design.hosts),
-            "worker": cpu_seconds(worker.pid),
-            "server": cpu_seconds(server_pid),
-            "runner": time.process_time(),
-        }
-
+    compare: dict[str, Any] | None = None
+    if args.compare_agents:
+        compare = await played(design, names[: args.compare_agents], "compare", args, top)
+        progress(
+            f"round {number} of {design.name}, its first {args.compare_agents} agents: "
+            f"{compare['s']:.2f} s, {compare['answered']} answered"
+        )
     stored, api = await writes.snapshot(), tap.snapshot(design.prefix)
-    before = cpu_now()
-
-    async def play(name: str, timeout: float) -> bool:
-        return await design.ask(name, timeout, session="game")
-
-    round_s, answered, errors, late = await fan_out(play, names, args.in_flight, args.deadline)
-    after = cpu_now()
-    progress(f"round {number} of {design.name}: {round_s:.2f} s, {answered} answered")
+    figures = await played(design, names, "game", args, top)
+    round_s = figures["s"]
+    progress(f"round {number} of {design.name}: {round_s:.2f} s, {figures['answered']} answered")
     await asyncio.sleep(0.2)  # the last requests' copies reach the tap
-    design.rounds.append(
-        {
-            "round": number,
-            "s": round(round_s, 2),
-            "answered": answered,
-            "errors": errors,
-            "late": late,
-            "agents_per_s": round(n / round_s),
-            "vs_floor": round(round_s / floor_s, 1),
-            "cpu_ms_per_agent": {k: round((after[k] - before[k]) * 1000 / n, 3) for k in after},
-            "stored_per_reply": Writes.per(stored, await writes.snapshot(), n),
-            "api_requests_per_reply": ApiTap.per(api, tap.snapshot(design.prefix), n),
-        }
-    )
+    entry: dict[str, Any] = {
+        "round": number,
+        **figures,
+        "agents_per_s": round(n / round_s),
+        "vs_floor": round(round_s / floor_s, 1),
+        "stored_per_reply": Writes.per(stored, await writes.snapshot(), n),
+        "api_requests_per_reply": ApiTap.per(api, tap.snapshot(design.prefix), n),
+    }
+    if compare is not None:
+        entry["round_10k_s"] = compare["s"]
+        entry["vs_10k"] = round(round_s / compare["s"], 2)
+        entry["rate_vs_10k"] = round((n / round_s) / (args.compare_agents / compare["s"]), 2)
+        entry["round_10k"] = compare
+    design.rounds.append(entry)
 
 
 async def broadcast(design: Design, names: list[str], deadline: float) -> None:
@@ -448,7 +569,13 @@ def _summary(design: Design, n: int) -> dict[str, Any]:
         "host_rss_after_round_mb": round(f["rss_after"] / 1024, 1),
         "idle_cpu_core_share": round(f["idle_cpu"], 4),
         "idle_cpu_after_round_core_share": round(f["idle_cpu_after"], 4),
-        "lost": sum(r["errors"] + r["late"] for r in rounds),
+        "lost": sum(
+            r["errors"]
+            + r["late"]
+            + r.get("round_10k", {}).get("errors", 0)
+            + r.get("round_10k", {}).get("late", 0)
+            for r in rounds
+        ),
         "broadcast_s": f.get("broadcast_s"),
         "broadcast_reached": f.get("broadcast_reached"),
         "broadcast_recorded": f.get("broadcast_recorded"),
@@ -456,27 +583,40 @@ def _summary(design: Design, n: int) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def topology(args: argparse.Namespace) -> Iterator[Topology]:
+    """One embedded nats-server, or a local cluster of ``--cluster`` nodes."""
+    sync: float | str = "always" if args.sync == "always" else float(args.sync)
+    if args.cluster:
+        with LocalCluster(sync) as cluster:
+            yield Topology(cluster.urls, cluster.pids, cluster.store_dirs, cluster)
+    else:
+        with EmbeddedServer(sync_interval=sync) as server:  # type: ignore[arg-type]
+            yield Topology([server.url], [server.pid or 0], [server.state_dir])
+
+
 async def measure(
     args: argparse.Namespace, new_tree: Path, old_tree: Path | None
 ) -> dict[str, Any]:
     n = args.agents
     names = [f"sim-{i:05d}" for i in range(n)]
-    sync: float | str = "always" if args.sync == "always" else float(args.sync)
     base = f"sim{uuid.uuid4().hex[:8]}"
     designs = [Design("new", new_tree, f"{base}n", _commit(args.new_commit))]
     if old_tree is not None:
         designs.append(Design("old", old_tree, f"{base}o", _commit(args.old_commit)))
-    with EmbeddedServer(sync_interval=sync) as server:  # type: ignore[arg-type]
-        url = server.url
-        bus = await Bus.connect(url, prefix=base, name="sim-runner")
-        raw = start([sys.executable, str(HERE / "_raw_responder.py"), url, f"{base}.raw"])
+    memory = Memory()
+    with topology(args) as top:
+        bus = await Bus.connect(top.url(0), prefix=base, name="sim-runner")
+        raw = start([sys.executable, str(HERE / "_raw_responder.py"), top.url(1), f"{base}.raw"])
         procs = [raw]
         try:
             for d in designs:
-                d.bus = await Bus.connect(url, prefix=d.prefix, name=f"sim-runner-{d.name}")
+                d.bus = await Bus.connect(top.url(0), prefix=d.prefix, name=f"sim-runner-{d.name}")
                 worker = ["-m", "fleetbus", "worker", "bench._noop_tools"]
-                d.worker = start([sys.executable, *worker, "--nats", url, "--prefix", d.prefix])
-                d.one = d.host(url, f"{d.prefix}one", "one", 1)
+                d.worker = start(
+                    [sys.executable, *worker, "--nats", top.url(0), "--prefix", d.prefix]
+                )
+                d.one = d.host(top.url(0), f"{d.prefix}one", "one", 1)
             await asyncio.sleep(0.5)
             # The tool workers must be up before the hosts read the tools served.
             for d in designs:
@@ -487,8 +627,17 @@ async def measure(
                     except Exception:
                         await asyncio.sleep(0.1)
             for d in designs:  # one after the other: each starts on a quiet machine
-                await wait_ready(d, url, names, args)
+                await wait_ready(d, top, names, args)
+            for d in designs:
+                mark = "" if d.name == "new" else f"{d.name}_"
+                assert d.worker is not None
+                memory.pids[f"{mark}worker"] = d.worker.pid
+                for i, h in enumerate(d.hosts):
+                    memory.pids[f"{mark}host{i + 1}"] = h.pid
+            memory.pids.update(zip(top.labels(), top.pids, strict=True))
+            memory.pids["runner"] = os.getpid()
             await asyncio.sleep(1.0)
+            rss_ready = memory.now()
             for d in designs:
                 d.figures["idle_cpu"] = await idle_cpu(d.main.pid, args.idle)
                 assert d.one is not None
@@ -501,13 +650,21 @@ async def measure(
             floor_s, *_ = await fan_out(raw_call, names, args.in_flight, args.deadline)
             tap = ApiTap(bus.nc, [d.prefix for d in designs])
             await tap.start()
-            for number in range(1, args.rounds + 1):
-                # new, old, old, new, new, old…: neither always goes first.
-                order = designs if number % 2 else designs[::-1]
-                for d in order:
-                    await play_round(d, number, names, args, floor_s, tap, server.pid or 0)
+            async with memory.sampling():
+                for number in range(1, args.rounds + 1):
+                    # new, old, old, new, new, old…: neither always goes first.
+                    order = designs if number % 2 else designs[::-1]
+                    for d in order:
+                        await play_round(d, number, names, args, floor_s, tap, top)
             await tap.stop()
             await asyncio.sleep(1.0)
+            rss_after = memory.now()
+            stores = [disk_bytes(store) for store in top.stores]
+            disk: dict[str, Any] = {"store_bytes": stores, "store_bytes_total": sum(stores)}
+            for d in designs:
+                assert d.bus is not None
+                mark = "" if d.name == "new" else f"{d.name}_"
+                disk[f"{mark}streams"] = await Writes(d.bus.nc, d.prefix).streams()
             for d in designs:
                 d.figures["rss_after"] = rss_kb(d.main.pid)
                 d.figures["idle_cpu_after"] = await idle_cpu(d.main.pid, args.idle)
@@ -515,8 +672,10 @@ async def measure(
                 for d in designs:
                     await broadcast(d, names, args.deadline)
                     progress(f"broadcast of {d.name}: {d.figures['broadcast_s']} s")
-            protocol = await protocol_floor(url, base, names, args, server.pid or 0)
-            progress(f"protocol floor: {', '.join(f'{p[0]:.2f} s' for p in protocol)}")
+            protocol = await protocol_floor(top, base, names, args)
+            floor_text = ", ".join(f"{p['s']:.2f} s" for p in protocol)
+            progress(f"protocol floor: {floor_text}")
+            meta_leader = top.cluster.meta_leader() if top.cluster is not None else None
         finally:
             for d in designs:
                 if d.bus is not None:
@@ -525,7 +684,7 @@ async def measure(
             await bus.close()
             for proc in procs:
                 stop(proc)
-    floor_rounds = [p[0] for p in protocol]
+    floor_rounds = [p["s"] for p in protocol]
     for d in designs:
         for entry, floor_round_s in zip(d.rounds, floor_rounds, strict=True):
             entry["vs_protocol_floor"] = round(entry["s"] / floor_round_s, 2)
@@ -534,6 +693,7 @@ async def measure(
     stored = [r["stored_per_reply"] for r in new["rounds"]]
     appends = max(s.get("session", 0.0) for s in stored)
     lease_writes = max(s.get("session_leases", 0.0) for s in stored)
+    session_stream = disk["streams"].get("session", {})
     out: dict[str, Any] = {
         "bench": "simulation",
         "agents": n,
@@ -555,10 +715,48 @@ async def measure(
         "protocol_floor": {
             "round_s_median": round(statistics.median(floor_rounds), 2),
             "rounds_s": [round(s, 2) for s in floor_rounds],
-            "host_cpu_ms_per_agent": [round(p[1], 3) for p in protocol],
-            "server_cpu_ms_per_agent": [round(p[2], 3) for p in protocol],
+            "host_cpu_ms_per_agent": [round(p["host_cpu_ms"], 3) for p in protocol],
+            "server_cpu_ms_per_agent": [round(p["server_cpu_ms"], 3) for p in protocol],
+            "cpu_ms_per_answer_total": [
+                round(p["host_cpu_ms"] + p["server_cpu_ms"], 3) for p in protocol
+            ],
         },
+        "servers": len(top.pids),
+        "js_replicas": session_stream.get("replicas"),
+        "cpu_ms_per_answer_total": round(
+            statistics.median(r["cpu_ms_per_answer_total"] for r in new["rounds"]), 3
+        ),
+        "rate_first_over_last_tenth": [r["rate_first_over_last_tenth"] for r in new["rounds"]],
+        "rss_mb": {
+            "at_ready": Memory.mb(rss_ready),
+            "after_rounds": Memory.mb(rss_after),
+            "peak_in_rounds": memory.peak_mb(),
+        },
+        "disk": disk,
     }
+    if args.compare_agents:
+        small = [r["round_10k_s"] for r in new["rounds"]]
+        out.update(
+            compare_agents=args.compare_agents,
+            round_10k_s_median=round(statistics.median(small), 2),
+            vs_10k=[r["vs_10k"] for r in new["rounds"]],
+            vs_10k_linear=round(n / args.compare_agents, 2),
+            rate_vs_10k=[r["rate_vs_10k"] for r in new["rounds"]],
+        )
+    if top.cluster is not None:
+        floor = out["protocol_floor"]
+        floor["server_cpu_ms_per_agent_by_node"] = [p["server_cpu_ms_by_node"] for p in protocol]
+        floor["route_msgs_per_reply"] = [p["route_msgs"] for p in protocol]
+        floor["route_bytes_per_reply"] = [p["route_bytes"] for p in protocol]
+        out["cluster"] = {
+            "nodes": len(top.pids),
+            "runner_node": 1,
+            "worker_node": 1,
+            "raw_responder_node": 2,
+            "host_nodes": [i % len(top.pids) + 1 for i in range(args.hosts)],
+            "meta_leader_node": meta_leader,
+            "js_replicas_asked": args.js_replicas,
+        }
     if "old" in summaries:
         old = summaries["old"]
         out["new_vs_old"] = {
@@ -617,8 +815,35 @@ def main() -> None:
         default=True,
         help="measure a broadcast to every agent (default: yes)",
     )
+    parser.add_argument(
+        "--compare-agents",
+        type=int,
+        help="before each round, a round of this many of the agents, to compare with "
+        "(default: 10,000 when --agents is more, else none; 0: none)",
+    )
+    parser.add_argument(
+        "--cluster",
+        type=int,
+        choices=(0, 3),
+        default=0,
+        help="3: three nats-servers with routes on this machine (default 0: one server)",
+    )
+    parser.add_argument(
+        "--js-replicas",
+        type=int,
+        help="copies of the fleet's streams (default: fleetbus's, 3 on a cluster, 1 on a server)",
+    )
     parser.add_argument("--results", type=Path, help="append the JSON line to this file too")
     args = parser.parse_args()
+    if args.compare_agents is None:
+        args.compare_agents = 10_000 if args.agents > 10_000 else 0
+    if not 0 <= args.compare_agents < args.agents and args.compare_agents:
+        parser.error("--compare-agents is fewer than --agents")
+    if args.js_replicas is not None:
+        if args.js_replicas > 1 and not args.cluster:
+            parser.error("--js-replicas above 1 needs --cluster 3")
+        # Read by every fleetbus process of the run (and this one's buses).
+        os.environ["FLEETBUS_JS_REPLICAS"] = str(args.js_replicas)
     head = {
         "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%MZ"),
         "commit": _commit(),
