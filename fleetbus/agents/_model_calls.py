@@ -105,8 +105,6 @@ class ModelCalls:
         self.settings = scope.settings
         self.state = scope.state
         self.reply = scope.reply
-        self._specs_tokens: tuple[list[ToolSpec], int] | None = None
-        """The tool specs last counted, and their tokens."""
 
     def prompt(self, *extra: Msg) -> list[ChatMessage]:
         """The messages of the next model call: system prompt, memory, ``extra``."""
@@ -324,16 +322,35 @@ class ModelCalls:
     def _tools_tokens(self, counter: Any) -> int:
         """The tokens of the tool specs on offer (counted again only when they change)."""
         specs = tool_specs(self.scope)
-        last = self._specs_tokens
-        if last is not None and last[0] == specs:
-            return last[1]
+        # A spec's parameters are its tool's own schema, the same object from
+        # reply to reply: name, description and that object's identity tell
+        # a spec list counted before. Counters that count alike are equal (a
+        # population's agents each have one); one that cannot be hashed is
+        # told by its identity. The entry keeps what its key names alive.
+        try:
+            hash(counter)
+            who: Any = counter
+        except TypeError:
+            who = id(counter)
+        key = (who, *((s.name, s.description, id(s.parameters)) for s in specs))
+        known = _SPECS_TOKENS.get(key)
+        if known is not None:
+            return known[2]
         # msgspec's encoder: it encodes the structs directly, where json.dumps
-        # needs them turned into builtins first, on every reply (this cache
-        # lives for one reply).
+        # needs them turned into builtins first.
         text = msgspec.json.encode(specs).decode()
         tokens: int = counter.count_text(text)
-        self._specs_tokens = (specs, tokens)
+        if len(_SPECS_TOKENS) >= _SPECS_KEPT:
+            _SPECS_TOKENS.clear()
+        _SPECS_TOKENS[key] = (specs, counter, tokens)
         return tokens
+
+
+_SPECS_KEPT = 256
+"""Tool spec lists whose tokens are kept (all agents of a population offer one)."""
+_SPECS_TOKENS: dict[tuple[Any, ...], tuple[list[ToolSpec], Any, int]] = {}
+"""The tokens of the tool spec lists counted, by counter, names, descriptions
+and parameter objects."""
 
 
 def _fix_ids(response: ModelResponse, used: Container[str]) -> list[Any]:

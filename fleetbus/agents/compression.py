@@ -123,6 +123,18 @@ class ApproxTokenCounter:
         # whole memory before every step).
         self._counts: dict[tuple[str, int], int] = {}
 
+    def __eq__(self, other: object) -> bool:
+        """Counters with the same settings count alike (their caches aside)."""
+        if not isinstance(other, ApproxTokenCounter):
+            return NotImplemented
+        return (self.chars_per_token, self.message_overhead) == (
+            other.chars_per_token,
+            other.message_overhead,
+        )
+
+    def __hash__(self) -> int:
+        return hash((ApproxTokenCounter, self.chars_per_token, self.message_overhead))
+
     def count_text(self, text: str) -> int:
         """The tokens a piece of text takes."""
         return math.ceil(len(text) / self.chars_per_token)

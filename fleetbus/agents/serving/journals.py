@@ -378,7 +378,7 @@ class SessionJournals:
             state = state if state is not None else lease.record.state
             fields = state.model_dump(mode="json", exclude={"memory"})
             encoded = add_state(lease, fact, state, fields)
-        record = lease.record.model_copy(update=fact_meta(fact))
+        base, meta = lease.record, fact_meta(fact)
         rollup = rollup or encoded is None
         # Numbered before it is sent: an append that lands after its writer
         # stopped waiting is never mistaken for a later one.
@@ -393,7 +393,7 @@ class SessionJournals:
         if rollup:
             if encoded is None or len(encoded) != len(state.memory):
                 encoded = [orjson.dumps(m.model_dump(mode="json")) for m in state.memory]
-            fact = snapshot_fact(record, state, fields, encoded)
+            fact = snapshot_fact(base.model_copy(update=meta), state, fields, encoded)
             data = orjson.dumps({**fact, "e": lease.epoch, "n": n})
         blob = None
         stored = data
@@ -407,8 +407,9 @@ class SessionJournals:
             if blob is not None:
                 await self._drop_blobs([blob])
             raise
-        lease.record = record.model_copy(
+        lease.record = base.model_copy(
             update={
+                **meta,
                 "state": state,
                 "seq": seq,
                 "updated_at": utc_now(),
