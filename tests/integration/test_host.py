@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -209,6 +209,51 @@ async def test_a_broadcast_naming_no_session_is_recorded_in_the_topics_session(
     assert record is not None
     assert [(m.name, m.text) for m in record.state.memory] == [("ann", "rain")]
     assert sessions == ["ben.news"]  # not recorded by its sender
+
+
+class Listed(Unlisted):
+    """A population of ``size`` agents ``<start>-0`` …: it lists them, and
+    counts the names it gave out."""
+
+    def __init__(self, start: str, size: int) -> None:
+        super().__init__(start)
+        self.size = size
+        self.listed = 0
+
+    def __iter__(self) -> Iterator[str]:
+        for i in range(self.size):
+            self.listed += 1
+            yield f"{self.start}-{i}"
+
+
+async def test_a_group_lists_its_observers_when_a_broadcast_comes_not_before(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    # A population of a million would be 70 MB as a list kept by every host.
+    population = Listed("p", 3)
+    async with hosting(nats_server.url, bus.prefix, population, group="g", topics=["news"]):
+        assert population.listed <= 1  # (a look at the first: the source is not empty)
+        before = population.listed
+        await bus.publish(
+            bus.subjects.topic("news"),
+            AgentMessage(sender="p-0", name="p-0", content=[TextBlock(text="rain")], reply=False),
+        )
+        await bus.flush()
+        store = await SessionStore.open(bus, owner="test")
+        deadline = time.monotonic() + 10
+        recorded: list[str] = []
+        while time.monotonic() < deadline and len(recorded) < 2:
+            records = [await store.get(name, "news") for name in ("p-1", "p-2")]
+            recorded = [r.agent for r in records if r is not None and r.owner is None]
+            await asyncio.sleep(0.02)
+        sessions = sorted(await store.journal.keys("*.news"))
+    assert sessions == ["p-1.news", "p-2.news"]  # not recorded by its sender
+    assert population.listed - before == 3  # listed once, as the broadcast was recorded
+
+
+def test_an_empty_population_is_refused_in_a_group_with_topics(bus: Bus) -> None:
+    with pytest.raises(ConfigError, match="at least one agent"):
+        AgentHost(bus, Listed("p", 0), group="g", topics=["news"])
 
 
 def test_a_host_of_no_agents_is_refused(bus: Bus) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable, Sized
 from typing import Any
 
 from fleetbus.agents.serving._replies import ReplyRunning, Run, decode_final
@@ -53,7 +54,7 @@ class Observing(ReplyRunning):
         ready: list[asyncio.Event],
         topic: str,
         queue: str,
-        names: list[str],
+        names: Iterable[str],
     ) -> None:
         """Record the broadcasts of ``topic`` in the memory of ``names``."""
         event = asyncio.Event()
@@ -129,10 +130,10 @@ class Observing(ReplyRunning):
             data={"agent": name},
         )
 
-    async def _observe_topic(self, topic: str, message: AnyMessage, names: list[str]) -> None:
+    async def _observe_topic(self, topic: str, message: AnyMessage, names: Iterable[str]) -> None:
         """Record a broadcast in the memory of each of ``names`` (not its
         sender's), in the session it names or the topic's; ``concurrency``
-        at a time."""
+        at a time. ``names`` is gone over once, as the broadcast is recorded."""
         if isinstance(message, AgentMessage):
             observed = message
         elif isinstance(message, UserRequest | FinalAnswer):
@@ -147,7 +148,7 @@ class Observing(ReplyRunning):
         else:
             logger.info("%s: topic message %s not observed", topic, type(message).__name__)
             return
-        pending = iter([name for name in names if name != observed.name])
+        pending = (name for name in names if name != observed.name)
 
         async def record() -> None:
             for name in pending:
@@ -158,7 +159,10 @@ class Observing(ReplyRunning):
                     )
 
         async with asyncio.TaskGroup() as tg:
-            for _ in range(min(self.concurrency, len(names))):
+            width = (
+                min(self.concurrency, len(names)) if isinstance(names, Sized) else self.concurrency
+            )
+            for _ in range(width):
                 tg.create_task(record())
 
 

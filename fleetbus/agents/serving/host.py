@@ -54,7 +54,7 @@ import os
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from fleetbus.agents.agent import Agent
@@ -213,16 +213,23 @@ class AgentHost(Observing, Lifecycle):
         self.source: AgentSource = agents
         self.group = check_name(group, what="host group") if group is not None else None
         self._names: list[str] | None = None
-        if isinstance(agents, _Named):
+        """The agents, for their own subjects (named agents, or no group)."""
+        self._observers: Iterable[str] = ()
+        """Who records a topic's broadcasts: a group's source is listed when
+        one comes, not kept (a million names would be some 70 MB)."""
+        if isinstance(agents, _Named) or (isinstance(agents, Iterable) and self.group is None):
             self._names = list(agents)
-        elif isinstance(agents, Iterable) and (self.group is None or topics):
-            self._names = list(agents)  # per-name subjects, or the observers of topics
+            self._observers = self._names
+            if not self._names:
+                raise ConfigError("a host needs at least one agent to serve")
+        elif isinstance(agents, Iterable) and topics:
+            if next(iter(agents), None) is None:
+                raise ConfigError("a host needs at least one agent to serve")
+            self._observers = agents
         elif self.group is None or topics:
             raise ConfigError(
                 "an agent source that cannot list its agents needs a group, and no topics"
             )
-        if self._names is not None and not self._names:
-            raise ConfigError("a host needs at least one agent to serve")
         for topic in topics:
             check_name(topic, what="topic")
         self.bus = bus
@@ -319,7 +326,9 @@ class AgentHost(Observing, Lifecycle):
     def _describe(self) -> str:
         if self._names is not None and len(self._names) <= 3:
             return "agent " + ", ".join(self._names)
-        return f"host {self.group or ''} ({len(self._names) if self._names else 'any'} agents)"
+        source = self.source
+        count = f"{len(source):,}" if isinstance(source, Sized) else "any"
+        return f"host {self.group or ''} ({count} agents)"
 
     def _subscribe(self, tg: asyncio.TaskGroup, limiter: asyncio.Semaphore) -> list[asyncio.Event]:
         """Start every serving loop; their readiness events."""
@@ -347,7 +356,7 @@ class AgentHost(Observing, Lifecycle):
             serve(subjects.all_agent_controls(), self._control, None, False)
             topic_queue = subjects.host_topic_queue(self.group)
             for topic in self.topics:
-                self._observe_on(tg, ready, topic, topic_queue, self._names or [])
+                self._observe_on(tg, ready, topic, topic_queue, self._observers)
         else:
             for name in self._names or []:
                 serve(subjects.agent_inbox(name), self._handle, subjects.agent_queue(name), True)
