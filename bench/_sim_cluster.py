@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
+
+from _ports import free_ports
 
 from fleetbus.bus import find_server_binary
 
@@ -66,17 +67,6 @@ class Node:
             return None
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def _sync_value(sync: float | str) -> str:
     return "always" if sync == "always" else f"{round(float(sync) * 1000)}ms"
 
@@ -109,7 +99,7 @@ class LocalCluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="fleetbus-sim-cluster-")
         self.workdir = Path(self._tmp.name)
         texts = [path.read_text(encoding="utf-8") for path in TEMPLATES]
-        ports = _free_ports(3 * len(texts))
+        ports = free_ports(3 * len(texts))
         self.nodes: list[Node] = []
         for i, text in enumerate(texts):
             match = re.search(r"^server_name:\s*(\S+)\s*$", text, re.MULTILINE)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import re
@@ -32,6 +31,8 @@ import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from _results import emit
 
 from fleetbus.bus import Bus, EmbeddedServer
 from fleetbus.protocol import FinalAnswer, UserRequest
@@ -152,11 +153,7 @@ def main() -> None:
         line["skipped"] = "valgrind not found"
     else:
         line.update(asyncio.run(measure(args.replies, args.tree.resolve(), args.profile)))
-    text = json.dumps(line, separators=(",", ":"))
-    print(text, flush=True)
-    if args.results is not None:
-        with args.results.open("a") as out:
-            out.write(text + "\n")
+    emit(line, args.results)
 
 
 if __name__ == "__main__":

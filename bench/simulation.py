@@ -91,7 +91,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -107,6 +106,7 @@ from typing import Any
 
 import nats
 import orjson
+from _results import emit
 from _sim_cluster import LocalCluster
 from _sim_designs import ApiTap, Writes, exported
 from _sim_resources import Memory, Rate, cpu_seconds, disk_bytes, rss_kb
@@ -855,11 +855,7 @@ def main() -> None:
         old = stack.enter_context(exported(ROOT, args.old_commit)) if args.compare_old else None
         new = stack.enter_context(exported(ROOT, args.new_commit)) if args.new_commit else ROOT
         figures = asyncio.run(measure(args, new, old))
-    line = json.dumps({**head, **figures}, separators=(",", ":"))
-    print(line, flush=True)
-    if args.results is not None:
-        with args.results.open("a") as out:
-            out.write(line + "\n")
+    emit({**head, **figures}, args.results)
 
 
 if __name__ == "__main__":
