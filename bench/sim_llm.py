@@ -95,6 +95,7 @@ from types import FrameType
 from typing import Any, cast
 
 import nats
+from _results import emit
 from _sim_llm_groups import example
 from _sim_llm_plain import Conversation, converse_all
 from _sim_llm_servers import (
@@ -759,11 +760,7 @@ def main() -> None:
         "on two servers, sampled at two temperatures. Tokens are the servers' own counters "
         "(/metrics); a phase's tokens/s is over its wall time (the rounds' for the simulation)."
     )
-    text = json.dumps(line, separators=(",", ":"))
-    print(text, flush=True)
-    if args.results is not None:
-        with args.results.open("a") as f:
-            f.write(text + "\n")
+    emit(line, args.results)
 
 
 if __name__ == "__main__":
