@@ -504,14 +504,7 @@ class Agent:
             task.result()  # re-raises whatever ended the reply without an answer
             raise RuntimeError("the reply ended without a final answer")
         finally:
-            if not task.done():
-                if self._running is task:
-                    self._interrupted = True
-                task.cancel()
-            # Our own task: wait for it without letting its end cancel us.
-            await asyncio.wait({task})
-            if not task.cancelled():
-                task.exception()  # seen, whether or not the reader above raised it
+            await self._end_task(task)
 
     async def _final_only(
         self,
@@ -530,15 +523,20 @@ class Agent:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            if not task.done():
-                if self._running is task:
-                    self._interrupted = True
-                task.cancel()
-                # Our own task: wait for it without letting its end cancel us.
-                await asyncio.wait({task})
-            if not task.cancelled():
-                task.exception()  # the caller's cancel wins; what ended the task is seen
+            await self._end_task(task)  # the caller's cancel wins
             raise
+
+    async def _end_task(self, task: asyncio.Task[Any]) -> None:
+        """Interrupt the reply's own task if it still runs, wait for its end
+        without letting that end cancel us, and see how it ended (whether or
+        not the caller raised it)."""
+        if not task.done():
+            if self._running is task:
+                self._interrupted = True
+            task.cancel()
+        await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()
 
     async def _run(
         self,
