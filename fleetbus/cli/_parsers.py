@@ -357,6 +357,20 @@ def add_model_worker_parser(
         "characters other than letters, digits, '_' and '-' replaced by '-')",
     )
     p.add_argument("--concurrency", type=int, default=8, help="calls run at once (default 8)")
+    p.add_argument(
+        "--queue",
+        type=int,
+        metavar="N",
+        help="calls that may wait for a place; more are refused with overloaded "
+        "(default: as many as --concurrency)",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a call waits for a place before it is refused (default 30)",
+    )
     p.add_argument("--rpm", type=int, help="requests per minute (default: unlimited)")
     p.add_argument("--tpm", type=int, help="tokens per minute (default: unlimited)")
     p.add_argument("--worker-id", help="this worker's id (default: model-worker.<host>-<pid>)")

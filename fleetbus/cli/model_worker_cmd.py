@@ -92,6 +92,8 @@ def cmd(args: argparse.Namespace) -> int:
                 name=served,
                 worker_id=args.worker_id,
                 concurrency=args.concurrency,
+                queue=args.queue,
+                queue_timeout=args.queue_timeout,
                 requests_per_minute=args.rpm,
                 tokens_per_minute=args.tpm,
                 drain_timeout=args.drain_timeout,

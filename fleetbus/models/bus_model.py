@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Protocol
 
@@ -61,8 +62,18 @@ class _Msg(Protocol):
 
 
 class _Unserved(ModelError):
-    """No worker took the prompt (none serves the model, or the one that got
-    it was overloaded): worth sending it again."""
+    """No worker took the prompt: none serves the model (yet), or the one
+    that got it answered ``overloaded``. Worth sending it again, a few times."""
+
+
+class _Busy(_Unserved):
+    """The worker refused the prompt before calling the model (its queue is
+    full, or a rate limit holds), and said when a retry may pass: worth
+    sending it again until the call's time is up."""
+
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message, retryable=True)
+        self.retry_after = retry_after
 
 
 class _Call:
@@ -81,6 +92,8 @@ class _Call:
         self.deadline = deadline
         """Event-loop time by which the call must be over, retries included."""
         self.sends = 0
+        self.unserved = 0
+        """Sends that found no worker serving the model."""
         self.heard = False
         """Anything at all arrived."""
         self.produced = False
@@ -95,11 +108,20 @@ class BusChatModel:
         model_name: the name the model is served as (a subject token).
         timeout: seconds the whole call may take, retries included.
         stream: ask the worker for deltas while the answer is produced.
-        attempts: how many times a prompt is sent when no worker serves the
-            model or a worker answers ``overloaded`` before anything else
-            (another worker of the queue group may be free).
+        attempts: how many times a prompt is sent while no worker serves the
+            model (one may be starting), or a worker answers ``overloaded``
+            because the model failed in a way worth retrying (a rate limit
+            or outage upstream).
         retry_backoff: seconds before the first resend (plus jitter),
-            doubling after each; no wait runs past ``timeout``.
+            doubling after each up to 5 s; no wait runs past ``timeout``.
+
+    A worker that refuses the prompt before calling the model (its queue is
+    full, or it is at its rate limit: ``overloaded`` with ``retry_after``)
+    gets it again after a backoff and about the wait it asked for, as often
+    as ``timeout`` allows: a busy model is the normal state of a fleet that
+    keeps its models saturated, not a failure, so it uses up neither
+    ``attempts`` here nor the agent's ``ModelConfig.max_retries``. Another
+    worker of the queue group may take the resent prompt.
 
     Raises:
         ConfigError: the name is not a subject token, or a setting is out of range.
@@ -177,10 +199,14 @@ class BusChatModel:
         except BusError as exc:
             raise ModelError(f"cannot listen for the answer: {exc}", retryable=True) from exc
         call = _Call(call_id, inbox, listener.next, deadline)
+
         # Resent (same call_id) while no worker took it; once one did, never.
-        retry = Retry(
-            on=_Unserved, attempts=self.attempts, backoff=self.retry_backoff, timeout=self.timeout
-        )
+        def resend(exc: Exception) -> bool:
+            return isinstance(exc, _Busy) or (
+                isinstance(exc, _Unserved) and call.unserved < self.attempts
+            )
+
+        retry = Retry(on=resend, attempts=None, backoff=self.retry_backoff, timeout=self.timeout)
         try:
             try:
                 item = await retry.call(self._send, call, payload)
@@ -188,7 +214,8 @@ class BusChatModel:
                 tries = f" (after {call.sends} attempts)" if call.sends > 1 else ""
                 late = asyncio.get_running_loop().time() >= deadline
                 reason = f"{exc}{tries}{'; no time left to retry' if late else ''}"
-                raise ModelError(reason, retryable=True) from exc
+                # The call's whole time is spent: another try would wait as long again.
+                raise ModelError(reason, retryable=not late) from exc
             while True:
                 yield item
                 if isinstance(item, ModelResponse):
@@ -217,11 +244,10 @@ class BusChatModel:
             return await self._next_item(call)
         except _Unserved as exc:
             logger.debug(
-                "model %s: %s (attempt %d/%d)",
+                "model %s: %s (attempt %d)",
                 self._name,
                 exc,
                 call.sends,
-                self.attempts,
                 extra={"call_id": call.call_id},
             )
             raise
@@ -237,7 +263,8 @@ class BusChatModel:
         while True:
             msg = await self._receive(call.next_msg, call.deadline, call.heard)
             if not msg.data and (msg.headers or {}).get("Status") == _NO_RESPONDERS:
-                raise _Unserved(f"no model worker serves {self.subject}")
+                call.unserved += 1
+                raise _Unserved(f"no model worker serves {self.subject}", retryable=True)
             call.heard = True
             try:
                 message = decode(msg.data)
@@ -257,13 +284,24 @@ class BusChatModel:
             elif isinstance(message, ErrorMessage):
                 error = _error(self._name, message)
                 if message.code == "overloaded" and not call.produced:
-                    raise _Unserved(str(error))  # another worker of the group may be free
+                    # It, or another worker of the group, may be free on a resend.
+                    if message.retry_after is not None:
+                        await self._wait(call, message.retry_after)
+                        raise _Busy(str(error), message.retry_after)
+                    call.unserved += 1
+                    raise _Unserved(str(error), retryable=True)
                 raise error
             else:
                 tag = type(message).__struct_config__.tag
                 raise ModelError(
                     f"unexpected {tag!r} message from the model worker", retryable=False
                 )
+
+    async def _wait(self, call: _Call, retry_after: float) -> None:
+        """Part of the wait a refusing worker asked for (the retry's backoff
+        adds the rest); callers refused together spread out."""
+        remaining = call.deadline - asyncio.get_running_loop().time()
+        await asyncio.sleep(max(0.0, min(random.uniform(0, retry_after), remaining)))
 
     async def _receive(
         self, next_msg: Callable[[float], Awaitable[_Msg]], deadline: float, heard: bool

@@ -15,9 +15,10 @@ One ``llm_prompt`` gets, on its reply subject:
 
 Error codes, since an ``error`` message carries no "retryable" flag:
 
-- ``overloaded``: trying again later may succeed. The worker is at its
-  concurrency or its per-minute request/token budget (the message says which
-  and roughly when to retry), the model failed with a retryable
+- ``overloaded``: trying again later may succeed. The worker's queue is
+  full, a call waited ``queue_timeout`` for a place in vain, or the worker is
+  at its per-minute request/token budget (the message says which and roughly
+  when to retry), the model failed with a retryable
   :class:`~fleetbus.models.model.ModelError` (rate limit, 5xx), the model was
   unreachable (``ConnectionError``), or the worker is shutting down.
 - ``timeout``: the model did not answer within ``call_timeout`` (or its
@@ -26,8 +27,12 @@ Error codes, since an ``error`` message carries no "retryable" flag:
   response.
 - ``malformed`` (and the codec's codes): the request was not an ``llm_prompt``.
 
-A prompt is never queued: when it cannot start at once it is refused. The
-subject chooses the model; the prompt's ``model`` field is not checked.
+A prompt that finds every one of the ``concurrency`` places taken waits for
+one, in arrival order, if fewer than ``queue`` others wait already; otherwise
+it is refused at once. The queue is kept shallow on purpose: a prompt that
+would wait long here is better refused, so that its caller tries again and
+another worker of the queue group may take it. The subject chooses the model;
+the prompt's ``model`` field is not checked.
 """
 
 from __future__ import annotations
@@ -76,9 +81,9 @@ MODEL_SERVICE_NAME = "fleetbus-models"
 WINDOW = 60.0
 """Seconds of the sliding window of the per-minute limits."""
 
-# Handlers allowed past the serving loop's semaphore beyond ``concurrency``:
-# room to refuse extra prompts at once with ``overloaded`` instead of leaving
-# them queued in the subscription.
+# Handlers allowed past the serving loop's semaphore beyond ``concurrency``
+# and ``queue``: room to refuse extra prompts at once with ``overloaded``
+# instead of leaving them unread in the subscription.
 _SPARE_HANDLERS = 64
 
 
@@ -102,14 +107,15 @@ class _Budget:
         while self._window and self._window[0].at <= now - WINDOW:
             self._window.popleft()
 
-    def admit(self, estimate: int) -> _Spent | str:
-        """Record a call of ~``estimate`` tokens, or say why it must wait."""
+    def admit(self, estimate: int) -> _Spent | tuple[str, float]:
+        """Record a call of ~``estimate`` tokens, or say why it must wait, and how long."""
         now = time.monotonic()
         self._expire(now)
         rpm = self.requests_per_minute
         if rpm is not None and len(self._window) >= rpm:
             wait = self._window[len(self._window) - rpm].at + WINDOW - now
-            return f"its limit of {rpm} requests per minute is reached; retry in ~{_secs(wait)}"
+            why = f"its limit of {rpm} requests per minute is reached; retry in ~{_secs(wait)}"
+            return why, wait
         tpm = self.tokens_per_minute
         used = sum(s.tokens for s in self._window)
         # A prompt larger than the whole budget still runs when the window is
@@ -121,10 +127,11 @@ class _Budget:
                 if used - freed + estimate <= tpm:
                     wait = spent.at + WINDOW - now
                     break
-            return (
+            why = (
                 f"its limit of {tpm} tokens per minute is reached (~{used} used, this prompt "
                 f"~{estimate}); retry in ~{_secs(wait)}"
             )
+            return why, wait
         spent = _Spent(now, estimate)
         self._window.append(spent)
         return spent
@@ -136,6 +143,8 @@ def _secs(seconds: float) -> str:
 
 class _Limits(BaseModel):
     concurrency: int = Field(ge=1)
+    queue: int = Field(ge=0)
+    queue_timeout: float = Field(gt=0)
     requests_per_minute: int | None = Field(ge=1)
     tokens_per_minute: int | None = Field(ge=1)
     call_timeout: float = Field(gt=0)
@@ -149,7 +158,12 @@ class ModelWorker(Lifecycle):
         model: the model to serve (it holds the API key).
         name: the name it is served as, one subject token; ``model.name`` by default.
         worker_id: this worker's id (``sender`` of its messages); host-pid by default.
-        concurrency: calls run at once; more are refused with ``overloaded``.
+        concurrency: calls run at once.
+        queue: calls that may wait for a place when all are taken, in arrival
+            order; more are refused at once with ``overloaded``. ``None``:
+            as many as ``concurrency``.
+        queue_timeout: seconds a call waits for a place before it is refused
+            with ``overloaded``.
         requests_per_minute: calls admitted in any 60 s; unlimited when ``None``.
         tokens_per_minute: tokens admitted in any 60 s, counting each prompt
             as ~bytes/4 when it starts and as its reported usage once done;
@@ -169,16 +183,21 @@ class ModelWorker(Lifecycle):
         name: str | None = None,
         worker_id: str | None = None,
         concurrency: int = 8,
+        queue: int | None = None,
+        queue_timeout: float = 30.0,
         requests_per_minute: int | None = None,
         tokens_per_minute: int | None = None,
         drain_timeout: float = 30.0,
         call_timeout: float = 300.0,
     ) -> None:
         self.name = check_name(model.name if name is None else name, what="model name")
+        queue = concurrency if queue is None else queue
         check_ranges(
             _Limits,
             "ModelWorker",
             concurrency=concurrency,
+            queue=queue,
+            queue_timeout=queue_timeout,
             requests_per_minute=requests_per_minute,
             tokens_per_minute=tokens_per_minute,
             call_timeout=call_timeout,
@@ -187,12 +206,18 @@ class ModelWorker(Lifecycle):
         self.model = model
         self.worker_id = worker_id or f"model-worker.{socket.gethostname()}-{os.getpid()}"
         self.concurrency = concurrency
+        self.queue = queue
+        self.queue_timeout = queue_timeout
         self.drain_timeout = drain_timeout
         self.call_timeout = call_timeout
         self._budget = _Budget(requests_per_minute, tokens_per_minute)
         self._running = 0
+        self._places = asyncio.Semaphore(concurrency)
+        self._waiting = 0
+        self._call_secs = 1.0
+        """A moving average of how long a model call takes (seconds)."""
         super().__init__()
-        limits = {"concurrency": str(concurrency)}
+        limits = {"concurrency": str(concurrency), "queue": str(queue)}
         if requests_per_minute is not None:
             limits["requests_per_minute"] = str(requests_per_minute)
         if tokens_per_minute is not None:
@@ -232,6 +257,11 @@ class ModelWorker(Lifecycle):
         """Model calls in progress."""
         return self._running
 
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for a place."""
+        return self._waiting
+
     async def run(self) -> None:
         """Serve until :meth:`stop`; then finish in-flight calls and return.
 
@@ -247,7 +277,7 @@ class ModelWorker(Lifecycle):
                     self._handle,
                     stop=self._stop,
                     queue=self.bus.subjects.model_queue(self.name),
-                    limiter=asyncio.Semaphore(self.concurrency + _SPARE_HANDLERS),
+                    limiter=asyncio.Semaphore(self.concurrency + self.queue + _SPARE_HANDLERS),
                     drain_timeout=self.drain_timeout,
                     ready=loop_ready,
                     component=self.worker_id,
@@ -285,24 +315,66 @@ class ModelWorker(Lifecycle):
                 extra={"call_id": prompt.call_id},
             )
             return None
-        if self._running >= self.concurrency:
-            self.refused += 1
-            return self._error(
-                prompt,
-                "overloaded",
-                f"model {self.name} is busy ({self._running} of {self.concurrency} calls "
-                "running); retry in a few seconds",
-            )
-        admitted = self._budget.admit(max(1, request.size // 4))
-        if isinstance(admitted, str):
-            self.refused += 1
-            return self._error(prompt, "overloaded", f"model {self.name}: {admitted}")
-        self._running += 1
-        self.calls += 1
+        busy = await self._place()
+        if busy is not None:
+            # A place frees about every (call time / concurrency) seconds.
+            text = f"model {self.name} is busy: {busy}"
+            return self._refuse(prompt, text, self._call_secs / self.concurrency)
         try:
-            return await self._call(prompt, request.reply, admitted)
+            admitted = self._budget.admit(max(1, request.size // 4))
+            if isinstance(admitted, tuple):
+                why, wait = admitted
+                return self._refuse(prompt, f"model {self.name}: {why}", wait)
+            self._running += 1
+            self.calls += 1
+            started = time.monotonic()
+            try:
+                return await self._call(prompt, request.reply, admitted)
+            finally:
+                self._running -= 1
+                self._call_secs += (time.monotonic() - started - self._call_secs) / 8
         finally:
-            self._running -= 1
+            self._places.release()
+
+    def _refuse(self, prompt: LlmPrompt, text: str, retry_after: float) -> ErrorMessage:
+        """``overloaded`` before the model was called: retrying after ``retry_after`` s may pass."""
+        self.refused += 1
+        return error_reply(
+            prompt,
+            "overloaded",
+            clip(text),
+            source=self.worker_id,
+            retry_after=round(max(0.05, retry_after), 3),
+        )
+
+    async def _place(self) -> str | None:
+        """Take a place to run a call, waiting in the queue if there is room.
+
+        Returns:
+            ``None`` once a place is taken (release it); why not otherwise.
+        """
+        if not self._places.locked():
+            await self._places.acquire()  # free: returns at once
+            return None
+        if self._waiting >= self.queue or self._stop.is_set():
+            return (
+                f"{self.concurrency} call(s) running and {self._waiting} waiting; "
+                "retry in a few seconds"
+            )
+        self._waiting += 1
+        try:
+            async with asyncio.timeout(self.queue_timeout):
+                await self._places.acquire()
+        except TimeoutError:
+            return f"no place came free within {self.queue_timeout:g} s; retry later"
+        except asyncio.CancelledError:
+            if self._stop.is_set():
+                # Draining ran out of time: answer so the caller retries elsewhere.
+                return f"model worker {self.worker_id} is shutting down"
+            raise
+        finally:
+            self._waiting -= 1
+        return None
 
     async def _call(self, prompt: LlmPrompt, reply: str, spent: _Spent) -> Message:
         choice = prompt.tool_choice

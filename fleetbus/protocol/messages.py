@@ -285,9 +285,20 @@ class ErrorMessage(Message, frozen=True, kw_only=True, tag="error"):
     message: str
     source_component: str = ""
     """Who could not handle it (``worker.calc-1``, ``agent.planner``…)."""
+    retry_after: float | None = None
+    """With ``overloaded``: the request was refused before any work started
+    (a full queue, a rate limit), and a retry after about this many seconds
+    may succeed. ``None``: no such promise (the work may have been tried)."""
 
 
-def error_reply(about: Message | None, code: ErrorCode, text: str, *, source: str) -> ErrorMessage:
+def error_reply(
+    about: Message | None,
+    code: ErrorCode,
+    text: str,
+    *,
+    source: str,
+    retry_after: float | None = None,
+) -> ErrorMessage:
     """The ``error`` message answering ``about`` (its session and call ids),
     sent and signed by ``source``."""
     return ErrorMessage(
@@ -297,6 +308,7 @@ def error_reply(about: Message | None, code: ErrorCode, text: str, *, source: st
         code=code,
         message=text,
         source_component=source,
+        retry_after=retry_after,
     )
 
 

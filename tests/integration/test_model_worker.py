@@ -1,6 +1,7 @@
 """Models served over the bus: a ModelWorker holds the model, a BusChatModel
-calls it; deltas stream as they are produced, limits answer ``overloaded`` at
-once, failures come back as ModelError, and the worker keeps serving."""
+calls it; deltas stream as they are produced, a call beyond the concurrency
+waits in a shallow queue, limits answer ``overloaded`` (which the client
+resends until its time is up), failures come back as ModelError, and the worker keeps serving."""
 
 from __future__ import annotations
 
@@ -9,17 +10,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 
-from fleetbus.agents import Agent
+from fleetbus.agents import Agent, AgentSettings
 from fleetbus.bus import Bus, EmbeddedServer, discover
 from fleetbus.errors import ConfigError
 from fleetbus.models.bus_model import BusChatModel
 from fleetbus.models.model import (
+    ModelConfig,
     ModelError,
     ModelRequest,
     ModelResponse,
@@ -33,6 +35,7 @@ from fleetbus.protocol import (
     ErrorMessage,
     Event,
     FinalAnswer,
+    LlmPrompt,
     TextBlock,
     ToolCall,
     ToolSpec,
@@ -158,39 +161,122 @@ async def test_deltas_reach_the_caller_while_the_model_is_still_running(
     assert rest[-1].text == "first second"
 
 
-async def test_a_call_beyond_the_concurrency_is_refused_at_once(bus: Bus, caller: Bus) -> None:
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait (bounded) for a worker's counters to show what a test waits for."""
+    async with asyncio.timeout(10):
+        while not condition():  # noqa: ASYNC110 - a worker's counters
+            await asyncio.sleep(0.01)
+
+
+async def test_a_call_beyond_the_concurrency_waits_for_a_place(bus: Bus, caller: Bus) -> None:
     model = GatedModel()
     async with serving(ModelWorker(bus, model, concurrency=1, drain_timeout=2)) as worker:
+        client = BusChatModel(caller, "gated", timeout=10, attempts=1)
+        async with asyncio.TaskGroup() as tg:
+            first = tg.create_task(collect(client, ModelRequest(HELLO)))
+            try:
+                await asyncio.wait_for(model.started.wait(), 5)
+                second = tg.create_task(collect(client, ModelRequest(HELLO)))
+                await until(lambda: worker.waiting == 1)
+                assert (worker.running, worker.calls, worker.refused) == (1, 1, 0)
+            finally:
+                model.gate.set()
+        assert (worker.calls, worker.refused, worker.waiting) == (2, 0, 0)
+    for items in (first.result(), second.result()):
+        assert isinstance(items[-1], ModelResponse)
+        assert items[-1].text == "first second"
+
+
+async def test_a_call_beyond_the_queue_is_refused_and_sent_again_until_its_time_is_up(
+    bus: Bus, caller: Bus
+) -> None:
+    model = GatedModel()
+    worker = ModelWorker(bus, model, concurrency=1, queue=0, drain_timeout=2)
+    async with serving(worker):
         async with asyncio.TaskGroup() as tg:
             first = tg.create_task(
-                collect(BusChatModel(caller, "gated", timeout=5), ModelRequest(HELLO))
+                collect(BusChatModel(caller, "gated", timeout=10), ModelRequest(HELLO))
             )
             try:
                 await asyncio.wait_for(model.started.wait(), 5)
-                started = time.monotonic()
-                with pytest.raises(ModelError, match="busy") as refused:
-                    await collect(BusChatModel(caller, "gated", attempts=2), ModelRequest(HELLO))
-                assert time.monotonic() - started < 2
+                raw = await caller.request(bus.subjects.model("gated"), prompt("raw-1"), timeout=5)
+                busy = BusChatModel(caller, "gated", timeout=1.0, attempts=1, retry_backoff=0.05)
+                with pytest.raises(ModelError, match="busy: 1 call") as refused:
+                    await collect(busy, ModelRequest(HELLO))
             finally:
                 model.gate.set()
-        assert worker.refused == 2  # both attempts
-    assert refused.value.retryable
+        assert worker.refused >= 3  # the raw one, and the client's beyond its one attempt
+    assert isinstance(raw, ErrorMessage)
+    assert (raw.code, raw.call_id) == ("overloaded", "raw-1")
+    assert raw.retry_after is not None
+    assert raw.retry_after > 0
     assert "overloaded" in str(refused.value)
+    assert not refused.value.retryable  # the call's time is spent: no point in more
     final = first.result()[-1]
     assert isinstance(final, ModelResponse)
-    assert final.text == "first second"
 
 
-async def test_the_request_rate_limit_answers_overloaded(bus: Bus, caller: Bus) -> None:
+async def test_a_call_that_waits_too_long_for_a_place_is_refused(bus: Bus, caller: Bus) -> None:
+    model = GatedModel()
+    worker = ModelWorker(bus, model, concurrency=1, queue=1, queue_timeout=0.2, drain_timeout=2)
+    async with serving(worker):
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(collect(BusChatModel(caller, "gated", timeout=10), ModelRequest(HELLO)))
+            try:
+                await asyncio.wait_for(model.started.wait(), 5)
+                raw = await caller.request(bus.subjects.model("gated"), prompt("raw-2"), timeout=5)
+            finally:
+                model.gate.set()
+        assert (worker.calls, worker.refused) == (1, 1)
+    assert isinstance(raw, ErrorMessage)
+    assert raw.code == "overloaded"
+    assert "no place came free within 0.2 s" in raw.message
+    assert raw.retry_after is not None
+
+
+async def test_a_busy_worker_does_not_use_up_the_agents_retries(bus: Bus, caller: Bus) -> None:
+    model = GatedModel()
+    agent = Agent(
+        "patient",
+        "You wait.",
+        BusChatModel(caller, "gated", timeout=10, retry_backoff=0.05),
+        settings=AgentSettings(model_calls=ModelConfig(max_retries=0)),
+    )
+    worker = ModelWorker(bus, model, concurrency=1, queue=0, drain_timeout=2)
+    async with serving(worker), asyncio.TaskGroup() as tg:
+        tg.create_task(collect(BusChatModel(caller, "gated", timeout=10), ModelRequest(HELLO)))
+        try:
+            await asyncio.wait_for(model.started.wait(), 5)
+            reply = tg.create_task(agent.reply("Hello?"))
+            await until(lambda: worker.refused >= 3)  # more than attempts + max_retries
+        finally:
+            model.gate.set()
+    assert reply.result().content == "first second"
+
+
+def prompt(call_id: str) -> LlmPrompt:
+    return LlmPrompt(sender="raw", call_id=call_id, model="gated", messages=HELLO)
+
+
+async def test_the_request_rate_limit_answers_overloaded_with_its_wait(
+    bus: Bus, caller: Bus
+) -> None:
     model = ScriptedModel(["ok"], repeat_last=True)
     client = BusChatModel(caller, "scripted", attempts=1)
     async with serving(ModelWorker(bus, model, requests_per_minute=2)) as worker:
         for _ in range(2):
             assert isinstance((await collect(client, ModelRequest(HELLO)))[-1], ModelResponse)
+        raw = await caller.request(bus.subjects.model("scripted"), prompt("raw-3"), timeout=5)
+        started = time.monotonic()
         with pytest.raises(ModelError, match=r"2 requests per minute.*retry in ~\d+ s") as exc:
-            await collect(client, ModelRequest(HELLO))
-        assert (worker.calls, worker.refused) == (2, 1)
-    assert exc.value.retryable
+            await collect(BusChatModel(caller, "scripted", timeout=0.5), ModelRequest(HELLO))
+        assert time.monotonic() - started < 5  # it waited what it could, not the minute
+        assert worker.calls == 2
+    assert isinstance(raw, ErrorMessage)
+    assert raw.code == "overloaded"
+    assert raw.retry_after is not None
+    assert 50 < raw.retry_after <= 60
+    assert not exc.value.retryable  # the call's time ran out waiting
     assert len(model.requests) == 2
 
 
@@ -199,14 +285,11 @@ async def test_the_token_rate_limit_counts_the_usage_reported(bus: Bus, caller: 
         content=[TextBlock(text="long")], usage=Usage(input_tokens=900, output_tokens=200)
     )
     model = ScriptedModel([answer], repeat_last=True)
-    client = BusChatModel(caller, "scripted", attempts=1)
+    client = BusChatModel(caller, "scripted", timeout=0.5)
     async with serving(ModelWorker(bus, model, tokens_per_minute=1000)):
         await collect(client, ModelRequest(HELLO))  # the window was empty: admitted
-        with pytest.raises(
-            ModelError, match=r"1000 tokens per minute is reached \(~1100 used"
-        ) as exc:
+        with pytest.raises(ModelError, match=r"1000 tokens per minute is reached \(~1100 used"):
             await collect(client, ModelRequest(HELLO))
-    assert exc.value.retryable
     assert len(model.requests) == 1
 
 
