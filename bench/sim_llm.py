@@ -54,15 +54,14 @@ replies by kind, answers without a number), guesses read, calculator calls
 run (the tool worker's counters), seconds per round; for each group: its
 replies, guesses read, and the model server its calls reached.
 
-A model worker runs at most ``--concurrency`` calls and refuses the rest
-with ``overloaded`` at once, without queueing (``ModelWorker._answer`` in
-fleetbus/models/model_worker.py); the agent's call then tries again (a
-second send 0.1 s later, then the agent's ``--model-retries`` with backoff
-doubling from 0.5 s to 8 s). With the default 2 retries, 42 of 50 replies
-failed in 3 s (measured, ``--model-retries 2``); the simulation here runs
-with ``--model-retries`` 1000, so that waiting agents keep asking until a
-slot is free. ``--worker-concurrency`` above the slots lets the servers
-queue the calls instead.
+A model worker runs at most ``--concurrency`` calls (the server's slots by
+default); a call that finds them all taken waits for a place in a queue as
+deep (``ModelWorker``'s ``queue``), and one that finds the queue full too is
+refused with ``overloaded`` and ``retry_after``, which the agent's
+``BusChatModel`` sends again after about that long until the call's
+timeout, without using up ``--model-retries`` (fleetbus's default, 2).
+``--worker-concurrency`` above the slots lets the servers queue the calls
+instead.
 
 Prints one JSON line (``--results FILE`` appends it there too), progress on
 stderr. About 15 minutes with the defaults on a quiet 2-core machine (50
@@ -685,7 +684,7 @@ def main() -> None:
     parser.add_argument(
         "--worker-concurrency", type=int, help="calls per model worker (default: --slots)"
     )
-    parser.add_argument("--model-retries", type=int, default=1000)
+    parser.add_argument("--model-retries", type=int, default=2)
     parser.add_argument("--hosts", type=int, default=1, help="host processes of the simulation")
     parser.add_argument("--host-concurrency", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per model call")
