@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Protocol
 
@@ -49,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 RETRYABLE_CODES = frozenset({"overloaded", "timeout"})
 """Error codes of a model worker after which trying again may succeed."""
+
+_REMEMBERED_SESSIONS = 10_000
+"""Sessions whose last worker a :class:`BusChatModel` remembers."""
 
 _NO_RESPONDERS = "503"
 """The status NATS sends to the reply subject when nobody serves a subject."""
@@ -85,9 +89,14 @@ class _Call:
         inbox: str,
         next_msg: Callable[[float], Awaitable[_Msg]],
         deadline: float,
+        subject: str,
+        session_id: str | None,
     ) -> None:
         self.call_id = call_id
         self.inbox = inbox
+        self.subject = subject
+        """Where the prompt goes: the session's last worker, or the model's subject."""
+        self.session_id = session_id
         self.next_msg = next_msg
         self.deadline = deadline
         """Event-loop time by which the call must be over, retries included."""
@@ -114,6 +123,10 @@ class BusChatModel:
             or outage upstream).
         retry_backoff: seconds before the first resend (plus jitter),
             doubling after each up to 5 s; no wait runs past ``timeout``.
+
+    A session's next call goes first to the worker that answered its last
+    one (its model server may still hold the conversation in its prompt
+    cache); if that worker is gone or busy, to any worker of the model.
 
     A worker that refuses the prompt before calling the model (its queue is
     full, or it is at its rate limit: ``overloaded`` with ``retry_after``)
@@ -150,6 +163,10 @@ class BusChatModel:
         self.streaming = stream
         self.attempts = attempts
         self.retry_backoff = retry_backoff
+        self._inboxes = bus.subjects.inbox_root() + "."
+        self._workers: OrderedDict[str, str] = OrderedDict()
+        """The subject of the worker that answered each session's last call,
+        the most recent :data:`_REMEMBERED_SESSIONS`."""
 
     supports_required_tool_choice = True
     """A structured reply may ask for ``tool_choice="required"``: the model
@@ -198,7 +215,9 @@ class BusChatModel:
             listener = await self.bus.listen(inbox)
         except BusError as exc:
             raise ModelError(f"cannot listen for the answer: {exc}", retryable=True) from exc
-        call = _Call(call_id, inbox, listener.next, deadline)
+        session = request.session_id
+        sticky = self._workers.get(session) if session else None
+        call = _Call(call_id, inbox, listener.next, deadline, sticky or self.subject, session)
 
         # Resent (same call_id) while no worker took it; once one did, never.
         def resend(exc: Exception) -> bool:
@@ -227,18 +246,35 @@ class BusChatModel:
     async def _send(self, call: _Call, payload: bytes) -> ModelStreamItem:
         """One attempt: send the prompt, wait for the first delta or the response.
 
+        The session's last worker gets it first; if that one is gone or busy,
+        any worker of the model at once.
+
         Raises:
             _Unserved: no worker took the prompt; another attempt may find one.
             ModelError: anything else.
         """
+        if call.subject != self.subject:
+            try:
+                return await self._attempt(call, payload)
+            except _Unserved:
+                call.subject, call.unserved = self.subject, 0
+                if call.session_id:
+                    self._workers.pop(call.session_id, None)
+        try:
+            return await self._attempt(call, payload)
+        except _Busy as exc:
+            await self._wait(call, exc.retry_after)
+            raise
+
+    async def _attempt(self, call: _Call, payload: bytes) -> ModelStreamItem:
         call.sends += 1
         try:
             await self.bus.publish_bytes(
-                self.subject, payload, reply=call.inbox, headers=tracing.inject(None)
+                call.subject, payload, reply=call.inbox, headers=tracing.inject(None)
             )
         except BusError as exc:
             raise ModelError(
-                f"cannot send the prompt to {self.subject}: {exc}", retryable=True
+                f"cannot send the prompt to {call.subject}: {exc}", retryable=True
             ) from exc
         try:
             return await self._next_item(call)
@@ -280,13 +316,14 @@ class BusChatModel:
                     call.produced = True
                     return item
             elif isinstance(message, LlmResponse):
+                if call.session_id:
+                    self._remember(call.session_id, message.next_subject)
                 return self._response(message)
             elif isinstance(message, ErrorMessage):
                 error = _error(self._name, message)
                 if message.code == "overloaded" and not call.produced:
                     # It, or another worker of the group, may be free on a resend.
                     if message.retry_after is not None:
-                        await self._wait(call, message.retry_after)
                         raise _Busy(str(error), message.retry_after)
                     call.unserved += 1
                     raise _Unserved(str(error), retryable=True)
@@ -296,6 +333,16 @@ class BusChatModel:
                 raise ModelError(
                     f"unexpected {tag!r} message from the model worker", retryable=False
                 )
+
+    def _remember(self, session_id: str, subject: str | None) -> None:
+        # Only a fleet's inbox: a worker cannot send the agent's prompts elsewhere.
+        if not subject or not subject.startswith(self._inboxes):
+            self._workers.pop(session_id, None)
+            return
+        self._workers[session_id] = subject
+        self._workers.move_to_end(session_id)
+        if len(self._workers) > _REMEMBERED_SESSIONS:
+            self._workers.popitem(last=False)
 
     async def _wait(self, call: _Call, retry_after: float) -> None:
         """Part of the wait a refusing worker asked for (the retry's backoff

@@ -27,6 +27,12 @@ Error codes, since an ``error`` message carries no "retryable" flag:
   response.
 - ``malformed`` (and the codec's codes): the request was not an ``llm_prompt``.
 
+Each worker also serves a subject of its own, an inbox, named in every
+``llm_response`` it sends (``next_subject``): :class:`BusChatModel
+<fleetbus.models.bus_model.BusChatModel>` sends a session's next call there,
+to the worker that answered its last one, whose model server may still hold
+the conversation in its prompt cache.
+
 A prompt that finds every one of the ``concurrency`` places taken waits for
 one, in arrival order, if fewer than ``queue`` others wait already; otherwise
 it is refused at once. The queue is kept shallow on purpose: a prompt that
@@ -212,6 +218,8 @@ class ModelWorker(Lifecycle):
         self.call_timeout = call_timeout
         self._budget = _Budget(requests_per_minute, tokens_per_minute)
         self._running = 0
+        self._own_subject = bus.new_inbox()
+        """This worker's own subject (an inbox: every agent may send to it)."""
         self._places = asyncio.Semaphore(concurrency)
         self._waiting = 0
         self._call_secs = 1.0
@@ -258,6 +266,11 @@ class ModelWorker(Lifecycle):
         return self._running
 
     @property
+    def own_subject(self) -> str:
+        """The subject this worker alone serves (``next_subject`` of its answers)."""
+        return self._own_subject
+
+    @property
     def waiting(self) -> int:
         """Calls waiting for a place."""
         return self._waiting
@@ -268,23 +281,32 @@ class ModelWorker(Lifecycle):
         Raises:
             ConnectionClosedError: the bus closed.
         """
-        loop_ready, service_ready = asyncio.Event(), asyncio.Event()
+        loop_ready, own_ready, service_ready = asyncio.Event(), asyncio.Event(), asyncio.Event()
         logger.info("model worker %s serving %s as %s", self.worker_id, self.model.name, self.name)
+        subjects = self.bus.subjects
+        limiter = asyncio.Semaphore(self.concurrency + self.queue + _SPARE_HANDLERS)
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(
-                self.bus.serve(
-                    self.bus.subjects.model(self.name),
-                    self._handle,
-                    stop=self._stop,
-                    queue=self.bus.subjects.model_queue(self.name),
-                    limiter=asyncio.Semaphore(self.concurrency + self.queue + _SPARE_HANDLERS),
-                    drain_timeout=self.drain_timeout,
-                    ready=loop_ready,
-                    component=self.worker_id,
+            # The model's subject, shared by its workers; and this worker's
+            # own, where a session's next call comes to the worker that
+            # served it (BusChatModel): its prompt may still be cached here.
+            for subject, queue, ready in (
+                (subjects.model(self.name), subjects.model_queue(self.name), loop_ready),
+                (self._own_subject, None, own_ready),
+            ):
+                tg.create_task(
+                    self.bus.serve(
+                        subject,
+                        self._handle,
+                        stop=self._stop,
+                        queue=queue,
+                        limiter=limiter,
+                        drain_timeout=self.drain_timeout,
+                        ready=ready,
+                        component=self.worker_id,
+                    )
                 )
-            )
             tg.create_task(self.service.run(self._stop, ready=service_ready))
-            tg.create_task(self._announce_ready(loop_ready, service_ready))
+            tg.create_task(self._announce_ready(loop_ready, own_ready, service_ready))
         logger.info(
             "model worker %s stopped after %d call(s), %d refused",
             self.worker_id,
@@ -442,6 +464,7 @@ class ModelWorker(Lifecycle):
             content=list(final.content),
             usage=final.usage,
             finish_reason=final.finish_reason,
+            next_subject=self._own_subject,
         )
 
     async def _send_delta(

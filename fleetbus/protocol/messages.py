@@ -219,6 +219,11 @@ class LlmResponse(Message, frozen=True, kw_only=True, tag="llm_response"):
     usage: Usage | None = None
     finish_reason: str | None = None
     """As the model reported it (``stop``, ``tool_calls``, ``length``…)."""
+    next_subject: str | None = None
+    """Where to send the next prompt of the same session to reach the worker
+    that answered, whose model server may still hold the conversation in its
+    prompt cache. It answers there as on the model's subject; nobody does
+    once it is gone."""
 
 
 class ToolCall(Message, frozen=True, kw_only=True, tag="tool_call"):

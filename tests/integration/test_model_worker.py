@@ -11,13 +11,13 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import pytest
 
 from fleetbus.agents import Agent, AgentSettings
-from fleetbus.bus import Bus, EmbeddedServer, discover
+from fleetbus.bus import Bus, EmbeddedServer, Request, discover
 from fleetbus.errors import ConfigError
 from fleetbus.models.bus_model import BusChatModel
 from fleetbus.models.model import (
@@ -36,6 +36,7 @@ from fleetbus.protocol import (
     Event,
     FinalAnswer,
     LlmPrompt,
+    LlmResponse,
     TextBlock,
     ToolCall,
     ToolSpec,
@@ -200,7 +201,7 @@ async def test_a_call_beyond_the_queue_is_refused_and_sent_again_until_its_time_
             try:
                 await asyncio.wait_for(model.started.wait(), 5)
                 raw = await caller.request(bus.subjects.model("gated"), prompt("raw-1"), timeout=5)
-                busy = BusChatModel(caller, "gated", timeout=1.0, attempts=1, retry_backoff=0.05)
+                busy = BusChatModel(caller, "gated", timeout=3.0, attempts=1, retry_backoff=0.05)
                 with pytest.raises(ModelError, match="busy: 1 call") as refused:
                     await collect(busy, ModelRequest(HELLO))
             finally:
@@ -252,6 +253,105 @@ async def test_a_busy_worker_does_not_use_up_the_agents_retries(bus: Bus, caller
         finally:
             model.gate.set()
     assert reply.result().content == "first second"
+
+
+async def test_a_sessions_calls_go_to_the_worker_that_served_it_while_it_serves(
+    bus: Bus, caller: Bus
+) -> None:
+    models = {w: ScriptedModel([f"from {w}"], repeat_last=True) for w in ("mw.a", "mw.b")}
+    client = BusChatModel(caller, "scripted")
+    session = ModelRequest(HELLO, session_id="s-1")
+    workers = {w: ModelWorker(bus, m, worker_id=w) for w, m in models.items()}
+    runs = {w: asyncio.create_task(worker.run()) for w, worker in workers.items()}
+    try:
+        for worker in workers.values():
+            await worker.wait_ready()
+        texts = [await answer(client, session) for _ in range(12)]
+        assert len(set(texts)) == 1  # a queue group alone picks at random
+        served = texts[0].removeprefix("from ")
+        other = next(w for w in workers if w != served)
+        # Another session is not bound to it.
+        others = {await answer(client, ModelRequest(HELLO, session_id=f"t-{i}")) for i in range(12)}
+        assert others == {"from mw.a", "from mw.b"}
+        workers[served].stop()
+        await runs[served]
+        assert await answer(client, session) == f"from {other}"  # gone: any worker
+        assert await answer(client, session) == f"from {other}"  # and now that one
+    finally:
+        for w, worker in workers.items():
+            worker.stop()
+            await runs[w]
+
+
+async def test_a_sessions_call_goes_elsewhere_when_its_worker_is_busy(
+    bus: Bus, caller: Bus
+) -> None:
+    models = {w: GatedModel() for w in ("mw-a", "mw-b")}
+    for model in models.values():
+        model.gate.set()
+    client = BusChatModel(caller, "gated", timeout=10)
+    session = ModelRequest(HELLO, session_id="s-1")
+    async with AsyncExitStack() as stack:
+        workers = {
+            w: await stack.enter_async_context(
+                serving(ModelWorker(bus, m, worker_id=w, concurrency=1, queue=0))
+            )
+            for w, m in models.items()
+        }
+        await collect(client, session)
+        served = next(w for w, worker in workers.items() if worker.calls == 1)
+        other = next(w for w in workers if w != served)
+        models[served].gate.clear()
+        models[served].started.clear()
+        own = workers[served].own_subject
+        async with asyncio.TaskGroup() as tg:
+            occupying = tg.create_task(caller.request(own, prompt("occupy"), timeout=10))
+            try:
+                await asyncio.wait_for(models[served].started.wait(), 5)
+                await collect(client, session)
+            finally:
+                models[served].gate.set()
+        assert isinstance(occupying.result(), LlmResponse)
+        assert workers[served].calls == 2  # the first call, and the one occupying it
+        assert workers[served].refused >= 1  # refused there (and again if the group chose it)
+        assert (workers[other].calls, workers[other].refused) == (1, 0)
+
+
+async def test_a_next_subject_outside_the_fleets_inboxes_is_not_followed(
+    bus: Bus, caller: Bus
+) -> None:
+    elsewhere = bus.subjects.tool("calculator")
+    prompts: list[str] = []
+
+    async def fake_worker(request: Request) -> LlmResponse:
+        prompts.append(request.subject)
+        return LlmResponse(
+            sender="fake",
+            call_id=request.message.call_id,
+            content=[TextBlock(text="ok")],
+            next_subject=elsewhere,
+        )
+
+    stop, ready = asyncio.Event(), asyncio.Event()
+    client = BusChatModel(caller, "fake", timeout=5)
+    session = ModelRequest(HELLO, session_id="s-1")
+    async with await caller.observe(elsewhere) as diverted, asyncio.TaskGroup() as tg:
+        tg.create_task(bus.serve(bus.subjects.model("fake"), fake_worker, stop=stop, ready=ready))
+        try:
+            await ready.wait()
+            assert await answer(client, session) == "ok"
+            assert await answer(client, session) == "ok"
+        finally:
+            stop.set()
+        await caller.flush()
+        assert await diverted.received() == []
+    assert prompts == [bus.subjects.model("fake")] * 2
+
+
+async def answer(client: BusChatModel, request: ModelRequest) -> str:
+    final = (await collect(client, request))[-1]
+    assert isinstance(final, ModelResponse)
+    return final.text
 
 
 def prompt(call_id: str) -> LlmPrompt:
