@@ -5,8 +5,13 @@ dead owner that appended nothing serves it from there."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 import pytest
 
+from fleetbus.agents.serving import leases as leases_module
 from fleetbus.agents.serving.sessions import SessionStore, session_key
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus
@@ -98,3 +103,36 @@ async def test_a_dead_clean_takers_request_is_served_from_its_lease(
         assert (stored.owner, stored.pending_input) == (owner, request)
         # ...and this heir dies too: the next finds the request in the journal.
     await heir.save(lease, status="idle", final={"content": "done"}, release=True)
+
+
+async def test_a_lease_whose_marker_expired_is_taken_in_one_write(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A marker that lives one second (the server's shortest per-message TTL).
+    monkeypatch.setattr(leases_module, "_MARKER_TTL", 1.0)
+    store = await SessionStore.open(bus, owner="a", lease_ttl=0.1)
+    bucket = store.leases
+    if not bucket.expiring_markers:
+        pytest.skip("this nats-server keeps markers for ever")
+    writes: list[str] = []
+    for name in ("create", "update", "get_or_none", "last"):
+        monkeypatch.setattr(bucket, name, _counted(writes, name, getattr(bucket, name)))
+    await _released(store, "mae")
+    key = session_key("mae", "s")
+    async with asyncio.timeout(30):
+        while await bucket.last(key) is not None:  # noqa: ASYNC110 - the server expires it
+            await asyncio.sleep(0.1)
+    writes.clear()
+    lease = await store.acquire("mae", "s", fresh=AgentState(agent_name="mae"))
+    assert writes == ["create"]  # not an update against the marker, failing, then a read
+    await store.save(lease, status="idle", release=True)
+
+
+def _counted(
+    calls: list[str], name: str, method: Callable[..., Awaitable[Any]]
+) -> Callable[..., Awaitable[Any]]:
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return await method(*args, **kwargs)
+
+    return counted

@@ -53,8 +53,11 @@ session left running while no replica of its agent ran for longer than this
 is resumed by its next message instead of by recovery."""
 _MARKER_TTL = 60.0
 """Seconds the marker of a released lease stays (at least; 6 lease TTLs)."""
-_RELEASED_KEPT = 20_000
-"""Leases released whose marker's revision is remembered (about 100 bytes each)."""
+_RELEASED_KEPT = 250_000
+"""Leases released whose marker's revision is remembered, at most (about 150
+bytes each). Where markers expire (nats-server 2.11+), only those released
+within a marker's life are kept: a take against an expired marker would fail,
+then read, then write, where one write finds the lease gone."""
 _CARRIED_BYTES = 16 * 1024
 """A lease carries the whole request up to this size (a larger one is
 recorded in the journal with the ``taken`` fact)."""
@@ -126,8 +129,14 @@ class Leases:
         self.owner = owner
         self.ttl = ttl
         # The revision of the marker each released lease left (here, or
-        # heard): the next take writes against it without reading first.
-        self._released: OrderedDict[str, int] = OrderedDict()
+        # heard), and when: the next take writes against it without reading
+        # first, while the marker lives (``marker_life``).
+        self._released: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        marker_ttl = max(_MARKER_TTL, 6 * ttl)
+        self.marker_life = marker_ttl - min(5.0, marker_ttl / 10)
+        """Seconds after a release during which its marker is taken to be
+        there still (a little less than its TTL; forever where markers do
+        not expire)."""
 
     @classmethod
     async def open(cls, bus: Bus, *, owner: str, ttl: float) -> Leases:
@@ -186,7 +195,7 @@ class Leases:
             # The common cases in one write: a lease nobody wrote since its
             # release (compare-and-set against its marker), or a session never
             # leased. Anyone else's write makes this fail; then it is read.
-            released = self._released.pop(key, None)
+            released = self._known_marker(key)
             try:
                 if released is not None:
                     revision = await self.bucket.update(key, value, revision=released)
@@ -299,10 +308,26 @@ class Leases:
         """Lease ``key`` was released, leaving a marker at revision ``marker``
         (here, or by another replica: :class:`Recovery` hears it): the next
         take writes against it without reading the lease first."""
-        self._released[key] = marker
-        self._released.move_to_end(key)
-        if len(self._released) > _RELEASED_KEPT:
-            self._released.popitem(last=False)
+        released = self._released
+        now = time.monotonic()
+        released[key] = (marker, now)
+        released.move_to_end(key)
+        if len(released) > _RELEASED_KEPT:
+            released.popitem(last=False)
+        if self.bucket.expiring_markers:
+            while released and next(iter(released.values()))[1] < now - self.marker_life:
+                released.popitem(last=False)  # expired on the server meanwhile
+
+    def _known_marker(self, key: str) -> int | None:
+        """The revision of the marker lease ``key`` left when released, while
+        that marker is there still; forgotten once asked for."""
+        known = self._released.pop(key, None)
+        if known is None:
+            return None
+        marker, at = known
+        if self.bucket.expiring_markers and at < time.monotonic() - self.marker_life:
+            return None  # gone by now: the lease is written as new
+        return marker
 
 
 def _needs_none(agent: str, session_id: str) -> SessionBusyError:
