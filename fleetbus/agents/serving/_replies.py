@@ -281,11 +281,19 @@ class ReplyRunning:
                 async with asyncio.TaskGroup() as tg:
                     # Renewed until released: the end is written, sent and released
                     # under the lease, so nobody takes a session that is ending.
-                    renewing = tg.create_task(self._renew(lease, calls))
+                    # The renewing task starts with the first renewal: most
+                    # replies end before it is due.
+                    renewing: list[asyncio.Task[None]] = []
+                    due = asyncio.get_running_loop().call_later(
+                        self.lease_ttl / 3,
+                        lambda: renewing.append(tg.create_task(self._renew(lease, calls))),
+                    )
                     try:
                         final = await self._serve_phases(agent, phases, run, lease)
                     finally:
-                        renewing.cancel()
+                        due.cancel()
+                        for task in renewing:
+                            task.cancel()
         except* SessionLost as group:
             lost = group.exceptions[0]
         finally:
@@ -420,13 +428,13 @@ class ReplyRunning:
         return final
 
     async def _renew(self, lease: Lease, calls: CallScope) -> None:
-        """Renew ``lease`` until cancelled. Raises ``SessionLost`` when it was
+        """Renew ``lease`` now and every third of its TTL until cancelled
+        (started when the first renewal is due). Raises ``SessionLost`` when it was
         taken over or could not be renewed for its TTL, after abandoning
         ``calls`` (the reply's tool calls are left to the next owner)."""
         assert self.store is not None
         try:
             while True:
-                await asyncio.sleep(self.lease_ttl / 3)
                 try:
                     await self.store.renew(lease)
                 except StoreError as exc:
@@ -440,6 +448,7 @@ class ReplyRunning:
                     logger.warning(
                         "%s: lease renewal failed, retrying: %s", lease.record.agent, exc
                     )
+                await asyncio.sleep(self.lease_ttl / 3)
         except SessionLost:
             calls.abandon()
             raise
