@@ -62,7 +62,7 @@ bench: install
 # one server, without the broadcast (about 15). Each appends its JSON line to
 # bench/results/simulation.jsonl.
 .PHONY: bench-100k bench-100k-cluster bench-1m
-SIM_100K := bench/simulation.py --agents 100000 --hosts 2 --rounds 1 --no-compare-old \
+SIM_100K := bench/simulation.py --agents 100000 --hosts 2 --rounds 2 --no-compare-old \
 	--deadline 600 --results bench/results/simulation.jsonl
 
 bench-100k: install
