@@ -6,6 +6,7 @@ The only package that imports ``nats``.
 """
 
 from fleetbus.bus._replies import RESEND_AFTER
+from fleetbus.bus._server_version import MIN_SERVER_VERSION
 from fleetbus.bus.connection import Bus, Handler, Observation, Request
 from fleetbus.bus.lifecycle import GC_THRESHOLD, Lifecycle, tune_gc
 from fleetbus.bus.listen import Heard, Listener
@@ -45,6 +46,7 @@ __all__ = [
     "DEFAULT_URL",
     "GC_THRESHOLD",
     "INBOX_ROOT",
+    "MIN_SERVER_VERSION",
     "RESEND_AFTER",
     "RESULTS_STORE",
     "RESULT_HEADROOM",

@@ -34,6 +34,7 @@ from fleetbus._retry import Retry
 from fleetbus.bus._replies import Denials, Interruption, Reconnects, Replies, permission_denied
 from fleetbus.bus._seam import Client, Received, server_info
 from fleetbus.bus._serve import Handler, Request, ServeLoop, settle
+from fleetbus.bus._server_version import check_server_version, unsupported_server
 from fleetbus.bus.listen import Callback, Listener
 from fleetbus.bus.settings import ConnectOptions
 from fleetbus.bus.subjects import Subjects
@@ -129,8 +130,15 @@ class Bus:
                 are retried for ever. Refused credentials end the first
                 connection at once.
 
+        The server must be nats-server
+        :data:`~fleetbus.bus.MIN_SERVER_VERSION` or later: an older one is
+        refused once connected, before anything is asked of it (a server
+        met on a later reconnection is only warned about).
+
         Raises:
-            ConnectError: no server reachable in time, or credentials refused.
+            ConnectError: no server reachable in time, credentials refused, or
+                the server is older than ``MIN_SERVER_VERSION`` (the message
+                names both versions).
             ConfigError: invalid settings (a credentials, NKEY or TLS file
                 missing or malformed among them).
         """
@@ -186,6 +194,9 @@ class Bus:
 
         async def reconnected_cb() -> None:
             logger.warning("reconnected to NATS at %s", _url(nc))
+            reason = unsupported_server(_server_version(nc), _url(nc) or "?")
+            if reason is not None:  # a cluster part-way through a downgrade
+                logger.warning("%s", reason)
             reconnects.happened()
 
         try:
@@ -209,6 +220,11 @@ class Bus:
             raise ConnectError(f"cannot connect to NATS at {where}: {detail}") from exc
         finally:
             connecting = False
+        try:
+            check_server_version(_server_version(nc), _url(nc) or ", ".join(options.servers))
+        except ConnectError:
+            await _close_quietly(nc)
+            raise
         logger.debug("connected to NATS at %s", _url(nc))
         bus = cls(
             nc,
@@ -378,6 +394,13 @@ class Bus:
         """The INFO the connected server sent (``server_name``, ``cluster``,
         ``connect_urls``, ``jetstream``…), as of the last (re)connection."""
         return server_info(self._nc)
+
+    @property
+    def server_version(self) -> str:
+        """The nats-server version the connected server announced
+        (``2.12.1``), as of the last (re)connection; ``0.0.0-unknown`` when
+        it announced none, ``unknown`` when it is not a version."""
+        return _server_version(self._nc)
 
     @property
     def is_connected(self) -> bool:
@@ -864,6 +887,22 @@ async def _until(event: asyncio.Event, task: asyncio.Future[object]) -> None:
     finally:
         waiter.cancel()
         await asyncio.wait([waiter])
+
+
+def _server_version(nc: NATS) -> str:
+    """The version the connected server announced, through nats-py's public
+    ``connected_server_version`` (``0.0.0-unknown`` when it announced none)."""
+    announced = nc.connected_server_version
+    try:
+        version = f"{announced.major}.{announced.minor}.{announced.patch}"
+        prerelease, build = announced.prerelease, announced.build
+    except ValueError:  # announced, but not a semantic version
+        return "unknown"
+    if prerelease:
+        version += f"-{prerelease}"
+    if build:
+        version += f"+{build}"
+    return str(version)
 
 
 def _url(nc: NATS) -> str | None:

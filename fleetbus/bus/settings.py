@@ -4,7 +4,7 @@ the environment.
 The environment variables are those of :class:`ConnectEnvironment`
 (``FLEETBUS_NATS_URL``, ``FLEETBUS_PREFIX``, credentials, TLS …), read by
 :meth:`ConnectOptions.from_env`, and those of :class:`BusSettings`
-(``FLEETBUS_GC_THRESHOLD``, ``FLEETBUS_PRIVATE_OFF``).
+(``FLEETBUS_GC_THRESHOLD``, ``FLEETBUS_PRIVATE_OFF``, ``FLEETBUS_NATS_SERVER``).
 
 Replies travel on inboxes of the fleet and of the client's identity,
 ``_INBOX_<prefix with . as _>.<identity>.<unique>…``: the identity is the
@@ -68,6 +68,13 @@ class BusSettings(BaseSettings):
     and asyncio's public API. For measuring what each buys, and for a
     nats-py release whose internals changed in a way the start-up check
     cannot see."""
+
+    nats_server: str = ""
+    """``FLEETBUS_NATS_SERVER``: the ``nats-server`` executable
+    :class:`~fleetbus.bus.EmbeddedServer` runs (and the test suite's
+    servers), instead of the one next to the interpreter or on ``PATH``: to
+    run fleetbus, or its tests, on another release
+    (``scripts/test-server-versions.sh``)."""
 
     def private_paths_off(self) -> frozenset[str]:
         """The names :attr:`private_off` lists."""
