@@ -159,9 +159,10 @@ async def ensure_replicas(
     """Raise an existing asset's replica count to ``wanted``.
 
     An asset with fewer copies is updated and a warning names it, with the
-    current and wanted counts. An update JetStream refuses is reported as a
-    warning and the asset is used as it is, except on a server outside a
-    cluster, where more than one copy can never be.
+    current and wanted counts. An update JetStream refuses, or answers with
+    fewer copies than asked for (the configuration it answers is read back),
+    is reported as a warning and the asset is used as it is, except on a
+    server outside a cluster, where more than one copy can never be.
 
     JetStream answers the update before the stream, now a new Raft group, has
     elected its leader (measured: about 70 ms with no leader on a local
@@ -186,7 +187,7 @@ async def ensure_replicas(
     if current >= wanted:
         return
     try:
-        await js.update_stream(info.config.evolve(num_replicas=wanted))
+        updated = await js.update_stream(info.config.evolve(num_replicas=wanted))
     except (nats.errors.Error, TimeoutError) as exc:
         if isinstance(exc, nats.js.errors.APIError) and exc.err_code == _NOT_CLUSTERED:
             raise _not_clustered(what, wanted) from exc
@@ -198,6 +199,16 @@ async def ensure_replicas(
             wanted,
             reason,
             current,
+        )
+        return
+    kept = updated.config.num_replicas or 1
+    if kept < wanted:  # taken, and not done: read back, not believed
+        logger.warning(
+            "%s has %d replica(s), %d wanted; the server took the update but keeps %d",
+            what,
+            current,
+            wanted,
+            kept,
         )
         return
     if await _wait_for_leader(js, stream, timeout=settle_timeout):

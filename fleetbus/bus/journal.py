@@ -24,6 +24,7 @@ from nats.js.api import StorageType, StreamConfig
 
 from fleetbus.bus._replicas import ensure_replicas, placement_error, wanted_replicas
 from fleetbus.bus._seam import Received
+from fleetbus.bus._stream_config import require
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.store import ADMIN_TIMEOUT, _store_error, stored_sequence
 from fleetbus.errors import StoreError
@@ -66,7 +67,7 @@ async def journal(bus: Bus, name: str, *, replicas: int | None = None) -> Journa
         try:
             await admin.stream_info(stream)
         except nats.js.errors.NotFoundError:
-            await admin.add_stream(
+            made = await admin.add_stream(
                 StreamConfig(
                     name=stream,
                     subjects=[subjects],
@@ -77,6 +78,9 @@ async def journal(bus: Bus, name: str, *, replicas: int | None = None) -> Journa
                     duplicate_window=0,
                 )
             )
+            # Reads are direct gets, and a rollup keeps a journal bounded.
+            needed = {"num_replicas": wanted, "allow_direct": True, "allow_rollup_hdrs": True}
+            require(made.config, needed, what=what, server=bus.server_version)
         else:
             await ensure_replicas(admin, stream, wanted, what=what)
     except StoreError:

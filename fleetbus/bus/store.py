@@ -41,6 +41,7 @@ from fleetbus.bus._replicas import (
 )
 from fleetbus.bus._replies import Replies
 from fleetbus.bus._seam import Received
+from fleetbus.bus._stream_config import matches, require
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.subjects import Subjects
 from fleetbus.errors import (
@@ -255,6 +256,11 @@ async def key_value(
             await admin.create_key_value(
                 bucket=bucket, ttl=ttl, history=history, replicas=wanted, republish=writes
             )
+            made = await admin.stream_info(kv_stream_name(bucket))
+            settings: dict[str, object] = {"max_msgs_per_subject": history, "num_replicas": wanted}
+            if ttl:
+                settings["max_age"] = float(ttl)
+            require(made.config, settings, what=what, server=bus.server_version)
             kv = await js.key_value(bucket)  # reads and writes keep their own timeout
         else:
             await ensure_replicas(admin, kv_stream_name(bucket), wanted, what=what)
@@ -305,7 +311,7 @@ async def _republish(js: JetStreamContext, stream: str, writes: RePublish) -> bo
         stream,
         "republish",
         writes,
-        lambda now: now is not None and (now.src, now.dest) == (writes.src, writes.dest),
+        lambda now: matches(now, writes),
         f"{stream} repeats no writes (%s): revisions are read instead",
     )
 
@@ -320,14 +326,22 @@ async def _ensure_config(
 ) -> bool:
     """Whether ``stream``'s setting ``field`` already ``holds``, else set it to
     ``wanted``; ``False`` (and ``refused`` logged with the reason) if
-    JetStream will not."""
+    JetStream will not.
+
+    The configuration the server answers the update with is read back: a
+    server that does not know the setting takes the update and drops it
+    (nats-server 2.10 does so with ``allow_msg_ttl``), which is a refusal too.
+    """
     info = await js.stream_info(stream)
     if holds(getattr(info.config, field)):
         return True
     try:
-        await js.update_stream(info.config.evolve(**{field: wanted}))
+        updated = await js.update_stream(info.config.evolve(**{field: wanted}))
     except (nats.errors.Error, TimeoutError) as exc:
         logger.info(refused, exc)
+        return False
+    if not holds(getattr(updated.config, field)):
+        logger.info(refused, f"the server took the update without {field}")
         return False
     return True
 
@@ -625,6 +639,11 @@ async def object_store(
                 raise StoreError(f"object store {bucket} does not exist") from None
             admin = bus.nc.jetstream(timeout=ADMIN_TIMEOUT)
             await admin.create_object_store(bucket, replicas=wanted, ttl=ttl)
+            made = await admin.stream_info(object_stream_name(bucket))
+            settings: dict[str, object] = {"num_replicas": wanted}
+            if ttl:
+                settings["max_age"] = float(ttl)
+            require(made.config, settings, what=what, server=bus.server_version)
             store = await js.object_store(bucket)
         else:
             admin = bus.nc.jetstream(timeout=ADMIN_TIMEOUT)

@@ -21,6 +21,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, S
 
 from fleetbus.bus._replicas import ensure_replicas, placement_error, wanted_replicas
 from fleetbus.bus._serve import Request
+from fleetbus.bus._stream_config import require
 from fleetbus.bus.connection import Bus
 from fleetbus.errors import ProtocolError, StoreError
 from fleetbus.protocol import decode
@@ -78,7 +79,7 @@ class DurableTopic:
             try:
                 await js.stream_info(self.stream)
             except nats.js.errors.NotFoundError:
-                await js.add_stream(
+                made = await js.add_stream(
                     StreamConfig(
                         name=self.stream,
                         subjects=[self.subject],
@@ -87,6 +88,8 @@ class DurableTopic:
                         num_replicas=wanted,
                     )
                 )
+                needed = {"max_age": float(self.max_age), "num_replicas": wanted}
+                require(made.config, needed, what=what, server=self.bus.server_version)
             else:
                 await ensure_replicas(js, self.stream, wanted, what=what)
         except StoreError:
