@@ -162,7 +162,8 @@ async def ensure_replicas(
     current and wanted counts. An update JetStream refuses, or answers with
     fewer copies than asked for (the configuration it answers is read back),
     is reported as a warning and the asset is used as it is, except on a
-    server outside a cluster, where more than one copy can never be.
+    server outside a cluster (the stream's info names no cluster), where more
+    than one copy can never be: that is an error, the update not tried.
 
     JetStream answers the update before the stream, now a new Raft group, has
     elected its leader (measured: about 70 ms with no leader on a local
@@ -186,6 +187,11 @@ async def ensure_replicas(
     current = info.config.num_replicas or 1
     if current >= wanted:
         return
+    if info.cluster is None or not info.cluster.name:
+        # A stream outside a JetStream cluster (its info names none): 2.15
+        # refuses the update (10074), but 2.11 and 2.12.0 take it and answer
+        # the copies asked for, which one server cannot keep.
+        raise _not_clustered(what, wanted)
     try:
         updated = await js.update_stream(info.config.evolve(num_replicas=wanted))
     except (nats.errors.Error, TimeoutError) as exc:
