@@ -26,6 +26,8 @@ import jsonschema  # type: ignore[import-untyped]
 import pytest
 from ruamel.yaml import YAML
 
+from fleetbus.bus import MIN_SERVER_VERSION
+from fleetbus.bus._server_version import server_release
 from fleetbus.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -247,10 +249,15 @@ def test_the_fleet_services_are_there() -> None:
 
 def test_nats_runs_jetstream_with_a_volume_and_a_healthcheck() -> None:
     nats = services()["nats"]
-    # Session leases expire by per-message TTL, which nats-server has from 2.11.
-    version = re.fullmatch(r"nats:(\d+)\.(\d+)(?:\.\d+)?-alpine", nats["image"])
+    # A release fleetbus supports: a tag without a patch is its newest one.
+    version = re.fullmatch(r"nats:(\d+)\.(\d+)(?:\.(\d+))?-alpine", nats["image"])
     assert version is not None, nats["image"]
-    assert (int(version[1]), int(version[2])) >= (2, 11)
+    minimum = server_release(MIN_SERVER_VERSION)
+    assert minimum is not None
+    if version[3] is None:
+        assert (int(version[1]), int(version[2])) >= minimum[:2]
+    else:
+        assert (int(version[1]), int(version[2]), int(version[3])) >= minimum
     command = nats["command"]
     assert "-js" in command
     data_dir = command[command.index("-sd") + 1]
