@@ -235,6 +235,7 @@ class ServeLoop:
         source: str,
         encode: Callable[[Message], bytes],
         reconnects: Reconnects | None = None,
+        span_name: str | None = None,
     ) -> None:
         self._nc = nc
         self._reconnects = reconnects
@@ -247,7 +248,7 @@ class ServeLoop:
         self._encode = encode
         self._tasks: dict[int, asyncio.Task[None]] = {}
         """The handlers running, by the id of the message each handles."""
-        self._span_name = _span_name(subject)
+        self._span_name = span_name or _span_name(subject)
         """What a request's span is called (when tracing is on)."""
         self._by_fields = False
         """Whether the limiter's places are taken and given back by its fields

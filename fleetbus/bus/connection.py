@@ -642,6 +642,7 @@ class Bus:
         drain_timeout: float = 30.0,
         ready: asyncio.Event | None = None,
         component: str | None = None,
+        span_name: str | None = None,
     ) -> None:
         """Serve requests on a subject until ``stop`` is set, then drain.
 
@@ -664,6 +665,9 @@ class Bus:
             ready: set once the subscription is live on the server.
             component: ``sender`` and ``source_component`` of the error
                 replies made here; the bus's client name by default.
+            span_name: what a request's span is called when tracing is on;
+                by default from the subject (``fleetbus tool run`` on a tool
+                subject, ``fleetbus model worker`` on a model's…).
 
         Raises:
             ConnectionClosedError: the bus is closed.
@@ -678,6 +682,7 @@ class Bus:
             source=component or self.client_name,
             encode=self._encode,
             reconnects=self.reconnects,
+            span_name=span_name,
         )
         mark = self.denials.count
         subscribed = asyncio.Event()

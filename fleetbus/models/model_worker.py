@@ -303,6 +303,7 @@ class ModelWorker(Lifecycle):
                         drain_timeout=self.drain_timeout,
                         ready=ready,
                         component=self.worker_id,
+                        span_name="fleetbus model worker",
                     )
                 )
             tg.create_task(self.service.run(self._stop, ready=service_ready))

@@ -424,6 +424,19 @@ async def test_answers_that_break_the_contract(bus: Bus) -> None:
         await RemoteAgent(bus, "nobody").reply("hi")
 
 
+async def test_an_agent_that_starts_serving_within_seconds_is_asked_again(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """Nobody serving the agent is asked again for a few seconds: its
+    replicas may be reconnecting after their server died, or starting."""
+    asking = asyncio.create_task(RemoteAgent(bus, "late", timeout=30).reply("hi"))
+    await asyncio.sleep(0)  # the request is sent first: nobody serves it yet
+    agent = Agent("late", "", ScriptedModel(["here now"]))
+    async with serving(nats_server.url, bus.prefix, agent):
+        final = await asyncio.wait_for(asking, 30)
+    assert final.content == "here now"
+
+
 def test_an_agent_name_that_is_no_subject_token_is_refused(bus: Bus) -> None:
     with pytest.raises(ConfigError, match="invalid agent name"):
         RemoteAgent(bus, "two words")

@@ -34,6 +34,7 @@ from typing import Any, Final
 import msgspec
 
 from fleetbus import tracing
+from fleetbus._retry import Retry
 from fleetbus.agents.permissions import checked_confirmation
 from fleetbus.agents.serving._remote import (
     STATUS_CODES,
@@ -52,6 +53,7 @@ from fleetbus.errors import (
     BusError,
     CallTimeoutError,
     ConfigError,
+    NoRespondersError,
     RemoteError,
 )
 from fleetbus.protocol import (
@@ -86,6 +88,11 @@ and then again to be confirmed by the server."""
 SETTLE_TIMEOUT: Final = 2.0
 """Seconds at most the round trip waits that lets in the events published
 just before the answer."""
+
+NO_RESPONDERS_GRACE: Final = 5.0
+"""Seconds a request that finds nobody serving the agent is sent again (with
+a growing backoff) before :class:`~fleetbus.errors.NoRespondersError`: the
+agent's replicas reconnect within seconds when their server dies."""
 
 
 class RemoteAgent:
@@ -296,14 +303,7 @@ class RemoteAgent:
                 },
             )
             with tracing.current(span):  # the request carries it to the agent
-                asking = loop.create_task(
-                    self._bus.request(
-                        self._inbox,
-                        message,
-                        timeout=max(deadline - loop.time(), 0.001),
-                        resend=self.resend_after,
-                    )
-                )
+                asking = loop.create_task(self._ask(message, deadline))
             asking.add_done_callback(lambda _: queue.put_nowait(None))
             while True:
                 if queue.empty():  # what arrived in time is handed out, even past the deadline
@@ -351,6 +351,25 @@ class RemoteAgent:
             await observation.close()
             if span is not None:
                 span.end()
+
+    async def _ask(self, message: AnyMessage, deadline: float) -> AnyMessage:
+        """Send the request, and wait for its answer until ``deadline``
+        (event-loop time). Nobody serving the agent is asked again for a few
+        seconds (:data:`NO_RESPONDERS_GRACE`): its replicas may be moving to
+        another server of the cluster, one of which just died, or starting."""
+        loop = asyncio.get_running_loop()
+
+        async def send() -> AnyMessage:
+            return await self._bus.request(
+                self._inbox,
+                message,
+                timeout=max(deadline - loop.time(), 0.001),
+                resend=self.resend_after,
+            )
+
+        grace = min(NO_RESPONDERS_GRACE, deadline - loop.time())
+        retry = Retry(on=NoRespondersError, attempts=None, backoff=0.1, timeout=grace)
+        return await retry.call(send)
 
     async def observe(self, messages: str | AgentMessage | Sequence[str | AgentMessage]) -> None:
         """Add messages to the agent's memory without a reply, in order.
