@@ -38,6 +38,7 @@ class Population:
     def __init__(self, size: int) -> None:
         self.size = size
         self._model = OneCallModel()
+        self._settings = AgentSettings(max_iters=3)  # frozen: one for all, as fleetbus.sim does
 
     def __len__(self) -> int:
         return self.size
@@ -53,9 +54,7 @@ class Population:
         return digits.isdigit() and int(digits) < self.size and name == f"sim-{int(digits):05d}"
 
     def agent(self, name: str) -> Agent:
-        return Agent(
-            name, "You take part in a benchmark.", self._model, settings=AgentSettings(max_iters=3)
-        )
+        return Agent(name, "You take part in a benchmark.", self._model, settings=self._settings)
 
 
 population = Population(int(os.environ.get("SIM_AGENTS", "10000")))

@@ -164,6 +164,8 @@ class Population:
         self._models: dict[str, ChatModel] = {}
         self._default: ChatModel | None = None
         self._model_config: ModelConfig | None = template.model_config
+        self._settings: AgentSettings | None = None
+        """Every agent's settings: one (frozen) object for the population."""
         self._toolkit: Toolkit | None = None
         self._bus: Bus | None = None
 
@@ -418,13 +420,19 @@ class Population:
             prompt,
             self.model_for(params),
             toolkit=self._toolkit,
-            settings=AgentSettings(
+            settings=self._agent_settings(),
+            **{k: v for k, v in self.template.options.items() if k not in _TUNING},
+        )
+
+    def _agent_settings(self) -> AgentSettings:
+        # Validated once, not once an agent: a host builds a definition per reply.
+        if self._settings is None:
+            self._settings = AgentSettings(
                 max_iters=self.template.max_iters,
                 model_calls=self._config(),
                 **{k: v for k, v in self.template.options.items() if k in _TUNING},
-            ),
-            **{k: v for k, v in self.template.options.items() if k not in _TUNING},
-        )
+            )
+        return self._settings
 
     def system_prompt(self, name: str, params: Params, *, index: int = 0) -> str:
         """The template's system prompt filled for one agent.
@@ -525,6 +533,7 @@ class Population:
         self._default = None
         if self.template.model_config is None:
             self._model_config = None
+        self._settings = None
         wanted = list(self.template.tools if self.template.tools is not None else tools)
         toolkit = Toolkit()
         if wanted:
