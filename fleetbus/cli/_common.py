@@ -32,8 +32,9 @@ logger = logging.getLogger("fleetbus.cli")
 
 def setup_logging(verbose: int, log_format: str | None = None) -> None:
     """Log warnings (``-v``: info, ``-vv``: debug; else ``FLEETBUS_LOG_LEVEL``)
-    to stderr, as text through rich or as JSON lines (``--log-format``, else
-    ``FLEETBUS_LOG_FORMAT``), each line with its correlation ids.
+    to stderr, as text (through rich on a terminal, plain lines elsewhere) or
+    as JSON lines (``--log-format``, else ``FLEETBUS_LOG_FORMAT``), each line
+    with its correlation ids.
 
     Raises:
         ConfigError: an unknown level or format.
@@ -42,9 +43,13 @@ def setup_logging(verbose: int, log_format: str | None = None) -> None:
     chosen = cli_settings(log_format=log_format).log_format
     if chosen == "json":
         configure(level, "json")
-    else:
+    elif sys.stderr.isatty():
         handler = RichHandler(console=err_console, show_path=False, rich_tracebacks=False)
         configure(level, "text", handler=handler, text_format="%(message)s")
+    else:
+        # Not a terminal (a container's log, a file, a pipe): one whole line
+        # a record, not wrapped and padded to a console's width.
+        configure(level, "text")
     _log_settings.update(
         FLEETBUS_LOG_LEVEL=logging.getLevelName(level).lower(), FLEETBUS_LOG_FORMAT=chosen
     )

@@ -48,3 +48,16 @@ def test_the_environment_is_kept_when_nothing_is_given(monkeypatch: pytest.Monke
         "error",
         "json",
     )
+
+
+@pytest.mark.usefixtures("restored")
+def test_text_logs_off_a_terminal_are_whole_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    """A container's log or a pipe gets one line a record, not a console's
+    80 columns with the message wrapped and padded."""
+    setup_logging(0, "text")
+    long = "word " * 60
+    logging.getLogger("fleetbus.test").warning("%s: the end", long.strip())
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert lines[0].endswith(f"{long.strip()}: the end")
+    assert "WARNING" in lines[0]

@@ -244,11 +244,6 @@ def image_extras() -> set[str]:
     return {extra.strip() for extra in installs[-1].split(",")}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the Dockerfile installs .[uvloop] only: the dashboard and gateway pods need "
-    "the dashboard and gateway extras in the image",
-)
 def test_the_image_has_what_each_command_needs() -> None:
     commands = {main_container(name)["args"][0] for name in deployments()}
     needed = {EXTRAS[command] for command in commands if command in EXTRAS}
