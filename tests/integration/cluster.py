@@ -305,12 +305,30 @@ class NatsCluster:
                 if node.running
                 and _get_json(f"http://127.0.0.1:{node.http_port}/healthz")[0] != 200
             ]
-            if not waiting and self.meta_leader() is not None:
+            if not waiting and self.meta_leader() is not None and self._peers_current():
                 return
             if time.monotonic() > deadline:
                 logs = "\n".join(self.log_tail(self.node(n)) for n in waiting)
                 raise ClusterError(f"nodes {waiting} not ready within {timeout:g}s\n{logs}")
             time.sleep(0.05)
+
+    def _peers_current(self) -> bool:
+        """Whether the meta leader sees every other running node as current:
+        until it does, a restarted node is a peer offline to it, and a stream
+        wanting three copies finds "no suitable peers for placement"."""
+        leader = self.meta_leader()
+        nodes = [node for node in self.nodes if node.name == leader and node.running]
+        if not nodes:
+            return False
+        status, jsz = _get_json(f"http://127.0.0.1:{nodes[0].http_port}/jsz")
+        if status != 200 or not isinstance(jsz, dict):
+            return False
+        seen = {
+            peer.get("name"): bool(peer.get("current")) and not peer.get("offline")
+            for peer in (jsz.get("meta_cluster") or {}).get("replicas") or []
+        }
+        others = [node.name for node in self.nodes if node.running and node.name != leader]
+        return all(seen.get(name) for name in others)
 
     def meta_leader(self) -> str | None:
         """The server name of the JetStream meta leader, as a running node sees it."""
