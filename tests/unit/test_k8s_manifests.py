@@ -302,6 +302,12 @@ def test_every_deployment_has_probes_that_reach_it() -> None:
                     assert probe_commands(container), f"{name}: {kind} runs no fleetbus command"
 
 
+def test_agents_and_model_workers_are_ready_once_their_own_process_serves() -> None:
+    for name, kind in (("fleetbus-agent", "agents"), ("fleetbus-model-worker", "models")):
+        probe = main_container(name)["readinessProbe"]["exec"]["command"]
+        assert probe == ["python", "/opt/fleetbus/healthcheck.py", kind], name
+
+
 def test_the_gateway_readiness_probe_asks_its_own_port() -> None:
     container = main_container("fleetbus-gateway")
     port = option(container["args"], "--port")
