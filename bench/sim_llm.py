@@ -77,7 +77,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -88,13 +87,12 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any, cast
 
 import nats
-from _results import emit
+from _results import commit, emit, head
 from _sim_llm_groups import example
 from _sim_llm_plain import Conversation, converse_all
 from _sim_llm_servers import (
@@ -640,19 +638,6 @@ def _groups(
     return out
 
 
-def _commit() -> str:
-    """The work tree's commit, marked when its fleetbus sources differ from it."""
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    changed = subprocess.run(
-        ["git", "status", "--porcelain", "--", "fleetbus", "examples"],
-        cwd=ROOT,
-        capture_output=True,
-    ).stdout
-    return f"{head}+changes" if changed.strip() else head
-
-
 def _stop_on_sigterm() -> None:
     """SIGTERM ends the run as Ctrl-C does: every process started is stopped."""
 
@@ -697,14 +682,7 @@ def main() -> None:
     args = parser.parse_args()
     if not LLM_PYTHON.exists() or not GGUF.exists():
         sys.exit(f"no {LLM_PYTHON} or {GGUF}: run /work/shared/local-llm/setup.sh first")
-    head = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%MZ"),
-        "commit": _commit(),
-        "load": round(os.getloadavg()[0], 2),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "bench": "sim_llm",
-    }
+    first = head(commit=commit(watched=("fleetbus", "examples")), bench="sim_llm")
     _stop_on_sigterm()
     run_dir = args.keep or Path(tempfile.mkdtemp(prefix="sim-llm-"))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -716,7 +694,7 @@ def main() -> None:
         if args.keep is None:
             shutil.rmtree(run_dir, ignore_errors=True)
     line: dict[str, Any] = {
-        **head,
+        **first,
         "model": f"{GGUF.stem} Q4_K_M, llama.cpp (xllamacpp), CPU",
         "servers": 2,
         "slots": args.slots,

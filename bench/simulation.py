@@ -92,7 +92,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -100,13 +99,12 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import nats
 import orjson
-from _results import emit
+from _results import commit, emit, head
 from _sim_cluster import LocalCluster
 from _sim_designs import ApiTap, Writes, exported
 from _sim_resources import Memory, Rate, cpu_seconds, disk_bytes, rss_kb
@@ -601,9 +599,9 @@ async def measure(
     n = args.agents
     names = [f"sim-{i:05d}" for i in range(n)]
     base = f"sim{uuid.uuid4().hex[:8]}"
-    designs = [Design("new", new_tree, f"{base}n", _commit(args.new_commit))]
+    designs = [Design("new", new_tree, f"{base}n", commit(args.new_commit))]
     if old_tree is not None:
-        designs.append(Design("old", old_tree, f"{base}o", _commit(args.old_commit)))
+        designs.append(Design("old", old_tree, f"{base}o", commit(args.old_commit)))
     memory = Memory()
     with topology(args) as top:
         bus = await Bus.connect(top.url(0), prefix=base, name="sim-runner")
@@ -767,24 +765,6 @@ async def measure(
     return out
 
 
-def _commit(commit: str | None = None) -> str:
-    """``commit``'s short hash; without one, the work tree's: its commit,
-    marked when its fleetbus sources differ from it."""
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", commit or "HEAD"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    if commit is not None:
-        return head
-    changed = subprocess.run(
-        ["git", "status", "--porcelain", "--", "fleetbus"], cwd=ROOT, capture_output=True
-    ).stdout
-    return f"{head}+changes" if changed.strip() else head
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=10_000)
@@ -844,18 +824,12 @@ def main() -> None:
             parser.error("--js-replicas above 1 needs --cluster 3")
         # Read by every fleetbus process of the run (and this one's buses).
         os.environ["FLEETBUS_JS_REPLICAS"] = str(args.js_replicas)
-    head = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%MZ"),
-        "commit": _commit(),
-        "load": round(os.getloadavg()[0], 2),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-    }
+    first = head()
     with contextlib.ExitStack() as stack:
         old = stack.enter_context(exported(ROOT, args.old_commit)) if args.compare_old else None
         new = stack.enter_context(exported(ROOT, args.new_commit)) if args.new_commit else ROOT
         figures = asyncio.run(measure(args, new, old))
-    emit({**head, **figures}, args.results)
+    emit({**first, **figures}, args.results)
 
 
 if __name__ == "__main__":
