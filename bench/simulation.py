@@ -45,8 +45,10 @@ this process as the runner. Measured:
   session layout of journals (take the lease, read the journal when its end
   is not known, append ``taken``, call the tool, append ``end``, answer,
   release), on streams fleetbus made; its CPU per reply (its hosts and the
-  server(s)). What is above it is the work of fleetbus's host in Python (the
-  agent, its session's records).
+  server(s)). What is above it is the work of fleetbus's host in Python
+  (the agent, its session's records). It runs before the fleet's rounds, its
+  streams removed after it, so that its round N meets the server as the
+  fleet's round N does.
 
 With ``--cluster 3`` the three nodes run ``deploy/nats-cluster/*.conf`` made
 fit for this machine (``bench/_sim_cluster.py``; JetStream flushed as
@@ -646,6 +648,12 @@ async def measure(
                 return True
 
             floor_s, *_ = await fan_out(raw_call, names, args.in_flight, args.deadline)
+            # Before the rounds: each of its rounds meets a server in the state
+            # the same round of the fleet meets (its own streams, the rounds
+            # before it), and no other fleet's markers expiring beside it.
+            protocol = await protocol_floor(top, base, names, args)
+            floor_text = ", ".join(f"{p['s']:.2f} s" for p in protocol)
+            progress(f"protocol floor: {floor_text}")
             tap = ApiTap(bus.nc, [d.prefix for d in designs])
             await tap.start()
             async with memory.sampling():
@@ -670,9 +678,6 @@ async def measure(
                 for d in designs:
                     await broadcast(d, names, args.deadline)
                     progress(f"broadcast of {d.name}: {d.figures['broadcast_s']} s")
-            protocol = await protocol_floor(top, base, names, args)
-            floor_text = ", ".join(f"{p['s']:.2f} s" for p in protocol)
-            progress(f"protocol floor: {floor_text}")
             meta_leader = top.cluster.meta_leader() if top.cluster is not None else None
         finally:
             for d in designs:

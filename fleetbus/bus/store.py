@@ -490,9 +490,13 @@ class KeyValueStore:
         """
         return await self._write(key, value, revision=None)
 
-    async def create(self, key: str, value: bytes) -> int:
+    async def create(self, key: str, value: bytes, *, over_deleted: bool = True) -> int:
         """Write ``value`` only if ``key`` does not exist (or was deleted);
         returns the revision.
+
+        ``over_deleted=False``: only if the key holds no record at all, not
+        even a deletion marker — one write, where a key found deleted is
+        otherwise read and written again.
 
         Raises:
             RevisionMismatchError: the key exists.
@@ -501,6 +505,10 @@ class KeyValueStore:
         try:
             return await self._write(key, value, revision=0)
         except RevisionMismatchError:
+            if not over_deleted:
+                raise RevisionMismatchError(
+                    f"key {key!r} has a record in bucket {self.bucket}", key=key, expected=None
+                ) from None
             read = await self._read(key)
             if read is None or not read[2]:
                 raise RevisionMismatchError(

@@ -128,6 +128,54 @@ async def test_a_lease_whose_marker_expired_is_taken_in_one_write(
     await store.save(lease, status="idle", release=True)
 
 
+async def test_a_marker_that_expired_while_trusted_costs_no_read(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A marker trusted a little past its expiry: the write against it fails,
+    and the lease is written as new at once, without reading it."""
+    monkeypatch.setattr(leases_module, "_MARKER_TTL", 1.0)
+    store = await SessionStore.open(bus, owner="a", lease_ttl=0.1)
+    bucket = store.leases
+    if not bucket.expiring_markers:
+        pytest.skip("this nats-server keeps markers for ever")
+    leases = store._leases
+    leases.marker_life = leases._marker_gone = 3600.0  # trusted for an hour
+    calls: list[str] = []
+    for name in ("create", "update", "_read"):
+        monkeypatch.setattr(bucket, name, _counted(calls, name, getattr(bucket, name)))
+    await _released(store, "moe")
+    key = session_key("moe", "s")
+    async with asyncio.timeout(30):
+        while await bucket.last(key) is not None:  # noqa: ASYNC110 - the server expires it
+            await asyncio.sleep(0.1)
+    calls.clear()
+    lease = await store.acquire("moe", "s", fresh=AgentState(agent_name="moe"))
+    assert calls == ["update", "create"]
+    await store.save(lease, status="idle", release=True)
+
+
+async def test_a_marker_past_the_time_it_is_trusted_costs_no_read(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A marker older than its trusted life, yet still on the server: the
+    lease written as new fails, and the write against the marker follows
+    without reading the lease."""
+    store = await SessionStore.open(bus, owner="a")
+    bucket = store.leases
+    if not bucket.expiring_markers:
+        pytest.skip("this nats-server keeps markers for ever")
+    store._leases.marker_life = 0.0  # every marker is past it; none has expired
+    calls: list[str] = []
+    for name in ("create", "update", "_read"):
+        monkeypatch.setattr(bucket, name, _counted(calls, name, getattr(bucket, name)))
+    await _released(store, "mo")
+    calls.clear()
+    lease = await store.acquire("mo", "s", fresh=AgentState(agent_name="mo"))
+    assert calls == ["create", "update"]
+    assert lease.record.status == "running"
+    await store.save(lease, status="idle", release=True)
+
+
 def _counted(
     calls: list[str], name: str, method: Callable[..., Awaitable[Any]]
 ) -> Callable[..., Awaitable[Any]]:

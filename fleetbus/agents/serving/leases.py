@@ -136,7 +136,11 @@ class Leases:
         self.marker_life = marker_ttl - min(5.0, marker_ttl / 10)
         """Seconds after a release during which its marker is taken to be
         there still (a little less than its TTL; forever where markers do
-        not expire)."""
+        not expire). A take within it writes against the marker first, a
+        take after it writes the lease as new first."""
+        self._marker_gone = marker_ttl + min(30.0, marker_ttl / 2)
+        """Seconds after a release by which the server has surely expired
+        its marker (its TTL, and time for the server's expiry to run)."""
 
     @classmethod
     async def open(cls, bus: Bus, *, owner: str, ttl: float) -> Leases:
@@ -194,16 +198,23 @@ class Leases:
         if not take_over:
             # The common cases in one write: a lease nobody wrote since its
             # release (compare-and-set against its marker), or a session never
-            # leased. Anyone else's write makes this fail; then it is read.
-            released = self._known_marker(key)
-            try:
-                if released is not None:
-                    revision = await self.bucket.update(key, value, revision=released)
-                else:
-                    revision = await self.bucket.create(key, value)
-            except RevisionMismatchError:
-                pass
+            # leased (or whose marker expired). A marker that may have expired
+            # is tried the other way second, without reading; anyone else's
+            # write makes both fail, and then the lease is read.
+            known = self._known_marker(key)
+            if known is None:
+                ways: list[int | None] = [None]
             else:
+                marker, fresh = known
+                ways = [marker, None] if fresh else [None, marker]
+            for released in ways:
+                try:
+                    if released is not None:
+                        revision = await self.bucket.update(key, value, revision=released)
+                    else:
+                        revision = await self.bucket.create(key, value, over_deleted=known is None)
+                except RevisionMismatchError:
+                    continue
                 return Taken(revision, False, released, carried)
         deadline = time.monotonic() + wait
         delay = 0.02
@@ -315,19 +326,23 @@ class Leases:
         if len(released) > _RELEASED_KEPT:
             released.popitem(last=False)
         if self.bucket.expiring_markers:
-            while released and next(iter(released.values()))[1] < now - self.marker_life:
+            while released and next(iter(released.values()))[1] < now - self._marker_gone:
                 released.popitem(last=False)  # expired on the server meanwhile
 
-    def _known_marker(self, key: str) -> int | None:
-        """The revision of the marker lease ``key`` left when released, while
-        that marker is there still; forgotten once asked for."""
+    def _known_marker(self, key: str) -> tuple[int, bool] | None:
+        """The revision of the marker lease ``key`` left when released, and
+        whether it is surely there still (else it may have expired); ``None``
+        when it has surely expired or is not known. Forgotten once asked for."""
         known = self._released.pop(key, None)
         if known is None:
             return None
         marker, at = known
-        if self.bucket.expiring_markers and at < time.monotonic() - self.marker_life:
+        if not self.bucket.expiring_markers:
+            return marker, True
+        age = time.monotonic() - at
+        if age >= self._marker_gone:
             return None  # gone by now: the lease is written as new
-        return marker
+        return marker, age < self.marker_life
 
 
 def _needs_none(agent: str, session_id: str) -> SessionBusyError:
