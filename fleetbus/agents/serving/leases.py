@@ -61,8 +61,10 @@ then read, then write, where one write finds the lease gone."""
 _CARRIED_BYTES = 16 * 1024
 """A lease carries the whole request up to this size (a larger one is
 recorded in the journal with the ``taken`` fact)."""
-_GONE_KEPT = 100_000
-"""Released lease keys a Recovery remembers, so a resync does not read them."""
+_GONE_KEPT = _RELEASED_KEPT
+"""Released lease keys a Recovery remembers, so a resync does not read them:
+as many as the markers it lists may be (fewer, and every resync of a fleet
+releasing more within a marker's life read the keys it had forgotten)."""
 
 
 @dataclass
