@@ -105,6 +105,8 @@ class ReplyRun:
                 ended = await self._act(missing)
                 if ended is not None:
                     return ended
+            elif reply.ending is not None:  # restored after the step that ended it
+                return self.scope.end(reply.ending)
         while reply.iteration < settings.max_iters:
             self.scope.ctx.iteration = reply.iteration
             with tracing.span("fleetbus step", attributes={"fleetbus.step": reply.iteration}):
@@ -140,6 +142,8 @@ class ReplyRun:
         outcome = await self.tools.act(uses)
         if isinstance(outcome, list):
             return self.resumer.pause(outcome)
+        if outcome is None and self.reply.ending is not None:  # a layer ended it
+            return self.scope.end(self.reply.ending)
         return outcome
 
     def _remind_structured(self) -> FinalAnswer | None:

@@ -19,12 +19,13 @@ import pydantic
 from fleetbus.agents import events as ev
 from fleetbus.agents._reply_settings import ReplySettings
 from fleetbus.agents.middleware import Middleware, ReplyContext
-from fleetbus.agents.state import AgentState, ReplyState
+from fleetbus.agents.state import AgentState, ReplyEnding, ReplyState
 from fleetbus.models.model import FINISH_TOOL
 from fleetbus.protocol import (
     Event,
     FinalAnswer,
     FinishedReason,
+    Handoff,
     ToolResultBlock,
     ToolStatus,
     ToolUseBlock,
@@ -131,11 +132,20 @@ class ReplyScope:
         content: str,
         *,
         structured: dict[str, Any] | None = None,
+        handoff: Handoff | None = None,
     ) -> FinalAnswer:
         """End the reply: ``reply_end``, and the state holds no reply unless paused."""
         if finished_reason != "paused":
             self.state.reply = None
-        self.event(ev.REPLY_END, finished_reason=finished_reason, content=content)
+        if handoff is None:
+            self.event(ev.REPLY_END, finished_reason=finished_reason, content=content)
+        else:
+            self.event(
+                ev.REPLY_END,
+                finished_reason=finished_reason,
+                content=content,
+                handoff={"agent": handoff.agent, "reason": handoff.reason},
+            )
         return FinalAnswer(
             sender=self.settings.name,
             session_id=self.reply.session_id,
@@ -143,7 +153,22 @@ class ReplyScope:
             content=content,
             structured=structured,
             finished_reason=finished_reason,
+            handoff=handoff,
         )
+
+    def end(self, ending: ReplyEnding) -> FinalAnswer:
+        """End the reply as a layer said (:meth:`ReplyContext.end_after_step`):
+        a handoff carries the whole conversation (the handoff's layer filters it)."""
+        handoff = None
+        if ending.handoff_to is not None:
+            handoff = Handoff(
+                agent=ending.handoff_to,
+                by=self.settings.name,
+                reason=ending.handoff_reason,
+                messages=list(self.state.memory_index().chats),
+            )
+        reason = cast(FinishedReason, ending.finished_reason)
+        return self.finish(reason, ending.content, handoff=handoff)
 
 
 def tool_result(use: ToolUseBlock, state: ToolStatus, output: Any) -> ToolResultBlock:

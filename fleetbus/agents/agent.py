@@ -67,12 +67,13 @@ from fleetbus.protocol import (
     Event,
     ExternalResult,
     FinalAnswer,
+    Handoff,
     ToolResultBlock,
     UserRequest,
     new_id,
 )
 
-__all__ = ["MAX_DESCRIPTION_CHARS", "Agent", "ReplyInput", "check_description"]
+__all__ = ["MAX_DESCRIPTION_CHARS", "Agent", "ReplyInput", "check_description", "handed_over"]
 
 logger = logging.getLogger(__name__)
 
@@ -740,7 +741,11 @@ class Agent:
                 name = title if isinstance(title, str) else None
         if state.reply is not None:
             self._abandon_reply()
-        if isinstance(inputs, UserRequest) and inputs.call_id:
+        if isinstance(inputs, UserRequest) and inputs.handoff is not None:
+            # The conversation handed over takes the place of what this
+            # session held: one conversation, whichever agent holds it.
+            state.memory[:] = handed_over(inputs.handoff)
+        elif isinstance(inputs, UserRequest) and inputs.call_id:
             _forget_attempt(state.memory, inputs.call_id)
         for message in _as_messages(inputs):
             state.memory.append(message)
@@ -793,6 +798,17 @@ def _as_messages(inputs: Any) -> list[Msg]:
     if isinstance(inputs, Sequence):
         return [m for item in inputs for m in _as_messages(item)]
     raise ConfigError(f"cannot reply to a {type(inputs).__name__}")
+
+
+def handed_over(handoff: Handoff) -> list[Msg]:
+    """The messages of a conversation handed over, as memory (each marked
+    with who handed it over: ``metadata["handed_over_by"]``)."""
+    mark = {"handed_over_by": handoff.by}
+    return [
+        Msg(role=m.role, content=m.content, name=m.name or "", metadata=dict(mark))
+        for m in handoff.messages
+        if m.role != "system"
+    ]
 
 
 def _forget_attempt(memory: list[Msg], call_id: str) -> None:

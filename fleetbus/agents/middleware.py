@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fleetbus.agents.state import ReplyEnding
 from fleetbus.models.model import ModelRequest, ModelResponse
 from fleetbus.protocol import (
     Event,
@@ -97,6 +98,36 @@ class ReplyContext:
     output_tokens: int = 0
     tool_calls: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def end_after_step(
+        self,
+        finished_reason: FinishedReason,
+        content: str,
+        *,
+        handoff_to: str | None = None,
+        handoff_reason: str = "",
+    ) -> bool:
+        """End the reply once the current step's tool calls are all answered
+        and recorded (from a layer's ``on_tool_call``: the call's own result
+        is kept, unlike :class:`StopReply`), with ``finished_reason`` and
+        ``content``; ``handoff_to`` (with ``handed_off``) names the agent the
+        conversation goes on with (the final answer's ``handoff``). The end
+        is saved with the step's results: a replica that takes the reply
+        over ends it the same way.
+
+        Returns ``False`` (and changes nothing) when an end was already set
+        in this step, or when no reply runs.
+        """
+        reply = self.state.reply
+        if reply is None or reply.ending is not None:
+            return False
+        reply.ending = ReplyEnding(
+            finished_reason=finished_reason,
+            content=content,
+            handoff_to=handoff_to,
+            handoff_reason=handoff_reason,
+        )
+        return True
 
 
 class Middleware:

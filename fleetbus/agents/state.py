@@ -34,6 +34,7 @@ __all__ = [
     "MemoryIndex",
     "PendingCall",
     "RecentCall",
+    "ReplyEnding",
     "ReplyState",
 ]
 
@@ -60,6 +61,17 @@ class RecentCall(BaseModel):
     """The tool's name and a digest of its canonical arguments (``name:digest``)."""
     ok: bool
     """Whether it succeeded."""
+
+
+class ReplyEnding(BaseModel):
+    """The end a layer gave a reply, to come after the current step's results."""
+
+    finished_reason: str
+    """A :data:`~fleetbus.protocol.FinishedReason`."""
+    content: str
+    handoff_to: str | None = None
+    """With ``handed_off``: the agent that takes the conversation over."""
+    handoff_reason: str = ""
 
 
 class ReplyState(BaseModel):
@@ -100,6 +112,11 @@ class ReplyState(BaseModel):
     """Results of the current step's tool calls that arrived and are not yet in
     memory (memory gets them in the model's order once the step's calls are
     done); saved as each arrives, so no call is run again after its result."""
+    ending: ReplyEnding | None = None
+    """How the reply ends once the current step's tool calls are all answered,
+    when a layer said so (:meth:`ReplyContext.end_after_step
+    <fleetbus.agents.middleware.ReplyContext.end_after_step>`): saved with the
+    step's results, so a replica that takes the reply over ends it the same way."""
 
 
 class AgentState(BaseModel):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from fleetbus.errors import InvalidSubjectError
 
 __all__ = [
+    "ANY_AGENT",
     "ANY_OWNER",
     "DEFAULT_PREFIX",
     "INBOX_ROOT",
@@ -51,6 +52,10 @@ with nobody to answer), or one whose reply subject does not start with the
 fleet's inbox root (a custom inbox prefix, another client library's
 ``_INBOX.``). Only roles granted ``<prefix>.events.*.*._`` read them (the
 watcher)."""
+
+ANY_AGENT = "*"
+"""The agent token of a subscription to a session's events whichever agent
+replies: a requester whose reply may be handed over to another agent."""
 
 ANY_OWNER = "*"
 """The owner token of a subscription to a session's events whoever they are
@@ -197,7 +202,8 @@ class Subjects:
         ``<prefix>.events.<agent>.<session>.<owner>``.
 
         Args:
-            agent_name: the agent replying.
+            agent_name: the agent replying, or :data:`ANY_AGENT` (``*``),
+                to subscribe to the session's events whichever agent replies.
             session_id: the session.
             owner: whose request the replies answer (:meth:`reply_owner`,
                 :meth:`inbox_owner`), or :data:`ANY_OWNER` (``*``), to
@@ -206,7 +212,7 @@ class Subjects:
         Raises:
             InvalidSubjectError: a name cannot be a subject token.
         """
-        agent = check_name(agent_name, what="agent name")
+        agent = agent_name if agent_name == ANY_AGENT else check_name(agent_name, what="agent name")
         session = check_name(session_id, what="session id")
         if owner != ANY_OWNER:
             check_name(owner, what="events owner")

@@ -18,9 +18,12 @@ and hint seams::
   (:mod:`fleetbus.capabilities.offload`);
 - :class:`SpeakReply`: the reply spoken (:mod:`fleetbus.capabilities.speech`);
 - :class:`Talk`: ``send_message`` and ``publish`` to the fleet
-  (:mod:`fleetbus.capabilities.talk`).
+  (:mod:`fleetbus.capabilities.talk`);
+- :class:`Handoffs`: hand the conversation to another agent of the fleet
+  (:mod:`fleetbus.capabilities.handoffs`).
 """
 
+from fleetbus.capabilities.handoffs import HandoffTo, Handoffs, follow_handoffs
 from fleetbus.capabilities.knowledge import (
     BusKnowledgeBase,
     Knowledge,
@@ -47,6 +50,8 @@ from fleetbus.capabilities.talk import Talk, talk_tools
 __all__ = [
     "BusKnowledgeBase",
     "BusMemory",
+    "HandoffTo",
+    "Handoffs",
     "Knowledge",
     "KnowledgeBase",
     "KnowledgeConfig",
@@ -64,5 +69,6 @@ __all__ = [
     "SpeakReply",
     "Talk",
     "Utterance",
+    "follow_handoffs",
     "talk_tools",
 ]

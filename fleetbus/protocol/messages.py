@@ -35,6 +35,7 @@ __all__ = [
     "ExternalResult",
     "FinalAnswer",
     "FinishedReason",
+    "Handoff",
     "LlmPrompt",
     "LlmResponse",
     "Message",
@@ -71,7 +72,13 @@ ToolStatus = Literal["success", "error", "timeout", "denied", "cancelled"]
 TOOL_STATUSES: tuple[str, ...] = get_args(ToolStatus)
 
 FinishedReason = Literal[
-    "completed", "exceed_max_iters", "repeated_action", "paused", "interrupted", "error"
+    "completed",
+    "exceed_max_iters",
+    "repeated_action",
+    "paused",
+    "interrupted",
+    "error",
+    "handed_off",
 ]
 FINISHED_REASONS: tuple[str, ...] = get_args(FinishedReason)
 
@@ -151,6 +158,21 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     name: str | None = None
 
 
+class Handoff(msgspec.Struct, frozen=True, kw_only=True):
+    """A conversation handed from one agent to another: the model of ``by``
+    called its ``transfer_to_<agent>`` tool."""
+
+    agent: str
+    """The agent that takes the conversation over."""
+    by: str
+    """The agent that handed it over."""
+    reason: str = ""
+    """Why, as the model of ``by`` said it (may be empty)."""
+    messages: list[ChatMessage] = msgspec.field(default_factory=list)
+    """The conversation as ``agent`` gets it: ``by``'s memory through the
+    handoff's input filter (without its system prompt)."""
+
+
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     """Fields every message carries."""
 
@@ -192,6 +214,10 @@ class UserRequest(Asking, frozen=True, kw_only=True, tag="user_request"):
     """The JSON Schema (of an object) the answer must fit: the reply ends
     with the validated object in ``final_answer.structured``, or with
     ``error`` when the model gives none that fits."""
+    handoff: Handoff | None = None
+    """A conversation handed over to this agent: its ``messages`` take the
+    place of what the session held, and the reply answers the last of them
+    (``content``, when not empty, is added after them as a user message)."""
 
 
 class LlmPrompt(Message, frozen=True, kw_only=True, tag="llm_prompt"):
@@ -280,6 +306,11 @@ class FinalAnswer(Message, frozen=True, kw_only=True, tag="final_answer"):
     """Where the knowledge shown to the model in this reply came from: the
     ``source`` of each passage retrieved from the agent's knowledge bases (for
     a folder, ``path:first-last`` and the headings above), in the order shown."""
+    handoff: Handoff | None = None
+    """With ``handed_off``: the conversation goes on with ``handoff.agent``.
+    An agent's host does not send this answer to the requester: it sends
+    the requester's request on, as a ``user_request`` carrying the handoff,
+    to that agent, whose answer goes to the same reply subject."""
 
 
 class ErrorMessage(Message, frozen=True, kw_only=True, tag="error"):

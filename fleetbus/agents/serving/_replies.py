@@ -28,8 +28,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import msgspec
 import orjson
 
+from fleetbus import tracing
 from fleetbus._retry import Retry
 from fleetbus.agents import talk
 from fleetbus.agents.agent import Agent
@@ -47,6 +49,7 @@ from fleetbus.bus.store import wait_for_store
 from fleetbus.bus.subjects import NO_OWNER
 from fleetbus.errors import (
     BusError,
+    FleetbusError,
     ProtocolError,
     RequestHeldError,
     SessionBusyError,
@@ -63,7 +66,9 @@ from fleetbus.protocol import (
     ErrorMessage,
     ExternalResult,
     FinalAnswer,
+    Handoff,
     Message,
+    UserRequest,
     decode,
     error_reply,
     to_builtins,
@@ -87,6 +92,7 @@ _STATUS: dict[str, SessionStatus] = {
     "interrupted": "idle",
     "paused": "paused",
     "error": "error",
+    "handed_off": "done",
 }
 
 
@@ -218,6 +224,10 @@ class ReplyRunning:
                 # Its owner died after storing the answer: send it, release.
                 return await self._deliver(lease, record.final, record.reply_to, lease.previous)
         else:
+            handed = _handed_to(record.final, lease.previous)
+            if handed is not None and _starts_a_reply(inputs) and record.state.reply is None:
+                # The conversation is another agent's now: it answers.
+                return await self._pass_on(lease, inputs, answer_to, handed)
             orphan, orphan_to = lease.orphan_input, lease.orphan_reply_to
             stored = decode_final(lease.orphan_final)
             if stored is not None and orphan_to:  # a dead owner's answer, maybe unsent
@@ -348,9 +358,46 @@ class ReplyRunning:
             for to in dict.fromkeys(last_to):
                 if to:
                     await self._publish(to, final)
+            if final.handoff is not None and not any(last_to):
+                await self._publish("", final)  # handed over, though nobody waits
         assert self.store is not None
         await self.store.release(lease)
         return final
+
+    async def _pass_on(
+        self, lease: Lease, inputs: AnyMessage, reply_to: str | None, agent: str
+    ) -> FinalAnswer | None:
+        """Send a request of a session handed over on to the agent that holds
+        the conversation now (its answer goes to ``reply_to``); release."""
+        record = lease.record
+        try:
+            await self._save(lease, self.lease_ttl, status=lease.previous, input_recorded=True)
+            try:
+                inbox = self.bus.subjects.agent_inbox(agent)
+                await self.bus.publish_bytes(inbox, self.bus.encode(inputs), reply=reply_to or "")
+            except FleetbusError as exc:
+                logger.warning(
+                    "%s: request in session %s not passed on to %s: %s",
+                    record.agent,
+                    record.session_id,
+                    agent,
+                    exc,
+                )
+                if reply_to:
+                    await self._publish(
+                        reply_to,
+                        self._error(inputs, "internal", f"not passed on to {agent}: {exc}"),
+                    )
+            assert self.store is not None
+            await self.store.release(lease)
+        except SessionLost:
+            logger.warning(
+                "%s: session %s was lost while passing a request on",
+                record.agent,
+                record.session_id,
+            )
+            return None
+        return decode_final(record.final)
 
     async def _deliver(
         self, lease: Lease, final: dict[str, Any], reply_to: str | None, status: SessionStatus
@@ -454,10 +501,67 @@ class ReplyRunning:
             raise
 
     async def _publish(self, subject: str, message: Message) -> None:
+        if isinstance(message, FinalAnswer) and message.handoff is not None:
+            await self._hand_over(subject, message, message.handoff)
+            return
         try:
             await self.bus.publish(subject, message)
         except BusError as exc:  # events are best effort; the session holds the truth
             logger.warning("%s: event not published on %s: %s", self.replica_id, subject, exc)
+
+    async def _hand_over(self, reply_to: str, final: FinalAnswer, handoff: Handoff) -> None:
+        """Answer a reply that ended ``handed_off``: the request goes on to the
+        agent that takes the conversation, carrying it, with the requester's
+        call id and reply subject — that agent's answer is the requester's.
+
+        Sent again whenever the stored answer is (a take-over, a request
+        asked again): the agent it goes to takes a copy it holds or has
+        answered as such. Nobody serving that agent: the requester gets a
+        ``no responders`` status, as for a request sent to it."""
+        request = UserRequest(
+            sender=f"agent.{final.sender}",
+            session_id=final.session_id,
+            call_id=final.call_id,
+            content="",
+            handoff=handoff,
+        )
+        with tracing.span(
+            "fleetbus handoff",
+            kind=tracing.SpanKind.PRODUCER,
+            attributes={
+                "fleetbus.agent": final.sender,
+                "fleetbus.handoff.to": handoff.agent,
+                "fleetbus.session_id": final.session_id or "",
+            },
+        ):
+            try:
+                inbox = self.bus.subjects.agent_inbox(handoff.agent)
+                await self.bus.publish_bytes(inbox, self.bus.encode(request), reply=reply_to)
+            except FleetbusError as exc:
+                logger.warning(
+                    "%s: session %s not handed over to %s: %s",
+                    final.sender,
+                    final.session_id,
+                    handoff.agent,
+                    exc,
+                )
+                if reply_to:
+                    answer = msgspec.structs.replace(
+                        final,
+                        content=f"The conversation could not be handed over to "
+                        f"{handoff.agent}: {exc}",
+                        finished_reason="error",
+                        handoff=None,
+                    )
+                    await self._publish(reply_to, answer)
+                return
+        logger.info(
+            "%s: session %s handed over to %s",
+            final.sender,
+            final.session_id,
+            handoff.agent,
+            extra={"call_id": final.call_id, "session_id": final.session_id},
+        )
 
     def _error(self, about: AnyMessage, code: ErrorCode, text: str) -> ErrorMessage:
         # The text may quote what the message carried (a session id, say).
@@ -537,6 +641,24 @@ def redoable(state: AgentState, recording: bool) -> bool:
     done = set(reply.answered)
     done.update(b.id for m in reply.arrived for b in m.tool_results)
     return all(use.id in done for use in state.memory[-1].tool_uses)
+
+
+def _handed_to(final: dict[str, Any] | None, status: SessionStatus) -> str | None:
+    """The agent a session's last reply handed the conversation to, if it did
+    (and nothing ran since)."""
+    if status != "done" or not final or final.get("finished_reason") != "handed_off":
+        return None
+    handoff = final.get("handoff")
+    agent = handoff.get("agent") if isinstance(handoff, dict) else None
+    return agent if isinstance(agent, str) and agent else None
+
+
+def _starts_a_reply(inputs: AnyMessage) -> bool:
+    """A request for a reply of its own: not a conversation handed over, an
+    observation, or the answer to a paused reply."""
+    if isinstance(inputs, UserRequest):
+        return inputs.handoff is None
+    return isinstance(inputs, AgentMessage) and inputs.reply
 
 
 def _nothing_waits(name: str, message: AnyMessage, session: str, why: str) -> FinalAnswer:

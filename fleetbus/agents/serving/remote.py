@@ -35,6 +35,7 @@ import msgspec
 
 from fleetbus import tracing
 from fleetbus._retry import Retry
+from fleetbus.agents.events import REPLY_END
 from fleetbus.agents.permissions import checked_confirmation
 from fleetbus.agents.serving._remote import (
     STATUS_CODES,
@@ -49,6 +50,7 @@ from fleetbus.agents.serving._remote import (
     unexpected,
 )
 from fleetbus.bus import RESEND_AFTER
+from fleetbus.bus.subjects import ANY_AGENT
 from fleetbus.errors import (
     BusError,
     CallTimeoutError,
@@ -275,8 +277,9 @@ class RemoteAgent:
             extra={"call_id": message.call_id, "session_id": session},
         )
         try:
+            # Any agent's: a reply handed over goes on under another agent.
             observation = await self._bus.observe(
-                self._bus.subjects.events(self._name, session, self._owner),
+                self._bus.subjects.events(ANY_AGENT, session, self._owner),
                 timeout=max(deadline - loop.time(), 0.001),
             )
         except CallTimeoutError as exc:
@@ -287,6 +290,7 @@ class RemoteAgent:
         span: Any = None
         # The events, then None once the request is answered (or failed).
         queue: asyncio.Queue[AnyMessage | None] = asyncio.Queue()
+        holder = self._name  # the agent running the reply (another once handed over)
         try:
             try:
                 await flush_through(self._bus, max(deadline - loop.time(), 0.001))
@@ -317,6 +321,7 @@ class RemoteAgent:
                 if item is None:
                     break
                 if isinstance(item, Event):
+                    holder = _handed_to(item) or holder
                     yield item
                 else:
                     logger.debug("ignored a %s on the events subject", type(item).__name__)
@@ -347,7 +352,7 @@ class RemoteAgent:
                     extra={"session_id": session},
                 )
             if running:
-                await self._interrupt(session)
+                await self._interrupt(session, holder)
             await observation.close()
             if span is not None:
                 span.end()
@@ -423,12 +428,11 @@ class RemoteAgent:
         Raises:
             ConnectionClosedError: the bus is closed.
         """
-        message = Cancel(
-            sender=self.sender,
-            session_id=session_id or self._session_id,
-            reason=reason,
-        )
-        await self._bus.publish(self._bus.subjects.agent_control(self._name), message)
+        await self._cancel_at(self._name, reason, session_id or self._session_id)
+
+    async def _cancel_at(self, agent: str, reason: str, session_id: str | None) -> None:
+        message = Cancel(sender=self.sender, session_id=session_id, reason=reason)
+        await self._bus.publish(self._bus.subjects.agent_control(agent), message)
 
     async def confirm(
         self,
@@ -602,11 +606,14 @@ class RemoteAgent:
         except BusError as exc:  # the answer is here: do not lose it for late events
             logger.debug("no round trip after the answer: %s", exc)
 
-    async def _interrupt(self, session: str) -> None:
-        """Cancel the session's reply, which nobody reads any more (best effort)."""
+    async def _interrupt(self, session: str, holder: str) -> None:
+        """Cancel the session's reply, which nobody reads any more (best
+        effort): at this agent, and at ``holder`` too when the reply was
+        handed over to it."""
         try:
             async with asyncio.timeout(CANCEL_TIMEOUT):
-                await self.cancel("the client stopped reading the reply", session_id=session)
+                for agent in dict.fromkeys((self._name, holder)):
+                    await self._cancel_at(agent, "the client stopped reading the reply", session)
             await flush_through(self._bus, CANCEL_TIMEOUT)
         except (BusError, TimeoutError) as exc:
             logger.warning(
@@ -625,3 +632,13 @@ class RemoteAgent:
                 self._name,
                 extra={"session_id": session},
             )
+
+
+def _handed_to(event: Event) -> str | None:
+    """The agent a reply was handed over to, when ``event`` is the end of a
+    reply that handed it over."""
+    if event.event != REPLY_END:
+        return None
+    handoff = event.data.get("handoff")
+    agent = handoff.get("agent") if isinstance(handoff, dict) else None
+    return agent if isinstance(agent, str) and agent else None
