@@ -150,6 +150,8 @@ class Replies:
         self._timer_at = math.inf
         self._receipts: dict[str, bool] = {}
         """Requests that asked for a receipt, by token: whether it came."""
+        self._until_receipt: set[str] = set()
+        """Requests whose receipt is what they wait for, by token."""
         self._streams: dict[str, Callable[[Received], bool]] = {}
         """Requests that take messages before their reply, by token: what
         takes each (``True``: it was not the reply)."""
@@ -162,9 +164,13 @@ class Replies:
         headers: dict[str, str] | None = None,
         resend: float | None = None,
         stream: Callable[[Received], bool] | None = None,
+        until_receipt: bool = False,
     ) -> Received:
         """Publish ``payload`` (with ``headers``) on ``subject`` and wait
         ``timeout`` seconds for the reply.
+
+        With ``until_receipt`` (and ``resend``), the receipt is what is
+        waited for and returned: the answer goes elsewhere.
 
         With ``stream``, every message that comes to the request's reply
         subject is handed to it first, as it comes (from the connection's
@@ -199,6 +205,8 @@ class Replies:
         self._expect(loop.time() + timeout, token)
         if resend is not None:
             self._receipts[token] = False  # (before it is sent: the receipt may come at once)
+            if until_receipt:
+                self._until_receipt.add(token)
         if stream is not None:
             self._streams[token] = stream
         try:
@@ -214,6 +222,7 @@ class Replies:
         finally:
             del self._waiting[token]
             self._receipts.pop(token, None)
+            self._until_receipt.discard(token)
             if stream is not None:
                 del self._streams[token]
         if msg is None:
@@ -281,6 +290,10 @@ class Replies:
         token = msg.subject[len(self._inbox) :]
         if not msg.data and token in self._receipts and not msg.headers:
             self._receipts[token] = True  # a receipt, not the reply
+            if token in self._until_receipt:  # ...but what is waited for
+                entry = self._waiting.get(token)
+                if entry is not None and not entry[0].done():
+                    entry[0].set_result(msg)
             return True
         if self._streams:
             take = self._streams.get(token)

@@ -31,7 +31,14 @@ from nats.aio.subscription import Subscription
 
 from fleetbus import tracing
 from fleetbus._retry import Retry
-from fleetbus.bus._replies import Denials, Interruption, Reconnects, Replies, permission_denied
+from fleetbus.bus._replies import (
+    RESEND_AFTER,
+    Denials,
+    Interruption,
+    Reconnects,
+    Replies,
+    permission_denied,
+)
 from fleetbus.bus._seam import Client, Received, server_info
 from fleetbus.bus._serve import Handler, Request, ServeLoop, settle
 from fleetbus.bus._server_version import check_server_version, unsupported_server
@@ -586,6 +593,55 @@ class Bus:
         except nats.errors.Error as exc:
             raise BusError(f"request to {subject} failed: {exc}") from exc
         return decode(reply.data)
+
+    async def deliver(
+        self, subject: str, message: Asking, *, timeout: float, resend: float = RESEND_AFTER
+    ) -> None:
+        """Send a request whose answer goes elsewhere (the message names
+        where), and wait until a responder holds it: its receipt. Until the
+        receipt comes, the same message is sent again ``resend`` seconds
+        after the first sending, then twice as long each time (see
+        :meth:`request`): a responder that dies before holding it loses
+        nothing.
+
+        Raises:
+            CallTimeoutError: no receipt within ``timeout``.
+            NoRespondersError: nobody serves ``subject``.
+            PermissionDeniedError: the server refused the publish.
+            PayloadTooLargeError: the message exceeds the server's limit.
+            ConnectionClosedError: the bus is closed.
+            ConfigError: the message does not ask for a receipt, or has no ``call_id``.
+        """
+        self._check_open()
+        if not (message.receipt and message.call_id):
+            raise ConfigError("deliver needs a request with receipt=True and a call_id")
+        payload = self._encode(message)
+        try:
+            await self._replies.request(
+                subject,
+                payload,
+                timeout,
+                headers=tracing.inject(None),
+                resend=resend,
+                until_receipt=True,
+            )
+        except nats.errors.NoRespondersError as exc:
+            raise NoRespondersError(
+                f"{self.subjects.nobody_serves(subject)}; no responders on {subject}",
+                subject=subject,
+                call_id=message.call_id,
+            ) from exc
+        except nats.errors.TimeoutError as exc:
+            raise CallTimeoutError(
+                f"no receipt on {subject} within {timeout:g}s",
+                subject=subject,
+                call_id=message.call_id,
+                attempts=1,
+            ) from exc
+        except nats.errors.ConnectionClosedError as exc:
+            raise ConnectionClosedError("the bus connection is closed") from exc
+        except nats.errors.Error as exc:
+            raise BusError(f"request to {subject} failed: {exc}") from exc
 
     async def observe(
         self, subject: str, *, queue: str | None = None, timeout: float = 5.0

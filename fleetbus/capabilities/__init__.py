@@ -23,7 +23,7 @@ and hint seams::
   (:mod:`fleetbus.capabilities.handoffs`).
 """
 
-from fleetbus.capabilities.handoffs import HandoffTo, Handoffs, follow_handoffs
+from fleetbus.capabilities.handoffs import Handoffs, HandoffTo, follow_handoffs
 from fleetbus.capabilities.knowledge import (
     BusKnowledgeBase,
     Knowledge,

@@ -113,6 +113,8 @@ class HandoffTo:
             )
         if not isinstance(self.input_filter, str) and not callable(self.input_filter):
             raise ConfigError(f"handoff to {self.agent}: the input filter is not a function")
+        if self.tool_name is not None and not isinstance(self.tool_name, str):
+            raise ConfigError(f"handoff to {self.agent}: the tool name is not a string")
         if not _TOOL_NAME.match(self.tool):
             raise ConfigError(
                 f"handoff to {self.agent}: {self.tool!r} is not a tool name "

@@ -20,7 +20,7 @@ from fleetbus.agents.offload import Offloader
 from fleetbus.agents.serving.host import AgentSource
 from fleetbus.bus import ToolClient
 from fleetbus.bus.subjects import check_name
-from fleetbus.capabilities import Offloading, Planning
+from fleetbus.capabilities import Handoffs, HandoffTo, Offloading, Planning
 from fleetbus.errors import ConfigError
 from fleetbus.models import ChatModel, ModelConfig, default_model
 from fleetbus.models.strings import (
@@ -228,7 +228,8 @@ def _agents_from_toml(path: Path, model: str | None, cli: Mapping[str, Any]) -> 
     """``[agent.NAME]`` tables: system_prompt, description (one line, at most
     1,024 characters), model (a model string), model_settings (a table),
     tools (MODULE[:ATTR] specs), skills (folders, relative to the file),
-    max_iters, allow/ask/deny rule lists."""
+    max_iters, allow/ask/deny rule lists, handoffs (agent names, or tables
+    of agent, description, input_filter, tool_name)."""
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -265,13 +266,72 @@ def _agents_from_toml(path: Path, model: str | None, cli: Mapping[str, Any]) -> 
                     deny=table.get("deny", []),
                     default=table.get("default", "allow"),
                 ),
-                capabilities=[Planning()] if table.get("plan", False) else [],
+                capabilities=[
+                    *([Planning()] if table.get("plan", False) else []),
+                    *_toml_handoffs(path, name, table),
+                ],
                 settings=AgentSettings(
                     max_iters=int(table.get("max_iters", 10)), model_calls=model_config
                 ),
             )
         )
     return agents
+
+
+def _toml_handoffs(path: Path, name: str, table: dict[str, Any]) -> list[Handoffs]:
+    """An agent table's ``handoffs``: agent names, or tables ``{agent,
+    description, input_filter, tool_name}`` (``input_filter``: a filter's
+    name, or ``MODULE:ATTR`` naming a function)."""
+    where = f"{path}: agent.{name}.handoffs"
+    entries = table.get("handoffs", [])
+    if not isinstance(entries, list):
+        raise ConfigError(f"{where} is a list of agent names or tables")
+    if not entries:
+        return []
+    targets: list[str | HandoffTo] = []
+    for entry in entries:
+        if isinstance(entry, str):
+            targets.append(entry)
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("agent"), str):
+            raise ConfigError(f"{where}: {entry!r} is not an agent name or a table with agent")
+        unknown = set(entry) - {"agent", "description", "input_filter", "tool_name"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {sorted(unknown)} for {entry['agent']}")
+        chosen = entry.get("input_filter", "all")
+        if not isinstance(chosen, str):
+            raise ConfigError(f"{where}: the input_filter of {entry['agent']} is not a string")
+        input_filter: Any = chosen if ":" not in chosen else _named_function(chosen, where)
+        try:
+            targets.append(
+                HandoffTo(
+                    entry["agent"],
+                    description=str(entry.get("description", "")),
+                    input_filter=input_filter,
+                    tool_name=entry.get("tool_name"),
+                )
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from exc
+    try:
+        handoffs = Handoffs(targets)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    if any(t.agent == name for t in handoffs.targets):
+        raise ConfigError(f"{where}: agent {name} cannot hand the conversation to itself")
+    return [handoffs]
+
+
+def _named_function(spec: str, where: str) -> Any:
+    """The function ``MODULE:ATTR`` names."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        found = getattr(import_named(module_name), attr, None)
+    except ImportError as exc:
+        raise ConfigError(f"{where}: cannot import {module_name!r}: {exc}") from exc
+    if not callable(found):
+        raise ConfigError(f"{where}: {spec} is not a function")
+    return found
 
 
 def _toml_model(

@@ -61,6 +61,7 @@ _REASON_STYLES: Final[dict[str, tuple[str, str]]] = {
     "paused": ("⏸", "bold yellow"),
     "error": ("✗", "bold red"),
     "interrupted": ("■", "yellow"),
+    "handed_off": ("↪", "bold cyan"),
 }
 _ARGS_LIMIT: Final = 120
 _OUTPUT_LIMIT: Final = 160
@@ -158,7 +159,11 @@ def _event_summary(event: Event) -> str:
                 f"{_show(data.get('output'))} tool_call_id={_str(data, 'call_id')}"
             )
         case "reply_end":
-            return f"{_str(data, 'finished_reason')} — {_content_text(data.get('content'))}"
+            to = _handed_to(data.get("handoff"))
+            return (
+                f"{_str(data, 'finished_reason')}{f' → {to}' if to else ''} — "
+                f"{_content_text(data.get('content'))}"
+            )
         case "model_call_start":
             return f"{_str(data, 'model')} step {data.get('iteration', '?')}"
         case "model_call_end":
@@ -193,10 +198,15 @@ def _essentials(message: Message) -> str:
             source = f" (from {message.source_component})" if message.source_component else ""
             return f"{message.code}: {message.message}{source}"
         case UserRequest():
+            if message.handoff is not None:
+                handoff = message.handoff
+                said = f": {_content_text(message.content)}" if message.content else ""
+                return f"handed over by {handoff.by} ({len(handoff.messages)} messages){said}"
             return _content_text(message.content)
         case FinalAnswer():
             structured = f" {_json(message.structured)}" if message.structured else ""
-            return f"{message.finished_reason} — {_content_text(message.content)}{structured}"
+            to = f" → {message.handoff.agent}" if message.handoff is not None else ""
+            return f"{message.finished_reason}{to} — {_content_text(message.content)}{structured}"
         case AgentMessage():
             who = f"{message.name}: " if message.name else ""
             note = "" if message.reply else " (no reply asked)"
@@ -368,7 +378,12 @@ class ReplyPrinter:
             case "require_external_execution":
                 self._pending(event, confirm=False)
             case "reply_end":
-                self._end(_str(data, "finished_reason"), data.get("content"), event.session_id)
+                self._end(
+                    _str(data, "finished_reason"),
+                    data.get("content"),
+                    event.session_id,
+                    handed_to=_handed_to(data.get("handoff")),
+                )
             case "reply_start":
                 self.text = self.thinking = ""
                 self.finished_reason = None
@@ -456,13 +471,17 @@ class ReplyPrinter:
         session_id: str | None,
         *,
         structured: dict[str, Any] | None = None,
+        handed_to: str | None = None,
     ) -> None:
         if self.finished_reason is None:
             self.finished_reason = finished_reason
+            mark, style = _REASON_STYLES.get(finished_reason, ("■", "yellow"))
+            if handed_to is not None:  # the reply goes on under the other agent
+                self._line(Text(f"{mark} handed over to {handed_to}", style=style))
+                return
             answer = _content_text(content)
             if answer.strip() and " ".join(answer.split()) not in " ".join(self.text.split()):
                 self._line(Text(answer))
-            mark, style = _REASON_STYLES.get(finished_reason, ("■", "yellow"))
             session = f" (session {session_id})" if session_id else ""
             self._line(Text(f"{mark} {finished_reason}{session}", style=style))
         else:
@@ -470,3 +489,9 @@ class ReplyPrinter:
         if structured and not self._structured_shown:
             self._structured_shown = True
             self._line(Text(_json(structured), style="cyan"), soft_wrap=True)
+
+
+def _handed_to(handoff: Any) -> str | None:
+    """The agent a ``reply_end`` event's ``handoff`` names, if any."""
+    agent = handoff.get("agent") if isinstance(handoff, dict) else None
+    return agent if isinstance(agent, str) and agent else None

@@ -451,7 +451,7 @@ class FleetView:
         elif isinstance(message, FinalAnswer):
             view.last_answer = _text(message.content, self.limits.text_chars)
             if message.finished_reason != "paused":
-                view.status = "error" if message.finished_reason == "error" else "done"
+                view.status = _ended(message.finished_reason)
                 view.pending = []
         self._bump()
 
@@ -476,7 +476,7 @@ class FleetView:
                 if reason == "paused":
                     view.status = "paused"
                 else:
-                    view.status = "error" if reason == "error" else "done"
+                    view.status = _ended(reason)
                     view.pending = []
 
     def _trim_events(self) -> None:
@@ -813,3 +813,11 @@ def _worker(doc: dict[str, Any]) -> dict[str, Any]:
         "concurrency": metadata.get("concurrency"),
         "endpoints": endpoints,
     }
+
+
+def _ended(finished_reason: object) -> str:
+    """A session's status once a reply ended so: ``handed_off`` (the
+    conversation went on with another agent), ``error``, or ``done``."""
+    if finished_reason in ("error", "handed_off"):
+        return str(finished_reason)
+    return "done"

@@ -171,6 +171,11 @@ class Handoff(msgspec.Struct, frozen=True, kw_only=True):
     messages: list[ChatMessage] = msgspec.field(default_factory=list)
     """The conversation as ``agent`` gets it: ``by``'s memory through the
     handoff's input filter (without its system prompt)."""
+    reply_to: str | None = None
+    """In a ``user_request`` carrying the handoff: where its answer goes (the
+    reply subject of the request handed over); the request's own reply
+    subject gets its receipt. ``None``: the answer goes to the request's
+    reply subject."""
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

@@ -28,11 +28,13 @@ from fleetbus.agents import Agent, AgentState, Permissions
 from fleetbus.agents.serving.remote import RemoteAgent
 from fleetbus.agents.serving.sessions import SessionRecord, SessionStore
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
+from fleetbus.capabilities import Handoffs
 from fleetbus.cli import dashboard_cmd
 from fleetbus.cli._common import guarded
 from fleetbus.dashboard import TOKEN_HEADER, FleetView, Limits, create_app
 from fleetbus.errors import ConfigError
 from fleetbus.protocol import Event, FinalAnswer, UserRequest, to_builtins
+from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, ToolWorker
 from tests.helpers import ROOT, free_port, serving, stop
 from tests.integration import resume_specs, worker_tools
@@ -591,3 +593,29 @@ async def test_a_session_taken_cleanly_shows_running_before_its_first_fact(bus: 
         assert status(await board.fleet()) == "running"
         await store.save(lease, status="done", final={"content": "ok"}, release=True)
         await board.until(lambda s: status(s) == "done")
+
+
+async def test_a_session_handed_over_shows_where_it_went(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    triage = Agent(
+        "triage",
+        "",
+        ScriptedModel([ScriptedModel.call("transfer_to_billing", {"reason": "a refund"})]),
+        capabilities=[Handoffs(["billing"])],
+    )
+    billing = Agent("billing", "", ScriptedModel([ScriptedModel.text("Refunded.")]))
+    async with (
+        serving(nats_server.url, bus.prefix, triage),
+        serving(nats_server.url, bus.prefix, billing),
+        dashboard(bus) as board,
+    ):
+        answer = await RemoteAgent(bus, "triage", session_id="h-over").reply("charged twice")
+        assert (answer.sender, answer.content) == ("billing", "Refunded.")
+        snap = await board.until(
+            lambda s: (
+                {(x["agent"], x["status"]) for x in s["sessions"] if x["session"] == "h-over"}
+                >= {("triage", "handed_off"), ("billing", "done")}
+            )
+        )
+        assert any(s["agent"] == "billing" for s in snap["sessions"])

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from fleetbus.capabilities import Handoffs
 from fleetbus.cli.fleet_file import load_agents
 from fleetbus.errors import ConfigError
 from fleetbus.models import OfflineModel
@@ -52,6 +53,51 @@ def test_bad_toml_is_a_clear_error(tmp_path: Path, text: str, message: str) -> N
     spec.write_text(text)
     with pytest.raises(ConfigError, match=message):
         load_agents(str(spec))
+
+
+def test_a_toml_file_declares_handoffs(tmp_path: Path) -> None:
+    spec = tmp_path / "agents.toml"
+    spec.write_text(
+        """
+[agent.triage]
+handoffs = [
+  "billing",
+  { agent = "refunds", description = "Money back.", input_filter = "no_tools" },
+  { agent = "notes", input_filter = "copy:copy", tool_name = "to_notes" },
+]
+"""
+    )
+    (triage,) = load_agents(str(spec))
+    (handoffs,) = [c for c in triage.capabilities if isinstance(c, Handoffs)]
+    assert [(t.agent, t.tool, t.description) for t in handoffs.targets] == [
+        ("billing", "transfer_to_billing", ""),
+        ("refunds", "transfer_to_refunds", "Money back."),
+        ("notes", "to_notes", ""),
+    ]
+    assert handoffs.targets[1].input_filter == "no_tools"
+    assert callable(handoffs.targets[2].input_filter)
+
+
+@pytest.mark.parametrize(
+    ("handoffs", "message"),
+    [
+        ('"billing"', "a list of agent names or tables"),
+        ("[3]", "not an agent name or a table"),
+        ('[{ agent = "b", filter = "all" }]', "unknown keys"),
+        ('[{ agent = "b", input_filter = "some" }]', "unknown input filter"),
+        ('[{ agent = "b", input_filter = "no.such:thing" }]', "cannot import"),
+        ('["billing", "billing"]', "once"),
+        ('["triage"]', "to itself"),
+    ],
+)
+def test_bad_handoffs_stop_the_command_naming_the_file_and_agent(
+    tmp_path: Path, handoffs: str, message: str
+) -> None:
+    spec = tmp_path / "agents.toml"
+    spec.write_text(f"[agent.triage]\nhandoffs = {handoffs}\n")
+    with pytest.raises(ConfigError, match=message) as caught:
+        load_agents(str(spec))
+    assert "agents.toml: agent.triage.handoffs" in str(caught.value)
 
 
 def test_module_specs() -> None:

@@ -24,6 +24,7 @@ from fleetbus.protocol import (
     ExternalOutput,
     ExternalResult,
     FinalAnswer,
+    Handoff,
     LlmPrompt,
     LlmResponse,
     Message,
@@ -313,3 +314,37 @@ def test_describe_marks_replies_and_shortens_long_values() -> None:
 def test_shorten_folds_whitespace_and_cuts() -> None:
     assert shorten("a\n  b\tc") == "a b c"
     assert shorten("abcdef", 4) == "abc…"
+
+
+def test_a_reply_handed_over_shows_the_hand_over_then_the_other_agents_reply() -> None:
+    triage = EventFactory("triage", "r-1", "s-1")
+    billing = EventFactory("billing", "r-2", "s-1")
+    handoff = Handoff(agent="billing", by="triage", reason="a refund")
+    text, printer = printed(
+        [
+            triage("reply_start", reply_id="r-1"),
+            triage("tool_call", call_id="t", tool_name="transfer_to_billing", parameters={}),
+            triage(
+                "reply_end",
+                finished_reason="handed_off",
+                content="Handed over to billing: a refund",
+                handoff={"agent": "billing", "reason": "a refund"},
+            ),
+            billing("reply_start", reply_id="r-2"),
+            billing("text_delta", text="Refunded."),
+            billing("reply_end", finished_reason="completed", content="Refunded."),
+            FinalAnswer(sender="billing", session_id="s-1", content="Refunded."),
+        ]
+    )
+    lines = text.splitlines()
+    assert "↪ handed over to billing" in lines
+    assert lines.index("↪ handed over to billing") < lines.index("Refunded.")
+    assert text.rstrip().endswith("✓ completed (session s-1)")
+    assert printer.finished_reason == "completed"
+    # fleetbus watch: the answer handed over, and the request carrying it.
+    ended = FinalAnswer(
+        sender="triage", content="Handed over", finished_reason="handed_off", handoff=handoff
+    )
+    assert "handed_off → billing" in describe(ended, "_INBOX_x.y")
+    handed = UserRequest(sender="agent.triage", content="", handoff=handoff)
+    assert "handed over by triage (0 messages)" in describe(handed, "fleet.agent.billing.inbox")

@@ -50,6 +50,7 @@ from fleetbus.bus.subjects import NO_OWNER
 from fleetbus.errors import (
     BusError,
     FleetbusError,
+    NoRespondersError,
     ProtocolError,
     RequestHeldError,
     SessionBusyError,
@@ -71,6 +72,7 @@ from fleetbus.protocol import (
     UserRequest,
     decode,
     error_reply,
+    new_id,
     to_builtins,
 )
 from fleetbus.protocol.codec import clip
@@ -78,6 +80,12 @@ from fleetbus.protocol.codec import clip
 __all__ = ["ReplyRunning"]
 
 logger = logging.getLogger(__name__)
+
+_HANDOFF_GRACE = 5.0
+"""Seconds a handoff waits for a replica of the agent it goes to (one may
+be starting, or moving to another server of a cluster)."""
+_HANDOFF_TIMEOUT = 60.0
+"""Seconds a handoff waits for a replica of that agent to hold it."""
 
 _MAX_INPUT_DEPTH = 128
 """Deepest nesting of arrays and objects a message an agent stores may have:
@@ -514,16 +522,18 @@ class ReplyRunning:
         agent that takes the conversation, carrying it, with the requester's
         call id and reply subject — that agent's answer is the requester's.
 
-        Sent again whenever the stored answer is (a take-over, a request
-        asked again): the agent it goes to takes a copy it holds or has
-        answered as such. Nobody serving that agent: the requester gets a
-        ``no responders`` status, as for a request sent to it."""
+        Sent until a replica of that agent holds it (its receipt), and again
+        whenever the stored answer is (a take-over, a request asked again):
+        the agent it goes to takes a copy it holds or has answered as such.
+        Nobody serving that agent for a few seconds: the requester gets an
+        ``error`` answer saying so."""
         request = UserRequest(
             sender=f"agent.{final.sender}",
             session_id=final.session_id,
-            call_id=final.call_id,
+            call_id=final.call_id or new_id(),
             content="",
-            handoff=handoff,
+            handoff=msgspec.structs.replace(handoff, reply_to=reply_to or None),
+            receipt=True,
         )
         with tracing.span(
             "fleetbus handoff",
@@ -536,7 +546,10 @@ class ReplyRunning:
         ):
             try:
                 inbox = self.bus.subjects.agent_inbox(handoff.agent)
-                await self.bus.publish_bytes(inbox, self.bus.encode(request), reply=reply_to)
+                retry = Retry(
+                    on=NoRespondersError, attempts=None, backoff=0.1, timeout=_HANDOFF_GRACE
+                )
+                await retry.call(self.bus.deliver, inbox, request, timeout=_HANDOFF_TIMEOUT)
             except FleetbusError as exc:
                 logger.warning(
                     "%s: session %s not handed over to %s: %s",

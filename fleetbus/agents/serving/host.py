@@ -416,9 +416,16 @@ class AgentHost(Observing, Lifecycle):
         assert self.store is not None
         key = session_key(name, session)
         reply_to = (request.reply or None) if request is not None else None
+        receipt_to = reply_to
+        if isinstance(message, UserRequest) and message.handoff and message.handoff.reply_to:
+            reply_to = message.handoff.reply_to  # handed over: its receipt only comes back
         receipt = (
             (message.call_id, reply_to)
-            if isinstance(message, Asking) and message.receipt and message.call_id and reply_to
+            if isinstance(message, Asking)
+            and message.receipt
+            and message.call_id
+            and receipt_to
+            and reply_to
             else None
         )
         run = self._runs.setdefault(key, Run())
@@ -433,9 +440,16 @@ class AgentHost(Observing, Lifecycle):
             async with self._session_lock(key):
                 lease = await self._acquire(name, message, session, reply_to, receipt)
                 if lease is None or isinstance(lease, ErrorMessage | FinalAnswer):
-                    return lease
-                if receipt is not None and reply_to is not None:
-                    await self._receipt(reply_to)
+                    if receipt_to == reply_to or receipt_to is None:
+                        return lease
+                    # Handed over: the answer goes to the requester, and the
+                    # agent that handed it over learns it is held.
+                    if lease is not None and reply_to is not None:
+                        await self._publish(reply_to, lease)
+                    await self._receipt(receipt_to)
+                    return None
+                if receipt is not None and receipt_to is not None:
+                    await self._receipt(receipt_to)
                 final = await self._run_reply(lease, message, run, answer_to=reply_to)
                 # Answered by _run_reply once its end was stored (or by the
                 # session's new owner): nothing more to send from here.

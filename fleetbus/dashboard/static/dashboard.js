@@ -271,11 +271,15 @@ function describe(item) {
           return `${data.tool_name || ""}: ${data.status || ""} — ${JSON.stringify(data.output)}`;
         case "require_user_confirm": case "require_external_execution":
           return (data.calls || []).map((c) => `${c.tool_name} ${c.call_id}`).join(", ");
-        case "reply_end": return data.finished_reason || "";
+        case "reply_end":
+          return (data.finished_reason || "") +
+            (data.handoff && data.handoff.agent ? ` → ${data.handoff.agent}` : "");
         default: return typeof data === "string" ? data : JSON.stringify(data);
       }
     case "final_answer":
-      return `${item.finished_reason}: ` + (typeof item.content === "string"
+      return `${item.finished_reason}` +
+        (item.handoff && item.handoff.agent ? ` → ${item.handoff.agent}` : "") + ": " +
+        (typeof item.content === "string"
         ? item.content : JSON.stringify(item.content));
     default: return JSON.stringify(item);
   }
