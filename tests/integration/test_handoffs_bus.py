@@ -3,6 +3,8 @@ trace, and a handoff to an agent nobody serves is a clear error."""
 
 from __future__ import annotations
 
+import asyncio
+
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fleetbus.agents import Agent
@@ -84,3 +86,31 @@ async def test_what_the_other_agent_gets_goes_through_the_input_filter(
         await remote.reply("first")
     (request,) = model.requests
     assert [(m.role, m.content[0].text) for m in request.messages] == [("user", "first")]  # type: ignore[union-attr]
+
+
+async def test_a_later_request_goes_on_to_the_agent_holding_the_conversation_once_it_serves(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """A later request of the session goes on to billing; sent there while
+    no replica of billing runs, it is lost, but triage sent no receipt for
+    it: the requester sends it again until billing holds it."""
+    billing = Agent(
+        "billing", "", ScriptedModel([ScriptedModel.text("Refunded."), ScriptedModel.text("Sent.")])
+    )
+    remote = RemoteAgent(bus, "triage", session_id="t4", timeout=60)
+    async with serving(nats_server.url, bus.prefix, _triage()):
+        async with serving(nats_server.url, bus.prefix, billing):
+            first = await remote.reply("charged twice")
+        assert (first.sender, first.content) == ("billing", "Refunded.")
+        # Sent on into nothing (no replica of billing runs): seen here, not answered.
+        async with await bus.observe(bus.subjects.agent_inbox("billing")) as inbox:
+            later = asyncio.create_task(remote.reply("and the invoice?"))
+            async for passed in inbox:
+                assert passed.call_id is not None
+                break
+        assert not later.done()
+        async with serving(nats_server.url, bus.prefix, billing):
+            answer = await later
+    assert (answer.sender, answer.content) == ("billing", "Sent.")
+    (_, request) = billing.model.requests  # type: ignore[attr-defined]
+    assert [m.role for m in request.messages][-1] == "user"

@@ -232,9 +232,8 @@ class ReplyRunning:
                 # Its owner died after storing the answer: send it, release.
                 return await self._deliver(lease, record.final, record.reply_to, lease.previous)
         else:
-            handed = _handed_to(record.final, lease.previous)
-            if handed is not None and _starts_a_reply(inputs) and record.state.reply is None:
-                # The conversation is another agent's now: it answers.
+            handed = self.passes_on(lease, inputs)
+            if handed is not None:  # the conversation is another agent's now: it answers
                 return await self._pass_on(lease, inputs, answer_to, handed)
             orphan, orphan_to = lease.orphan_input, lease.orphan_reply_to
             stored = decode_final(lease.orphan_final)
@@ -372,11 +371,23 @@ class ReplyRunning:
         await self.store.release(lease)
         return final
 
+    @staticmethod
+    def passes_on(lease: Lease, inputs: AnyMessage) -> str | None:
+        """The agent ``inputs`` goes on to, when its session handed the
+        conversation over (and nothing ran since): a request starting a
+        reply there is that agent's to answer. Its receipt is that agent's
+        too: a copy sent again finds this lease released and goes on again."""
+        record = lease.record
+        if record.state.reply is not None or not _starts_a_reply(inputs):
+            return None
+        return _handed_to(record.final, lease.previous)
+
     async def _pass_on(
         self, lease: Lease, inputs: AnyMessage, reply_to: str | None, agent: str
     ) -> FinalAnswer | None:
         """Send a request of a session handed over on to the agent that holds
-        the conversation now (its answer goes to ``reply_to``); release."""
+        the conversation now, as it is (its answer and its receipt go to
+        ``reply_to``); release."""
         record = lease.record
         try:
             await self._save(lease, self.lease_ttl, status=lease.previous, input_recorded=True)

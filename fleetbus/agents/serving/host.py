@@ -449,7 +449,8 @@ class AgentHost(Observing, Lifecycle):
                     await self._receipt(receipt_to)
                     return None
                 if receipt is not None and receipt_to is not None:
-                    await self._receipt(receipt_to)
+                    if self.passes_on(lease, message) is None:  # (else: its new holder's)
+                        await self._receipt(receipt_to)
                 final = await self._run_reply(lease, message, run, answer_to=reply_to)
                 # Answered by _run_reply once its end was stored (or by the
                 # session's new owner): nothing more to send from here.
