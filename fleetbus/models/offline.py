@@ -6,7 +6,9 @@ message for simple requests — arithmetic, the time, writing, reading and
 listing files — and calls the matching tools on offer, one per step, then sums
 up their results. It fills a structured answer (``generate_response``) from its
 JSON Schema, and in a multi-agent chat it argues the stance its ``persona`` or
-system prompt gives it, answering the last speaker::
+system prompt gives it, answering the last speaker; offered a handoff
+(``transfer_to_<agent>``) whose agent or description the request names, it
+hands the conversation over::
 
     agent = Agent("helper", "You help.", OfflineModel(), toolkit=builtin_toolkit())
     answer = await agent.reply("What is 2026 - 1991?")  # calls calculator, says 35
@@ -244,6 +246,9 @@ class OfflineModel:
                 return _call(tally, spec.name, args), "tool_calls"
             if done < len(intents):
                 return _call(tally, *intents[done]), "tool_calls"
+            handoff = None if intents or uses else _handoff(request.tools, user_text)
+            if handoff is not None:
+                return _call(tally, *handoff), "tool_calls"
             if FINISH_TOOL in tools:
                 args = _fill(tools[FINISH_TOOL].parameters, summary, numbers)
                 return _call(tally, FINISH_TOOL, args), "tool_calls"
@@ -385,6 +390,25 @@ def _common(known: list[ChatMessage], messages: list[ChatMessage]) -> int:
         else:
             differs = middle
     return same
+
+
+_HANDOFF_TOOL = "transfer_to_"
+_HANDOFF_WORDS = frozenset({"conversation", "answers", "agent", "which", "there"})
+
+
+def _handoff(tools: Sequence[ToolSpec], text: str) -> tuple[str, dict[str, Any]] | None:
+    """A handoff tool (``transfer_to_<agent>``) whose agent, or a word of five
+    letters or more of whose description, the request names: the first."""
+    words = set(re.findall(r"[a-z]{4,}", text.lower()))
+    for spec in tools:
+        if not spec.name.startswith(_HANDOFF_TOOL):
+            continue
+        agent = spec.name[len(_HANDOFF_TOOL) :].lower()
+        keys = set(re.findall(r"[a-z]{5,}", spec.description.lower())) - _HANDOFF_WORDS
+        found = sorted(({agent} | keys) & words)
+        if found:
+            return spec.name, {"reason": f"the request is about {found[0]}"}
+    return None
 
 
 def _call(tally: _Tally, tool: str, args: dict[str, Any]) -> list[ContentBlock]:

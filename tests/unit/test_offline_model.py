@@ -8,6 +8,7 @@ import pytest
 from pydantic import BaseModel
 
 from fleetbus.agents import Agent, Permissions
+from fleetbus.capabilities import Handoffs, HandoffTo
 from fleetbus.models import ChatModel, ModelError, ModelRequest
 from fleetbus.models.model import ModelResponse, TextDelta
 from fleetbus.models.offline import OFFLINE_PREFIX, OfflineModel
@@ -401,3 +402,24 @@ def test_skipping_patterns_whose_words_are_absent_finds_what_every_pattern_finds
     found = offline._scan(text)
     monkeypatch.setattr(offline, "_absent", lambda lowered, words: False)
     assert found == offline._scan(text)
+
+
+async def test_a_request_naming_a_handoff_hands_the_conversation_over() -> None:
+    triage = Agent(
+        "triage",
+        "You route questions.",
+        OfflineModel(),
+        capabilities=[Handoffs(["billing", HandoffTo("refunds", description="Money back.")])],
+    )
+    answer = await triage.reply("Please give my money back")
+    assert answer.finished_reason == "handed_off"
+    assert answer.handoff is not None
+    assert (answer.handoff.agent, answer.handoff.reason) == (
+        "refunds",
+        "the request is about money",
+    )
+    answer = await triage.reply("A question about billing")
+    assert answer.handoff is not None
+    assert answer.handoff.agent == "billing"
+    plain = await triage.reply("Hello there")
+    assert plain.finished_reason == "completed"
