@@ -139,7 +139,7 @@ async def test_a_handoff_survives_a_kill_of_the_receiving_replica(fleet: Fleet, 
         events.append(item)
         if killed is None and item.event == "tool_call" and item.data.get("tool_name") == "ledger":
             # Billing runs its tool: kill the replica holding its lease.
-            while not fleet.runs:
+            while not fleet.runs:  # noqa: ASYNC110 - another process writes it
                 await asyncio.sleep(0.01)
             lease = await store.leases.get(session_key("billing", "h1"))
             owner = lease_owner(lease.value)

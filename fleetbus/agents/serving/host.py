@@ -448,9 +448,13 @@ class AgentHost(Observing, Lifecycle):
                         await self._publish(reply_to, lease)
                     await self._receipt(receipt_to)
                     return None
-                if receipt is not None and receipt_to is not None:
-                    if self.passes_on(lease, message) is None:  # (else: its new holder's)
-                        await self._receipt(receipt_to)
+                # (A request passed on gets its receipt from its new holder.)
+                if (
+                    receipt is not None
+                    and receipt_to is not None
+                    and self.passes_on(lease, message) is None
+                ):
+                    await self._receipt(receipt_to)
                 final = await self._run_reply(lease, message, run, answer_to=reply_to)
                 # Answered by _run_reply once its end was stored (or by the
                 # session's new owner): nothing more to send from here.
