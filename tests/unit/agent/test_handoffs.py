@@ -64,7 +64,7 @@ async def test_the_next_agent_answers_the_conversation_handed_over() -> None:
     )
     sent = billing_model.requests[0].messages
     assert sent[0].role == "system"
-    assert "billing" in sent[0].content[0].text  # its own prompt
+    assert sent[0].content == [TextBlock(text="You handle billing.")]  # its own prompt
     assert [m.role for m in sent[1:]] == ["user", "assistant", "tool"]
     assert billing.state.memory[0].metadata == {"handed_over_by": "triage"}
 
