@@ -78,7 +78,8 @@ def _last_user(messages: list[ChatMessage]) -> list[ChatMessage]:
 FILTERS: dict[str, InputFilter] = {"all": _all, "no_tools": _no_tools, "last_user": _last_user}
 """The input filters by name: ``all`` (the whole conversation, the default),
 ``no_tools`` (without tool calls and their results), ``last_user`` (the last
-user message alone)."""
+user message alone). Each is given the conversation without the hand-over's
+own ``transfer_to_…`` calls and their results."""
 
 
 @dataclass(frozen=True)
@@ -244,10 +245,30 @@ class _HandoffLayer(Middleware):
         target = self._by_agent.get(handoff.agent) if handoff is not None else None
         if handoff is None or target is None:
             return final
-        messages = target.filtered(handoff.messages)
+        messages = target.filtered(_without(handoff.messages, self._by_tool))
         return msgspec.structs.replace(
             final, handoff=msgspec.structs.replace(handoff, messages=messages)
         )
+
+
+def _without(messages: list[ChatMessage], tools: Mapping[str, object]) -> list[ChatMessage]:
+    """``messages`` without the calls of ``tools`` and their results (the
+    hand-over itself: a model given it tends to call a tool it does not
+    have), and without the messages left empty."""
+    out = []
+    for message in messages:
+        content = [
+            b
+            for b in message.content
+            if not (isinstance(b, ToolUseBlock | ToolResultBlock) and b.name in tools)
+        ]
+        if content:
+            out.append(
+                message
+                if len(content) == len(message.content)
+                else msgspec.structs.replace(message, content=content)
+            )
+    return out
 
 
 async def follow_handoffs(

@@ -17,6 +17,7 @@ from fleetbus.protocol import (
     UserRequest,
 )
 from fleetbus.testing import ScriptedModel
+from fleetbus.tools_workers import Toolkit, tool
 
 
 def _triage(model: ScriptedModel, *targets: str | HandoffTo) -> Agent:
@@ -42,7 +43,7 @@ async def test_the_transfer_tool_ends_the_reply_handed_off_with_the_conversation
         "a refund",
     )
     roles = [m.role for m in final.handoff.messages]
-    assert roles == ["user", "assistant", "tool"]  # the call's own result is kept
+    assert roles == ["user"]  # the hand-over's own call is not handed over
     assert final.content == "Handed over to billing: a refund"
     # The model was offered the tool.
     assert "transfer_to_billing" in [t.name for t in model.requests[0].tools]
@@ -65,7 +66,7 @@ async def test_the_next_agent_answers_the_conversation_handed_over() -> None:
     sent = billing_model.requests[0].messages
     assert sent[0].role == "system"
     assert sent[0].content == [TextBlock(text="You handle billing.")]  # its own prompt
-    assert [m.role for m in sent[1:]] == ["user", "assistant", "tool"]
+    assert [m.role for m in sent[1:]] == ["user"]
     assert billing.state.memory[0].metadata == {"handed_over_by": "triage"}
 
 
@@ -87,19 +88,44 @@ async def test_a_conversation_handed_over_takes_the_place_of_the_session() -> No
     assert [m.text for m in billing.state.memory] == ["charged twice", "Refunded."]
 
 
+@tool
+def lookup(order: int) -> str:
+    """Look an order up.
+
+    Args:
+        order: its number.
+    """
+    return f"order {order}: paid twice"
+
+
 @pytest.mark.parametrize(
     ("name", "roles"),
     [("all", ["user", "assistant", "tool"]), ("no_tools", ["user"]), ("last_user", ["user"])],
 )
 async def test_input_filters(name: str, roles: list[str]) -> None:
-    model = ScriptedModel([ScriptedModel.call("transfer_to_billing", {}, call_id="t")])
-    triage = _triage(model, HandoffTo("billing", input_filter=name))  # type: ignore[arg-type]
+    model = ScriptedModel(
+        [
+            ScriptedModel.call("lookup", {"order": 7}, call_id="l"),
+            ScriptedModel.call("transfer_to_billing", {}, call_id="t"),
+        ]
+    )
+    triage = Agent(
+        "triage",
+        "",
+        model,
+        toolkit=Toolkit([lookup]),
+        capabilities=[Handoffs([HandoffTo("billing", input_filter=name)])],  # type: ignore[arg-type]
+    )
     final = await triage.reply("charged twice")
     assert final.handoff is not None
     assert [m.role for m in final.handoff.messages] == roles
-    for message in final.handoff.messages:
-        if name != "all":
-            assert not [b for b in message.content if isinstance(b, ToolUseBlock | ToolResultBlock)]
+    names = {
+        b.name
+        for m in final.handoff.messages
+        for b in m.content
+        if isinstance(b, ToolUseBlock | ToolResultBlock)
+    }
+    assert names == ({"lookup"} if name == "all" else set())  # never the hand-over's own call
 
 
 async def test_a_filter_function_and_its_wrong_answer() -> None:
@@ -120,12 +146,11 @@ async def test_two_transfers_in_one_step_hand_over_once() -> None:
     model = ScriptedModel(
         [ScriptedModel.calls(("transfer_to_billing", {}, "a"), ("transfer_to_refunds", {}, "b"))]
     )
-    final = await _triage(model, "billing", "refunds").reply("hi")
+    triage = _triage(model, "billing", "refunds")
+    final = await triage.reply("hi")
     assert final.handoff is not None
     assert final.handoff.agent == "billing"
-    results = {
-        b.id: b for m in final.handoff.messages for b in m.content if isinstance(b, ToolResultBlock)
-    }
+    results = {b.id: b for m in triage.state.memory for b in m.tool_results}
     assert results["b"].state == "error"
 
 
@@ -147,7 +172,7 @@ async def test_a_step_that_ends_a_reply_is_ended_after_a_restore() -> None:
     assert final.finished_reason == "handed_off"
     assert final.handoff is not None
     assert final.handoff.agent == "billing"
-    assert [m.role for m in final.handoff.messages] == ["user", "assistant", "tool"]
+    assert [m.role for m in final.handoff.messages] == ["user"]
     assert heir_model.requests == []
 
 
