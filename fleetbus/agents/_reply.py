@@ -80,6 +80,13 @@ class ReplyRun:
             tools.close_open_calls("cancelled", f"not run: the reply was stopped ({stop.reason})")
             if stop.summarize:
                 text = await self.models.final_words(_STOPPED_PROMPT.format(reason=stop.reason))
+                if text and self.scope.answer_checks:
+                    try:
+                        await self.scope.check_answer(text, None, self.state.memory[-1])
+                    except StopReply as refused:
+                        return self.scope.finish(
+                            refused.finished_reason, f"Stopped: {refused.reason}."
+                        )
                 return self.scope.finish(stop.finished_reason, text or f"Stopped: {stop.reason}.")
             return self.scope.finish(stop.finished_reason, f"Stopped: {stop.reason}.")
         except ModelFailedError as exc:
@@ -123,6 +130,8 @@ class ReplyRun:
                             return ended
                         await checkpoint()
                         continue
+                    if self.scope.answer_checks:
+                        await self.scope.check_answer(message.text, None, message)
                     return self.scope.finish("completed", message.text)
                 # Write-ahead: the calls (and their ids) are durable before they
                 # are sent, so a take-over sends them again with the same call_id.
@@ -132,6 +141,8 @@ class ReplyRun:
                     return ended
                 await checkpoint()
         text = await self.models.final_words(_EXCEEDED_PROMPT.format(steps=settings.max_iters))
+        if text and self.scope.answer_checks:
+            await self.scope.check_answer(text, None, self.state.memory[-1])
         return self.scope.finish(
             "exceed_max_iters",
             text or f"Stopped after {settings.max_iters} steps without a final answer.",

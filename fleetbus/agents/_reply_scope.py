@@ -18,7 +18,8 @@ import pydantic
 
 from fleetbus.agents import events as ev
 from fleetbus.agents._reply_settings import ReplySettings
-from fleetbus.agents.middleware import Middleware, ReplyContext
+from fleetbus.agents.messages import Msg
+from fleetbus.agents.middleware import Middleware, ReplyContext, StopReply
 from fleetbus.agents.state import AgentState, ReplyEnding, ReplyState
 from fleetbus.models.model import FINISH_TOOL
 from fleetbus.protocol import (
@@ -82,13 +83,26 @@ class ReplyScope:
             input_tokens=reply.input_tokens,
             output_tokens=reply.output_tokens,
             tool_calls=reply.tool_calls,
+            sink=self,
         )
-        # Only the middleware that watches events is called for each one.
+        # Only the middleware that watches events is called for each one, and
+        # only the middleware that checks answers sees them: a reply of an
+        # agent with no such layer awaits nothing more for its answer.
         self._watchers = [
             m
             for m in settings.middlewares
             if getattr(type(m), "on_event", Middleware.on_event) is not Middleware.on_event
         ]
+        self.answer_checks: tuple[Middleware, ...] = (
+            tuple(
+                m
+                for m in settings.middlewares
+                if getattr(type(m), "on_answer", Middleware.on_answer) is not Middleware.on_answer
+            )
+            if settings.middlewares
+            else ()
+        )
+        """The layers that see the answer before it is given (``on_answer``)."""
 
     @property
     def structured(self) -> bool:
@@ -107,7 +121,7 @@ class ReplyScope:
         if self._demand is not None:
             await self._demand()
 
-    def event(self, name: str, **data: Any) -> None:
+    def event(self, name: str, /, **data: Any) -> None:
         """Emit one event of this reply, then show it to the middleware watching."""
         if self._emit is None and not self._watchers:
             return  # nobody would see it
@@ -125,6 +139,32 @@ class ReplyScope:
                     event.event,
                     extra={"session_id": self.reply.session_id, "call_id": self.reply.reply_id},
                 )
+
+    async def check_answer(
+        self, content: str, structured: dict[str, Any] | None, given_by: Msg | None
+    ) -> None:
+        """Show the answer to :attr:`answer_checks`, in order, before it is given.
+
+        Args:
+            content: the answer's text (the JSON of a structured one).
+            structured: the structured answer, if it is one.
+            given_by: the message of memory that gave it, if it is there.
+
+        Raises:
+            StopReply: a layer refused the answer; ``given_by`` and the
+                messages after it are taken out of memory first.
+        """
+        try:
+            for middleware in self.answer_checks:
+                await middleware.on_answer(self.ctx, content, structured)
+        except StopReply:
+            if given_by is not None:
+                memory = self.state.memory
+                for index in range(len(memory) - 1, -1, -1):
+                    if memory[index] is given_by:
+                        del memory[index:]
+                        break
+            raise
 
     def finish(
         self,

@@ -115,7 +115,13 @@ class ToolRunner:
         if ended is not None:
             return ended
         if structured is not None:
-            return scope.finish("completed", json.dumps(structured), structured=structured)
+            content = json.dumps(structured)
+            if scope.answer_checks:
+                given_by = next(
+                    (m for m in reversed(self.state.memory) if m.role == "assistant"), None
+                )
+                await scope.check_answer(content, structured, given_by)
+            return scope.finish("completed", content, structured=structured)
         if scope.structured and self.reply.structured_failures > self.settings.structured_retries:
             return scope.finish(
                 "error", f"The model did not call {FINISH_TOOL} with a valid structured answer."

@@ -5,9 +5,12 @@ A reply streams, in order: ``reply_start``; per reasoning step
 ``model_call_end`` (with token usage); per tool call ``tool_call``, the
 ``tool_result_delta`` chunks of a streaming tool as it yields them
 (``call_id``, ``tool_name``, ``content``), and ``tool_result``; when it
-pauses ``require_user_confirm`` or ``require_external_execution``; last ``reply_end`` with the
-``finished_reason``. Every event carries the reply's id as ``call_id`` and a
-``seq`` from 0, so they can travel on the bus and be put back in order.
+pauses ``require_user_confirm`` or ``require_external_execution``; last
+``reply_end`` with the ``finished_reason``. A layer adds events of its own
+(a guardrail's ``guardrail`` per check: ``name``, ``stage``, ``tripped``,
+``reason``, ``action``). Every event carries the reply's id as ``call_id``
+and a ``seq`` from 0, so they can travel on the bus and be put back in
+order.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from fleetbus.protocol import Event
 
 __all__ = [
     "EVENT_NAMES",
+    "GUARDRAIL",
     "MODEL_CALL_END",
     "MODEL_CALL_START",
     "REPLY_END",
@@ -43,6 +47,7 @@ TOOL_RESULT_DELTA: Final = "tool_result_delta"
 REQUIRE_USER_CONFIRM: Final = "require_user_confirm"
 REQUIRE_EXTERNAL_EXECUTION: Final = "require_external_execution"
 REPLY_END: Final = "reply_end"
+GUARDRAIL: Final = "guardrail"
 
 EVENT_NAMES: Final = (
     REPLY_START,
@@ -55,6 +60,7 @@ EVENT_NAMES: Final = (
     TOOL_RESULT,
     REQUIRE_USER_CONFIRM,
     REQUIRE_EXTERNAL_EXECUTION,
+    GUARDRAIL,
     REPLY_END,
 )
 """Every event a reply can stream."""
@@ -75,7 +81,7 @@ class EventFactory:
         self.session_id = session_id
         self._seq = 0
 
-    def __call__(self, name: str, **data: Any) -> Event:
+    def __call__(self, name: str, /, **data: Any) -> Event:
         """The next event of the reply."""
         event = Event(
             sender=self.agent_name,

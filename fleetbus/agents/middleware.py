@@ -16,7 +16,9 @@ is emitted (the ``text_delta`` pieces while the model streams, among others),
 in list order. ``tools`` names the tools a layer offers the model and
 answers itself in ``on_tool_call`` (a plan notebook's, a long-term memory's):
 they are offered with the toolkit's, and a call to one skips the toolkit and
-its permission rules.
+its permission rules. ``on_answer`` sees the reply's answer before it is
+given, in list order, and may refuse it. A layer emits events of its own
+with :meth:`ReplyContext.event`.
 
 A middleware ends a reply early by raising :class:`StopReply` — a signal,
 not an error.
@@ -28,7 +30,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fleetbus.agents.state import ReplyEnding
 from fleetbus.models.model import ModelRequest, ModelResponse
@@ -47,6 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BudgetLimit",
+    "EventSink",
     "Middleware",
     "ReplyContext",
     "StepLogger",
@@ -73,6 +76,15 @@ class StopReply(Exception):
         self.summarize = summarize
 
 
+class EventSink(Protocol):
+    """Where :meth:`ReplyContext.event` sends a layer's events: the reply's
+    own stream (the reply's scope is one)."""
+
+    def event(self, name: str, /, **data: Any) -> None:
+        """Emit the event ``name`` of the reply, with ``data``."""
+        ...
+
+
 @dataclass
 class ReplyContext:
     """What the hooks of one reply see.
@@ -87,6 +99,8 @@ class ReplyContext:
         output_tokens: tokens received so far.
         tool_calls: tool calls run so far.
         extra: free room for middleware to keep per-reply data.
+        sink: where :meth:`event` sends events (``None``: nowhere; the
+            reply sets it).
     """
 
     agent_name: str
@@ -98,6 +112,15 @@ class ReplyContext:
     output_tokens: int = 0
     tool_calls: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    sink: EventSink | None = field(default=None, repr=False, compare=False)
+
+    def event(self, name: str, /, **data: Any) -> None:
+        """Emit an event of this reply (``name``, with ``data``: JSON values):
+        it goes where the reply's events go, numbered with them, and the
+        middleware watching events sees it. Nothing happens when nobody
+        reads the reply's events."""
+        if self.sink is not None:
+            self.sink.event(name, **data)
 
     def end_after_step(
         self,
@@ -160,6 +183,21 @@ class Middleware:
     ) -> ToolResultBlock:
         """Around one tool call that the permission rules let through."""
         return await call_next(call)
+
+    async def on_answer(
+        self, ctx: ReplyContext, content: str, structured: dict[str, Any] | None
+    ) -> None:
+        """See the reply's answer before it is given: the model's last text
+        (``content``), or its structured answer (``structured``, with
+        ``content`` its JSON); an answer the model gave without tools after
+        the reply ran out of steps or was stopped too.
+
+        Raise :class:`StopReply` to refuse it: the reply ends with the stop
+        instead, and the answer is neither given nor kept in memory (the
+        model's message that gave it, and what was recorded after it in its
+        step, are taken out). Only the layers that override this hook are
+        called, in list order.
+        """
 
     def system_prompt(self, prompt: str, ctx: ReplyContext) -> str:
         """Transform the system prompt before a model call."""

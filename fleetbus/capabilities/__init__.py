@@ -20,9 +20,26 @@ and hint seams::
 - :class:`Talk`: ``send_message`` and ``publish`` to the fleet
   (:mod:`fleetbus.capabilities.talk`);
 - :class:`Handoffs`: hand the conversation to another agent of the fleet
-  (:mod:`fleetbus.capabilities.handoffs`).
+  (:mod:`fleetbus.capabilities.handoffs`);
+- :class:`Guardrails`: checks of the input, the answer and the tool calls
+  that stop a reply when they trip (:mod:`fleetbus.capabilities.guardrails`).
 """
 
+from fleetbus.capabilities.guardrails import (
+    GUARDRAIL_STAGES,
+    VERDICT_SCHEMA,
+    AgentGuardrail,
+    Checked,
+    FunctionGuardrail,
+    Guardrail,
+    GuardrailContext,
+    GuardrailFunction,
+    GuardrailResult,
+    Guardrails,
+    GuardrailStage,
+    PatternGuardrail,
+    guardrail,
+)
 from fleetbus.capabilities.handoffs import Handoffs, HandoffTo, follow_handoffs
 from fleetbus.capabilities.knowledge import (
     BusKnowledgeBase,
@@ -48,8 +65,19 @@ from fleetbus.capabilities.speech import SpeakReply, Utterance
 from fleetbus.capabilities.talk import Talk, talk_tools
 
 __all__ = [
+    "GUARDRAIL_STAGES",
+    "VERDICT_SCHEMA",
+    "AgentGuardrail",
     "BusKnowledgeBase",
     "BusMemory",
+    "Checked",
+    "FunctionGuardrail",
+    "Guardrail",
+    "GuardrailContext",
+    "GuardrailFunction",
+    "GuardrailResult",
+    "GuardrailStage",
+    "Guardrails",
     "HandoffTo",
     "Handoffs",
     "Knowledge",
@@ -64,11 +92,13 @@ __all__ = [
     "MemoryScope",
     "Offloading",
     "Passage",
+    "PatternGuardrail",
     "Planning",
     "SentenceSplitter",
     "SpeakReply",
     "Talk",
     "Utterance",
     "follow_handoffs",
+    "guardrail",
     "talk_tools",
 ]

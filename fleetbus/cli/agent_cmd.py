@@ -21,7 +21,7 @@ from fleetbus.cli._common import (
     on_stop_signals,
     run,
 )
-from fleetbus.cli.fleet_file import PopulationSpec, load_served, offload_to
+from fleetbus.cli.fleet_file import PopulationSpec, bind_guardrails, load_served, offload_to
 from fleetbus.cli.settings import cli_settings
 from fleetbus.cli.supervisor import supervise
 from fleetbus.errors import FleetbusError
@@ -110,6 +110,7 @@ async def _serve_agents(args: argparse.Namespace, served: list[Agent] | Populati
         await _prepare_models(bus, sample)
         _print_models(served, sample)
         await _add_offloader(bus, served)
+        bind_guardrails(served, bus)
         group = args.group or (None if isinstance(served, list) else served.name)
         label = group or (
             served[0].name if isinstance(served, list) and len(served) == 1 else "host"

@@ -18,9 +18,10 @@ from fleetbus.agents.agent import check_description
 from fleetbus.agents.long_term_memory import STORE_TOOLS
 from fleetbus.agents.offload import Offloader
 from fleetbus.agents.serving.host import AgentSource
+from fleetbus.agents.serving.remote import MessageBus
 from fleetbus.bus import ToolClient
 from fleetbus.bus.subjects import check_name
-from fleetbus.capabilities import Handoffs, HandoffTo, Offloading, Planning
+from fleetbus.capabilities import Guardrails, Handoffs, HandoffTo, Offloading, Planning
 from fleetbus.errors import ConfigError
 from fleetbus.models import ChatModel, ModelConfig, default_model
 from fleetbus.models.strings import (
@@ -31,7 +32,7 @@ from fleetbus.models.strings import (
 )
 from fleetbus.tools_workers import RemoteToolProxy, Toolkit, load_toolkit
 
-__all__ = ["PopulationSpec", "load_agents", "load_served", "offload_to"]
+__all__ = ["PopulationSpec", "bind_guardrails", "load_agents", "load_served", "offload_to"]
 
 
 def load_agents(
@@ -158,6 +159,8 @@ class PopulationSpec:
         self._remote_toolkit: Toolkit | None = None
         self.offloader: Offloader | None = None
         """Given to every agent built without an offloader of its own."""
+        self.bus: MessageBus | None = None
+        """What the agent guardrails without a bus of every agent built ask on."""
 
     def __contains__(self, name: object) -> bool:
         return name in self.source
@@ -171,6 +174,8 @@ class PopulationSpec:
         agent = self.source.agent(name)
         _apply_model(agent, self._model, self._cli)
         offload_to(agent, self.offloader)
+        if self.bus is not None:
+            _bind(agent, self.bus)
         if self._remote:
             if agent.toolkit is None:
                 # One toolkit of the remote tools for every agent built without
@@ -228,8 +233,9 @@ def _agents_from_toml(path: Path, model: str | None, cli: Mapping[str, Any]) -> 
     """``[agent.NAME]`` tables: system_prompt, description (one line, at most
     1,024 characters), model (a model string), model_settings (a table),
     tools (MODULE[:ATTR] specs), skills (folders, relative to the file),
-    max_iters, allow/ask/deny rule lists, handoffs (agent names, or tables
-    of agent, description, input_filter, tool_name)."""
+    max_iters, allow/ask/deny rule lists, plan, guardrails (a table, see
+    :meth:`~fleetbus.capabilities.Guardrails.from_table`), handoffs (agent
+    names, or tables of agent, description, input_filter, tool_name)."""
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
@@ -253,6 +259,11 @@ def _agents_from_toml(path: Path, model: str | None, cli: Mapping[str, Any]) -> 
         if skills:  # folders relative to the file
             toolkit.add_skills([path.parent / folder for folder in skills])
         chat_model, model_config = _toml_model(path, name, table, model, cli)
+        capabilities: list[Any] = [Planning()] if table.get("plan", False) else []
+        if "guardrails" in table:
+            where = f"{path}: agent.{name}.guardrails"
+            capabilities.append(Guardrails.from_table(table["guardrails"], where=where))
+        capabilities += _toml_handoffs(path, name, table)
         agents.append(
             Agent(
                 name,
@@ -266,10 +277,7 @@ def _agents_from_toml(path: Path, model: str | None, cli: Mapping[str, Any]) -> 
                     deny=table.get("deny", []),
                     default=table.get("default", "allow"),
                 ),
-                capabilities=[
-                    *([Planning()] if table.get("plan", False) else []),
-                    *_toml_handoffs(path, name, table),
-                ],
+                capabilities=capabilities,
                 settings=AgentSettings(
                     max_iters=int(table.get("max_iters", 10)), model_calls=model_config
                 ),
@@ -352,6 +360,22 @@ def _toml_model(
         return chat_model, model_config_from_settings(settings)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from exc
+
+
+def bind_guardrails(served: list[Agent] | PopulationSpec, bus: MessageBus) -> None:
+    """Bind the agent guardrails of the served agents that have no bus to
+    ``bus``: those of a population's agents as each is built."""
+    if isinstance(served, PopulationSpec):
+        served.bus = bus
+        return
+    for agent in served:
+        _bind(agent, bus)
+
+
+def _bind(agent: Agent, bus: MessageBus) -> None:
+    for capability in agent.capabilities:
+        if isinstance(capability, Guardrails):
+            capability.bind(bus)
 
 
 def offload_to(agent: Agent, offloader: Offloader | None) -> None:

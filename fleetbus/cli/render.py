@@ -62,6 +62,7 @@ _REASON_STYLES: Final[dict[str, tuple[str, str]]] = {
     "error": ("✗", "bold red"),
     "interrupted": ("■", "yellow"),
     "handed_off": ("↪", "bold cyan"),
+    "guardrail_tripped": ("⛔", "bold red"),
 }
 _ARGS_LIMIT: Final = 120
 _OUTPUT_LIMIT: Final = 160
@@ -164,6 +165,8 @@ def _event_summary(event: Event) -> str:
                 f"{_str(data, 'finished_reason')}{f' → {to}' if to else ''} — "
                 f"{_content_text(data.get('content'))}"
             )
+        case "guardrail":
+            return _guardrail_line(data)
         case "model_call_start":
             return f"{_str(data, 'model')} step {data.get('iteration', '?')}"
         case "model_call_end":
@@ -177,6 +180,17 @@ def _event_summary(event: Event) -> str:
             return ""
         case _:
             return _show(data)
+
+
+def _guardrail_line(data: dict[str, Any]) -> str:
+    """A ``guardrail`` event: which check, on what, and what it found."""
+    call = f" {_str(data, 'tool_name')}[{_str(data, 'call_id')}]" if "call_id" in data else ""
+    failed = " (failed)" if data.get("failed") is True else ""
+    reason = data.get("reason")
+    said = f" — {_show(reason)}" if isinstance(reason, str) and reason else ""
+    return (
+        f"{_str(data, 'name')} on {_str(data, 'stage')}{call}: {_str(data, 'action')}{failed}{said}"
+    )
 
 
 def _essentials(message: Message) -> str:
@@ -206,7 +220,12 @@ def _essentials(message: Message) -> str:
         case FinalAnswer():
             structured = f" {_json(message.structured)}" if message.structured else ""
             to = f" → {message.handoff.agent}" if message.handoff is not None else ""
-            return f"{message.finished_reason}{to} — {_content_text(message.content)}{structured}"
+            trip = message.guardrail
+            tripped = f" [guardrail {trip.name} on {trip.stage}]" if trip is not None else ""
+            return (
+                f"{message.finished_reason}{to}{tripped} — "
+                f"{_content_text(message.content)}{structured}"
+            )
         case AgentMessage():
             who = f"{message.name}: " if message.name else ""
             note = "" if message.reply else " (no reply asked)"
@@ -277,7 +296,8 @@ class ReplyPrinter:
         console: where to print.
         session_id: the session to name in resume commands when a message
             carries none.
-        verbose: also print ``reply_start`` and the model calls (dim).
+        verbose: also print ``reply_start``, the model calls and the
+            guardrail checks that passed (dim).
     """
 
     def __init__(
@@ -384,6 +404,13 @@ class ReplyPrinter:
                     event.session_id,
                     handed_to=_handed_to(data.get("handoff")),
                 )
+            case "guardrail" if data.get("tripped") is True:
+                self._line(Text(f"⛔ guardrail {_guardrail_line(data)}", style="bold red"))
+            case "guardrail" if data.get("action") in ("reject", "replace"):
+                self._line(Text(f"⚠ guardrail {_guardrail_line(data)}", style="yellow"))
+            case "guardrail":
+                if self.verbose:
+                    self._line(Text(f"· guardrail {_guardrail_line(data)}", style="dim"))
             case "reply_start":
                 self.text = self.thinking = ""
                 self.finished_reason = None

@@ -35,6 +35,7 @@ __all__ = [
     "ExternalResult",
     "FinalAnswer",
     "FinishedReason",
+    "GuardrailTrip",
     "Handoff",
     "LlmPrompt",
     "LlmResponse",
@@ -79,6 +80,7 @@ FinishedReason = Literal[
     "interrupted",
     "error",
     "handed_off",
+    "guardrail_tripped",
 ]
 FINISHED_REASONS: tuple[str, ...] = get_args(FinishedReason)
 
@@ -300,6 +302,20 @@ class ToolResult(Message, frozen=True, kw_only=True, tag="tool_result"):
         return self.status == "success"
 
 
+class GuardrailTrip(msgspec.Struct, frozen=True, kw_only=True):
+    """The guardrail that stopped a reply (``finished_reason``
+    ``guardrail_tripped``)."""
+
+    name: str
+    """The guardrail's name."""
+    stage: str
+    """What it checked: ``input`` (the request), ``output`` (the answer),
+    ``tool_input`` (a tool call before it ran) or ``tool_output`` (a tool's
+    result). Open-ended: a reader shows a stage it does not know as it is."""
+    reason: str
+    """Why it tripped, in a sentence."""
+
+
 class FinalAnswer(Message, frozen=True, kw_only=True, tag="final_answer"):
     """The end of an agent's reply."""
 
@@ -316,6 +332,9 @@ class FinalAnswer(Message, frozen=True, kw_only=True, tag="final_answer"):
     An agent's host does not send this answer to the requester: it sends
     the requester's request on, as a ``user_request`` carrying the handoff,
     to that agent, whose answer goes to the same reply subject."""
+    guardrail: GuardrailTrip | None = None
+    """With ``finished_reason`` ``guardrail_tripped``: the guardrail that
+    stopped the reply, the stage it checked, and why; ``null`` otherwise."""
 
 
 class ErrorMessage(Message, frozen=True, kw_only=True, tag="error"):

@@ -274,12 +274,17 @@ function describe(item) {
         case "reply_end":
           return (data.finished_reason || "") +
             (data.handoff && data.handoff.agent ? ` → ${data.handoff.agent}` : "");
+        case "guardrail":
+          return `${data.name || ""} on ${data.stage || ""}` +
+            (data.tool_name ? ` ${data.tool_name}` : "") +
+            `: ${data.action || ""}` + (data.reason ? ` — ${data.reason}` : "");
         default: return typeof data === "string" ? data : JSON.stringify(data);
       }
     case "final_answer":
       return `${item.finished_reason}` +
-        (item.handoff && item.handoff.agent ? ` → ${item.handoff.agent}` : "") + ": " +
-        (typeof item.content === "string"
+        (item.handoff && item.handoff.agent ? ` → ${item.handoff.agent}` : "") +
+        (item.guardrail ? ` (guardrail ${item.guardrail.name} on ${item.guardrail.stage})` : "") +
+        ": " + (typeof item.content === "string"
         ? item.content : JSON.stringify(item.content));
     default: return JSON.stringify(item);
   }
