@@ -99,7 +99,7 @@ async def converse(
         await bus.close()
     if isinstance(outcome, ErrorMessage):
         return fail(outcome.message)
-    return 1 if outcome.finished_reason == "error" else 0
+    return 1 if outcome.finished_reason in ("error", "guardrail_tripped") else 0
 
 
 def _show(message: AnyMessage, printer: ReplyPrinter, as_json: bool) -> None:
