@@ -37,7 +37,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # A reply that ends so is not something to hand on: the pipeline stops there.
-_STOPPING = frozenset({"error", "paused", "interrupted"})
+_STOPPING = frozenset({"error", "paused", "interrupted", "guardrail_tripped"})
 
 
 class Participant(Protocol):
@@ -175,9 +175,9 @@ async def sequential_pipeline(
 ) -> FinalAnswer:
     """Each participant replies to the previous one's answer.
 
-    The first replies to ``inputs``. A reply that ends ``error``, ``paused``
-    or ``interrupted`` stops the pipeline: that answer is returned (its
-    ``sender`` says whose it is).
+    The first replies to ``inputs``. A reply that ends ``error``, ``paused``,
+    ``interrupted`` or ``guardrail_tripped`` stops the pipeline: that answer
+    is returned (its ``sender`` says whose it is).
 
     Returns:
         The last answer.

@@ -549,3 +549,48 @@ async def test_an_agent_without_guardrails_has_no_guardrail_events() -> None:
 
     assert final.finished_reason == "completed"
     assert checks(events) == []
+
+
+async def test_a_sequential_pipeline_stops_where_a_guardrail_trips() -> None:
+    from fleetbus.agents.hub import sequential_pipeline
+
+    secrets = PatternGuardrail(["hunter2"], name="no-secrets")
+    first = Agent(
+        "first",
+        "",
+        ScriptedModel(["The password is hunter2."]),
+        capabilities=[Guardrails(output=[secrets])],
+    )
+    second_model = ScriptedModel(["never"])
+    second = Agent("second", "", second_model)
+    answer = await asyncio.wait_for(sequential_pipeline([first, second], "go"), BOUND)
+
+    assert (answer.sender, answer.finished_reason) == ("first", "guardrail_tripped")
+    assert second_model.requests == []
+
+
+async def test_an_interrupt_while_input_guardrails_run_ends_the_reply() -> None:
+    checking = asyncio.Event()
+
+    @guardrail(name="slow")
+    async def slow(checked: Checked, ctx: GuardrailContext) -> GuardrailResult:
+        checking.set()
+        await asyncio.Event().wait()
+        return GuardrailResult.passed()
+
+    class Endless:
+        name = "endless"
+
+        async def stream(self, request: ModelRequest) -> AsyncIterator[ModelStreamItem]:
+            await asyncio.Event().wait()
+            yield ScriptedModel.text("never")
+
+    agent = Agent("helper", "", Endless(), capabilities=[Guardrails(input=[slow])])
+    reply = asyncio.create_task(agent.reply("Hello"))
+    await asyncio.wait_for(checking.wait(), BOUND)
+    agent.interrupt()
+    final = await asyncio.wait_for(reply, BOUND)
+
+    assert final.finished_reason == "interrupted"
+    assert final.guardrail is None
+    assert [m.role for m in agent.memory] == ["user"]
