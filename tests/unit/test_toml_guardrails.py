@@ -161,3 +161,29 @@ def test_a_bad_guardrail_entry_names_the_file_and_the_agent(
     with pytest.raises(ConfigError, match=message) as caught:
         load_agents(str(spec))
     assert str(caught.value).startswith(f"{spec}: agent.a.guardrails")
+
+
+def test_a_population_binds_the_guardrails_of_each_agent_it_builds() -> None:
+    from fleetbus.agents import Agent
+    from fleetbus.cli.fleet_file import PopulationSpec
+
+    built: list[AgentGuardrail] = []
+
+    class Moderated:
+        """A population whose every agent asks a moderator (given no bus)."""
+
+        def __contains__(self, name: object) -> bool:
+            return True
+
+        def agent(self, name: str) -> Agent:
+            rail = AgentGuardrail("moderator")
+            built.append(rail)
+            return Agent(name, "", ScriptedModel(), capabilities=[Guardrails(input=[rail])])
+
+    population = PopulationSpec(Moderated(), "moderated", None, {})
+    bus = object()
+    bind_guardrails(population, bus)  # type: ignore[arg-type]
+    population.agent("a-1")
+    population.agent("a-2")
+
+    assert [rail.bound for rail in built] == [True, True]
