@@ -72,6 +72,7 @@ COMPLETED: Final = TaskState.TASK_STATE_COMPLETED
 FAILED: Final = TaskState.TASK_STATE_FAILED
 CANCELED: Final = TaskState.TASK_STATE_CANCELED
 INPUT_REQUIRED: Final = TaskState.TASK_STATE_INPUT_REQUIRED
+REJECTED: Final = TaskState.TASK_STATE_REJECTED
 _ENDS: Final[dict[str, TaskState]] = {
     "completed": COMPLETED,
     "exceed_max_iters": COMPLETED,
@@ -79,8 +80,10 @@ _ENDS: Final[dict[str, TaskState]] = {
     "paused": INPUT_REQUIRED,
     "interrupted": CANCELED,
     "error": FAILED,
+    "guardrail_tripped": REJECTED,
 }
-"""The task state of each ``finished_reason``."""
+"""The task state of each ``finished_reason`` (a guardrail's trip: the agent
+would not do the task)."""
 
 _TOKEN: Final = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -261,7 +264,9 @@ def outcome(
     if state == INPUT_REQUIRED:
         note = agent_says(ref, context_id, _waiting(pending))
         return make_task(ref, context_id, state, history, note=note)
-    told = text or ("the reply was interrupted" if state == CANCELED else "the reply failed")
+    told = text or {CANCELED: "the reply was interrupted", REJECTED: "the reply was refused"}.get(
+        state, "the reply failed"
+    )
     return make_task(
         ref, context_id, state, history, note=agent_says(ref, context_id, [new_text_part(told)])
     )

@@ -266,7 +266,7 @@ def _fleetbus(agent: str, session: str, final: FinalAnswer) -> dict[str, Any]:
 
 # -- chat completions ----------------------------------------------------------------------
 
-_FINISH = {"exceed_max_iters": "length"}
+_FINISH = {"exceed_max_iters": "length", "guardrail_tripped": "content_filter"}
 
 
 @router.post(

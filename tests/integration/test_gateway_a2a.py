@@ -40,6 +40,7 @@ from a2a.utils.proto_utils import warn_on_missing_required_fields
 
 from fleetbus.agents import Agent, Permissions
 from fleetbus.bus import EmbeddedServer
+from fleetbus.capabilities import Guardrails, PatternGuardrail
 from fleetbus.models import FINISH_TOOL
 from fleetbus.protocol import new_id
 from fleetbus.testing import ScriptedModel
@@ -383,6 +384,25 @@ async def test_a_structured_answer_is_data(nats_server: EmbeddedServer, prefix: 
         task = await send(client, request)
     (artifact,) = task.artifacts
     assert get_data_parts(artifact.parts) == [{"city": "Oslo", "celsius": 4.0}]
+
+
+async def test_a_guardrail_trip_is_a_rejected_task(
+    nats_server: EmbeddedServer, prefix: str
+) -> None:
+    guarded = Agent(
+        "guarded",
+        "",
+        ScriptedModel([ScriptedModel.text("never seen")], repeat_last=True),
+        capabilities=[Guardrails(input=[PatternGuardrail([r"(?i)password"], name="secrets")])],
+    )
+    async with (
+        serving(nats_server.url, prefix, guarded),
+        gateway(nats_server.url, prefix, a2a=True) as gw,
+        a2a(f"{gw.url}/a2a/guarded") as client,
+    ):
+        task = await send(client, ask("my password is x"))
+    assert task.status.state == TaskState.TASK_STATE_REJECTED
+    assert "secrets" in task.status.message.parts[0].text
 
 
 async def test_a2a_0_3_method_names_answer(fleet: Fleet) -> None:

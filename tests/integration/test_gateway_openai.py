@@ -16,6 +16,7 @@ from openai.types.responses import ResponseCompletedEvent
 
 from fleetbus.agents import Agent, Permissions
 from fleetbus.bus import EmbeddedServer
+from fleetbus.capabilities import Guardrails, Handoffs, PatternGuardrail
 from fleetbus.models import FINISH_TOOL
 from fleetbus.models.model import ModelError
 from fleetbus.testing import ScriptedModel
@@ -302,3 +303,35 @@ async def test_a_reply_that_ends_in_error_is_a_failed_response(
             model="broken", messages=[{"role": "user", "content": "hi"}]
         )
         assert "the model is down" in (chat.choices[0].message.content or "")
+
+
+async def test_a_guardrail_trip_finishes_content_filter_and_a_handoff_answers_from_the_other_agent(
+    nats_server: EmbeddedServer, prefix: str
+) -> None:
+    guarded = Agent(
+        "guarded",
+        "",
+        ScriptedModel([ScriptedModel.text("never seen")], repeat_last=True),
+        capabilities=[Guardrails(input=[PatternGuardrail([r"(?i)password"], name="secrets")])],
+    )
+    triage = Agent(
+        "triage",
+        "",
+        ScriptedModel([ScriptedModel.call("transfer_to_billing", {})], repeat_last=True),
+        capabilities=[Handoffs(["billing"])],
+    )
+    billing = Agent("billing", "", ScriptedModel([ScriptedModel.text("Refunded.")]))
+    async with (
+        serving(nats_server.url, prefix, guarded),
+        serving(nats_server.url, prefix, triage),
+        serving(nats_server.url, prefix, billing),
+        gateway(nats_server.url, prefix) as gw,
+    ):
+        chat = client(gw).chat.completions
+        tripped = await chat.create(
+            model="guarded", messages=[{"role": "user", "content": "my password is x"}]
+        )
+        assert tripped.choices[0].finish_reason == "content_filter"
+        handed = await chat.create(model="triage", messages=[{"role": "user", "content": "hi"}])
+        assert handed.choices[0].message.content == "Refunded."
+        assert handed.choices[0].finish_reason == "stop"
