@@ -191,3 +191,18 @@ def test_an_example_uses_the_model_fleetbus_model_names(example: list[str], said
     assert {body["model"] for body in bodies} == {"local-model"}
     if example[0].endswith("knowledge_base.py"):  # the passages went to the model
         assert "shipping.md" in json.dumps(bodies[0]["messages"])
+
+
+def test_the_triage_desk_hands_over_and_its_guardrail_trips() -> None:
+    out = run_example("examples/triage.py")
+    assert "serving triage, billing, refunds from triage.toml" in out
+    assert out.count("↪ handed over to billing") == 1
+    assert "calculator: 19.99 * 2 = 39.98" in out
+    assert "↪ handed over to refunds" in out
+    assert "⛔ guardrail no-card-numbers on input: trip" in out
+    assert re.findall(r"answered by (\w+): (\w+)", out) == [
+        ("billing", "completed"),
+        ("refunds", "completed"),
+        ("triage", "guardrail_tripped"),
+    ]
+    assert not is_running(server_pid(out))
