@@ -51,6 +51,7 @@ from fleetbus.errors import (
     ConfigError,
     ConnectError,
     ConnectionClosedError,
+    FleetbusError,
     NoRespondersError,
     PayloadTooLargeError,
     ProtocolError,
@@ -572,27 +573,40 @@ class Bus:
                 # (bench/tool_calls.py): only a call unanswered pays for it.
                 retry = Retry(on=_UNANSWERED, attempts=attempts, backoff=max(0.0, retry_backoff))
                 reply = await retry.call(send)
-        except nats.errors.NoRespondersError as exc:
-            raise NoRespondersError(
-                f"{self.subjects.nobody_serves(subject)}; no responders on {subject} "
-                f"after {sent} attempt(s)",
+        except nats.errors.Error as exc:
+            raise self._failed(exc, subject, message, timeout, sent, len(payload)) from exc
+        return decode(reply.data)
+
+    def _failed(
+        self,
+        exc: nats.errors.Error,
+        subject: str,
+        message: Message,
+        timeout: float,
+        sent: int,
+        size: int,
+        waited: str = "reply",
+    ) -> FleetbusError:
+        """What a request to ``subject`` that failed with ``exc`` raises."""
+        after = f" after {sent} attempt(s)"
+        if isinstance(exc, nats.errors.NoRespondersError):
+            return NoRespondersError(
+                f"{self.subjects.nobody_serves(subject)}; no responders on {subject}{after}",
                 subject=subject,
                 call_id=message.call_id,
-            ) from exc
-        except nats.errors.TimeoutError as exc:
-            raise CallTimeoutError(
-                f"no reply on {subject} within {timeout:g}s after {sent} attempt(s)",
+            )
+        if isinstance(exc, nats.errors.TimeoutError):
+            return CallTimeoutError(
+                f"no {waited} on {subject} within {timeout:g}s{after}",
                 subject=subject,
                 call_id=message.call_id,
                 attempts=sent,
-            ) from exc
-        except nats.errors.ConnectionClosedError as exc:
-            raise ConnectionClosedError("the bus connection is closed") from exc
-        except nats.errors.MaxPayloadError as exc:
-            raise PayloadTooLargeError(str(exc), size=len(payload), limit=self.max_payload) from exc
-        except nats.errors.Error as exc:
-            raise BusError(f"request to {subject} failed: {exc}") from exc
-        return decode(reply.data)
+            )
+        if isinstance(exc, nats.errors.ConnectionClosedError):
+            return ConnectionClosedError("the bus connection is closed")
+        if isinstance(exc, nats.errors.MaxPayloadError):
+            return PayloadTooLargeError(str(exc), size=size, limit=self.max_payload)
+        return BusError(f"request to {subject} failed: {exc}")
 
     async def deliver(
         self, subject: str, message: Asking, *, timeout: float, resend: float = RESEND_AFTER
@@ -625,23 +639,8 @@ class Bus:
                 resend=resend,
                 until_receipt=True,
             )
-        except nats.errors.NoRespondersError as exc:
-            raise NoRespondersError(
-                f"{self.subjects.nobody_serves(subject)}; no responders on {subject}",
-                subject=subject,
-                call_id=message.call_id,
-            ) from exc
-        except nats.errors.TimeoutError as exc:
-            raise CallTimeoutError(
-                f"no receipt on {subject} within {timeout:g}s",
-                subject=subject,
-                call_id=message.call_id,
-                attempts=1,
-            ) from exc
-        except nats.errors.ConnectionClosedError as exc:
-            raise ConnectionClosedError("the bus connection is closed") from exc
         except nats.errors.Error as exc:
-            raise BusError(f"request to {subject} failed: {exc}") from exc
+            raise self._failed(exc, subject, message, timeout, 1, len(payload), "receipt") from exc
 
     async def observe(
         self, subject: str, *, queue: str | None = None, timeout: float = 5.0
