@@ -16,7 +16,14 @@ from fleetbus.agents.compression import (
 )
 from fleetbus.agents.hub import MsgHub, Participant, fanout_pipeline, sequential_pipeline
 from fleetbus.agents.messages import Msg
-from fleetbus.agents.middleware import BudgetLimit, Middleware, ReplyContext, StepLogger, StopReply
+from fleetbus.agents.middleware import (
+    BudgetLimit,
+    Middleware,
+    ReplyContext,
+    StepLogger,
+    StopReply,
+    ToolLayer,
+)
 from fleetbus.agents.offload import DirectoryOffloader, ObjectStoreOffloader, Offloader
 from fleetbus.agents.permissions import Decision, PermissionRule, Permissions
 from fleetbus.agents.plan import Plan, PlanNotebook, SubTask
@@ -69,6 +76,7 @@ __all__ = [
     "SubTask",
     "Summary",
     "TokenCounter",
+    "ToolLayer",
     "ToolSource",
     "fanout_pipeline",
     "sequential_pipeline",

@@ -54,6 +54,7 @@ __all__ = [
     "ReplyContext",
     "StepLogger",
     "StopReply",
+    "ToolLayer",
 ]
 
 
@@ -219,6 +220,32 @@ class Middleware:
         ``on_reply``). An exception raised here is logged and does not reach
         the reply.
         """
+
+
+class ToolLayer(Middleware):
+    """A layer that offers tools of its own (``specs``) and answers a call
+    of one with :meth:`answer`; every other call goes on down the onion."""
+
+    def __init__(self, specs: Sequence[ToolSpec]) -> None:
+        self.specs = tuple(specs)
+        self._names = frozenset(spec.name for spec in self.specs)
+
+    def tools(self, ctx: ReplyContext) -> Sequence[ToolSpec]:
+        return self.specs
+
+    async def on_tool_call(
+        self,
+        ctx: ReplyContext,
+        call: ToolUseBlock,
+        call_next: Callable[[ToolUseBlock], Awaitable[ToolResultBlock]],
+    ) -> ToolResultBlock:
+        if call.name not in self._names:
+            return await call_next(call)
+        return await self.answer(ctx, call)
+
+    async def answer(self, ctx: ReplyContext, call: ToolUseBlock) -> ToolResultBlock:
+        """The result of a call of one of this layer's tools."""
+        raise NotImplementedError
 
 
 class BudgetLimit(Middleware):

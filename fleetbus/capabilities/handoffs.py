@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from fleetbus.agents.middleware import Middleware, ReplyContext
+from fleetbus.agents.middleware import Middleware, ReplyContext, ToolLayer
 from fleetbus.errors import ConfigError
 from fleetbus.protocol import (
     ChatMessage,
@@ -200,24 +200,14 @@ class Handoffs:
         """Nothing: handoffs keep no state of their own."""
 
 
-class _HandoffLayer(Middleware):
+class _HandoffLayer(ToolLayer):
     def __init__(self, targets: tuple[HandoffTo, ...]) -> None:
+        super().__init__([t.spec() for t in targets])
         self._by_tool = {t.tool: t for t in targets}
         self._by_agent = {t.agent: t for t in targets}
-        self._specs = tuple(t.spec() for t in targets)
 
-    def tools(self, ctx: ReplyContext) -> Sequence[ToolSpec]:
-        return self._specs
-
-    async def on_tool_call(
-        self,
-        ctx: ReplyContext,
-        call: ToolUseBlock,
-        call_next: Callable[[ToolUseBlock], Awaitable[ToolResultBlock]],
-    ) -> ToolResultBlock:
-        target = self._by_tool.get(call.name)
-        if target is None:
-            return await call_next(call)
+    async def answer(self, ctx: ReplyContext, call: ToolUseBlock) -> ToolResultBlock:
+        target = self._by_tool[call.name]
         reason = call.input.get("reason") if isinstance(call.input, dict) else None
         reason = reason.strip() if isinstance(reason, str) else ""
         said = f"Handed over to {target.agent}" + (f": {reason}" if reason else ".")

@@ -50,7 +50,7 @@ import pydantic
 
 from fleetbus.agents.long_term_memory import STORE_RECORD_TOOL, STORE_RETRIEVE_TOOL
 from fleetbus.agents.messages import Msg
-from fleetbus.agents.middleware import Middleware, ReplyContext
+from fleetbus.agents.middleware import Middleware, ReplyContext, ToolLayer
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.capabilities._hints import with_hint
 from fleetbus.capabilities._worker_tools import WorkerTools
@@ -488,24 +488,14 @@ class _StaticMemory(Middleware):
         return await call_next(request)
 
 
-class _MemoryTools(Middleware):
+class _MemoryTools(ToolLayer):
     """The agent mode: ``record_to_memory`` and ``retrieve_from_memory``."""
 
     def __init__(self, use: MemoryUse) -> None:
+        super().__init__(use.tool_specs())
         self.use = use
-        self.specs = tuple(use.tool_specs())
 
-    def tools(self, ctx: ReplyContext) -> Sequence[ToolSpec]:
-        return self.specs
-
-    async def on_tool_call(
-        self,
-        ctx: ReplyContext,
-        call: ToolUseBlock,
-        call_next: Callable[[ToolUseBlock], Awaitable[ToolResultBlock]],
-    ) -> ToolResultBlock:
-        if not self.use.handles(call.name):
-            return await call_next(call)
+    async def answer(self, ctx: ReplyContext, call: ToolUseBlock) -> ToolResultBlock:
         # The call's id as the loop sends it to a worker: a retry records once.
         state, text = await self.use.run_tool(
             ctx, call.name, call.input, record_id=f"{ctx.reply_id}.{call.id}"

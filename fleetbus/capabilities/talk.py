@@ -22,10 +22,10 @@ sees.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
 
-from fleetbus.agents.middleware import Middleware, ReplyContext
+from fleetbus.agents.middleware import Middleware, ReplyContext, ToolLayer
 from fleetbus.agents.talk import Speaker, speaker
 from fleetbus.bus import RESEND_AFTER
 from fleetbus.bus.subjects import check_name
@@ -37,7 +37,6 @@ from fleetbus.protocol import (
     FinalAnswer,
     TextBlock,
     ToolResultBlock,
-    ToolSpec,
     ToolUseBlock,
     new_id,
 )
@@ -170,24 +169,13 @@ class Talk:
         """Nothing: talking keeps no state."""
 
 
-class _TalkLayer(Middleware):
+class _TalkLayer(ToolLayer):
     def __init__(self, tools: list[Tool]) -> None:
+        super().__init__([t.spec() for t in tools])
         self.by_name = {t.name: t for t in tools}
-        self.specs = tuple(t.spec() for t in tools)
 
-    def tools(self, ctx: ReplyContext) -> Sequence[ToolSpec]:
-        return self.specs
-
-    async def on_tool_call(
-        self,
-        ctx: ReplyContext,
-        call: ToolUseBlock,
-        call_next: Callable[[ToolUseBlock], Awaitable[ToolResultBlock]],
-    ) -> ToolResultBlock:
-        found = self.by_name.get(call.name)
-        if found is None:
-            return await call_next(call)
-        ran = await found.run(call.input, session_id=ctx.session_id)
+    async def answer(self, ctx: ReplyContext, call: ToolUseBlock) -> ToolResultBlock:
+        ran = await self.by_name[call.name].run(call.input, session_id=ctx.session_id)
         if ran.status == "success":
             return ToolResultBlock(id=call.id, name=call.name, output=ran.content, state="success")
         detail = ran.error_detail
