@@ -1,6 +1,6 @@
 """The argument parsers of the commands whose code is heavy to import (the
-fleet commands, ``sim`` and ``model-worker``: agents, simulations, model
-adapters), apart from that code: ``fleetbus`` builds its whole parser at
+fleet commands, ``sim``, ``eval`` and ``model-worker``: agents, simulations,
+evaluations, model adapters), apart from that code: ``fleetbus`` builds its whole parser at
 every start, and imports a command's code only when it runs that command.
 A ``fleetbus worker`` (or ``call``, ``tools``, ``server``) process so starts
 without importing the agent, the simulation toolkit or the OpenAI SDK.
@@ -23,9 +23,28 @@ from fleetbus.cli._common import (
     seconds,
 )
 
+
+def share(what: str) -> Callable[[str], float]:
+    """An argparse ``type``: a number from 0 to 1; anything else is refused
+    as ``"{what}, not '{text}'"``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not 0.0 <= value <= 1.0:
+            raise argparse.ArgumentTypeError(f"{what}, not {text!r}")
+        return value
+
+    return parse
+
+
 __all__ = [
+    "EVAL_REPORT",
     "FLEET_COMMANDS",
     "SESSION_SUBCOMMANDS",
+    "add_eval_parser",
     "add_fleet_commands",
     "add_model_worker_parser",
     "add_sim_parser",
@@ -37,6 +56,9 @@ FLEET_COMMANDS = ("agent", "ask", "sessions", "confirm", "resume", "cancel", "wa
 
 SESSION_SUBCOMMANDS = ("history", "fork", "migrate")
 """The first words of ``fleetbus sessions`` that are not an agent's name."""
+
+EVAL_REPORT = "report"
+"""The first word of ``fleetbus eval report …`` (any other is a dataset)."""
 
 
 def fleet_command(name: str) -> Callable[[argparse.Namespace], int]:
@@ -337,6 +359,61 @@ def add_sim_parser(
     q = sim.add_parser("server", help="the embedded nats-server of a run (sim run starts it)")
     q.add_argument("--state-dir", type=Path, required=True, help="JetStream storage")
     q.add_argument("--parent-pipe", action="store_true", help=argparse.SUPPRESS)
+
+
+def add_eval_parser(
+    sub: Subcommands, bus_options: Callable[[argparse.ArgumentParser], None]
+) -> None:
+    """Add ``fleetbus eval …`` to the ``fleetbus`` parser."""
+    p = sub.add_parser(
+        "eval",
+        help="evaluate an agent on a dataset of cases; or write the page of runs, compared",
+        description="Send each case of DATASET.jsonl to the agent --agent, grade its answers, "
+        "and write the run (results.jsonl, summary.json, report.html) to --out. "
+        "`fleetbus eval report RUN_DIR [NEW_RUN_DIR]` writes the page of a run, or of two "
+        "runs side by side (the first the baseline).",
+    )
+    p.add_argument(
+        "words",
+        nargs="+",
+        metavar="DATASET.jsonl | report RUN_DIR [NEW_RUN_DIR]",
+        help="the dataset to run; or `report` and one or two run directories",
+    )
+    p.add_argument("--agent", metavar="NAME", help="the agent to evaluate (required to run)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        metavar="PATH",
+        help="running: the run's directory (default: eval-<dataset>-<agent>-<time>); "
+        "report: the page's file (default: RUN_DIR/report.html, NEW_RUN_DIR/compare.html)",
+    )
+    p.add_argument(
+        "--concurrency", type=POSITIVE, metavar="N", help="cases run at once (default 4)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=seconds("a positive number of seconds", gt=0),
+        metavar="SECONDS",
+        help="seconds a case's reply (and a judge's) may take, unless the case says (default 120)",
+    )
+    p.add_argument(
+        "--judge", metavar="AGENT", help="the judge agent of the judge graders that name none"
+    )
+    p.add_argument("--label", help="a name for the run on its page (default: its directory's)")
+    p.add_argument(
+        "--compare",
+        type=Path,
+        metavar="RUN_DIR",
+        help="an earlier run of the dataset: the run's page shows both side by side",
+    )
+    p.add_argument(
+        "--min-pass-rate",
+        type=share("a share from 0 to 1"),
+        metavar="RATE",
+        help="exit 0 when at least this share of the cases passes (default 1: all of them)",
+    )
+    bus_options(p)
+    p.set_defaults(eval_usage=p.format_usage())
 
 
 def add_model_worker_parser(

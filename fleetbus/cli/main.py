@@ -36,6 +36,7 @@ from fleetbus.cli._common import (
 )
 from fleetbus.cli._parsers import (
     FLEET_COMMANDS,
+    add_eval_parser,
     add_fleet_commands,
     add_model_worker_parser,
     add_sim_parser,
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_fleet_commands(sub, bus_options)
     add_model_worker_parser(sub, bus_options)
     add_sim_parser(sub, bus_options)
+    add_eval_parser(sub, bus_options)
     dashboard_cmd.add_parser(sub, bus_options)
     gateway_cmd.add_parser(sub, bus_options)
     auth_cmd.add_parser(sub)
@@ -259,6 +261,10 @@ def _heavy_command(name: str) -> Callable[[argparse.Namespace], int] | None:
         from fleetbus.cli import sim_cmd
 
         return sim_cmd.cmd
+    if name == "eval":
+        from fleetbus.cli import eval_cmd
+
+        return eval_cmd.cmd
     if name == "model-worker":
         from fleetbus.cli import model_worker_cmd
 

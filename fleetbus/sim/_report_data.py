@@ -11,7 +11,6 @@ counted by kind.
 
 from __future__ import annotations
 
-import math
 import os
 from array import array
 from collections import Counter
@@ -22,6 +21,7 @@ from typing import Any
 
 import orjson
 
+from fleetbus._report_page import finite, is_number
 from fleetbus.errors import ConfigError
 from fleetbus.sim.results import RoundSummary, RunFiles, RunState
 
@@ -295,17 +295,6 @@ def _compact(data: RoundData) -> None:
             kept[OTHER] += sum(counter.values()) - sum(kept.values())
             counter.clear()
             counter.update(kept)
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def finite(value: Any) -> float | None:
-    """``value`` as a float when it is a finite number (not a bool)."""
-    if is_number(value) and math.isfinite(value):
-        return float(value)
-    return None
 
 
 def _label(value: Any) -> str:

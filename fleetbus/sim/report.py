@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetbus.errors import ConfigError
+from fleetbus._report_page import write_page
 from fleetbus.sim._report_data import (
     OTHER,
     STATUSES,
@@ -110,14 +110,7 @@ def write_report(out: str | os.PathLike[str], path: str | os.PathLike[str] | Non
         ConfigError: ``out`` holds no run, or the page cannot be written.
     """
     page = render_report(out)
-    target = Path(path) if path is not None else Path(out) / REPORT_NAME
-    tmp = target.with_name(f".{target.name}.tmp")
-    try:
-        tmp.write_text(page, encoding="utf-8")
-        os.replace(tmp, target)
-    except OSError as exc:
-        raise ConfigError(f"cannot write {target}: {exc.strerror or exc}") from exc
-    return target
+    return write_page(page, Path(path) if path is not None else Path(out) / REPORT_NAME)
 
 
 def render_report(out: str | os.PathLike[str]) -> str:

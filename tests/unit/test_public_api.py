@@ -27,6 +27,7 @@ def _isort_key(name: str) -> tuple[int, str]:
         "fleetbus.capabilities",
         "fleetbus.errors",
         "fleetbus.sim",
+        "fleetbus.evals",
     ],
 )
 def test_all_is_sorted_and_every_name_exists(module: str) -> None:
@@ -56,6 +57,7 @@ def test_top_level_exports_the_names_users_type() -> None:
             "capabilities",
             "testing",
             "sim",
+            "evals",
             "logs",
             "tracing",
             "dashboard",
