@@ -1,7 +1,8 @@
 """The argument parsers of the commands whose code is heavy to import (the
 fleet commands, ``sim``, ``eval`` and ``model-worker``: agents, simulations,
-evaluations, model adapters), apart from that code: ``fleetbus`` builds its whole parser at
-every start, and imports a command's code only when it runs that command.
+evaluations, model adapters), apart from that code: ``fleetbus`` builds its
+whole parser at every start, and imports a command's code only when it runs
+that command.
 A ``fleetbus worker`` (or ``call``, ``tools``, ``server``) process so starts
 without importing the agent, the simulation toolkit or the OpenAI SDK.
 """
@@ -22,23 +23,6 @@ from fleetbus.cli._common import (
     add_model_options,
     seconds,
 )
-
-
-def share(what: str) -> Callable[[str], float]:
-    """An argparse ``type``: a number from 0 to 1; anything else is refused
-    as ``"{what}, not '{text}'"``."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = -1.0
-        if not 0.0 <= value <= 1.0:
-            raise argparse.ArgumentTypeError(f"{what}, not {text!r}")
-        return value
-
-    return parse
-
 
 __all__ = [
     "EVAL_REPORT",
@@ -408,12 +392,28 @@ def add_eval_parser(
     )
     p.add_argument(
         "--min-pass-rate",
-        type=share("a share from 0 to 1"),
+        type=_share("a share from 0 to 1"),
         metavar="RATE",
         help="exit 0 when at least this share of the cases passes (default 1: all of them)",
     )
     bus_options(p)
     p.set_defaults(eval_usage=p.format_usage())
+
+
+def _share(what: str) -> Callable[[str], float]:
+    """An argparse ``type``: a number from 0 to 1; anything else is refused
+    as ``"{what}, not '{text}'"``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not 0.0 <= value <= 1.0:
+            raise argparse.ArgumentTypeError(f"{what}, not {text!r}")
+        return value
+
+    return parse
 
 
 def add_model_worker_parser(

@@ -148,13 +148,20 @@ class _Progress(EvalListener):
             TextColumn("[dim]{task.fields[errors]} errors"),
             console=console,
         )
-        self._counts = {"passed": 0, "failed": 0, "errors": 0}
-        self._task = self.progress.add_task("cases", total=total, **self._counts)
+        self._passed = self._failed = self._errors = 0
+        self._task = self.progress.add_task("cases", total=total, passed=0, failed=0, errors=0)
 
     def case_finished(self, result: CaseResult) -> None:
-        self._counts["passed" if result.passed else "failed"] += 1
-        self._counts["errors"] += result.error is not None
-        self.progress.update(self._task, advance=1, **self._counts)
+        self._passed += result.passed
+        self._failed += not result.passed
+        self._errors += result.error is not None
+        self.progress.update(
+            self._task,
+            advance=1,
+            passed=self._passed,
+            failed=self._failed,
+            errors=self._errors,
+        )
 
 
 def _print_cases(result: EvalRun) -> None:

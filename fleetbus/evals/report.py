@@ -71,7 +71,7 @@ _EXTRA_CSS = """
 .change-fixed { color: #2f9e44; } .change-regressed { color: #e03131; font-weight: 600; }
 .cases td { vertical-align: top; } .cases td.text { text-align: left; white-space: normal;
   max-width: 360px; overflow-wrap: anywhere; }
-.cases th { text-align: left; }
+.cases th { text-align: left; } .cases td.id { text-align: left; }
 .grades { list-style: none; margin: 0; padding: 0; }
 .grades li { white-space: normal; }
 .mono { font-family: ui-monospace, monospace; font-size: 11px; }
@@ -454,7 +454,7 @@ class _Page:
             row = self.rows[i]
             cells = [
                 f"<td>{i + 1}</td>",
-                f'<td class="text mono">{esc(row.case_id)}</td>',
+                f'<td class="id mono">{esc(row.case_id)}</td>',
                 f'<td class="text">{_long(row.input)}</td>',
             ]
             results = row.results

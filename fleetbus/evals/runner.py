@@ -35,7 +35,7 @@ from fleetbus.agents import RemoteAgent
 from fleetbus.agents.events import MODEL_CALL_END, TOOL_CALL, TOOL_RESULT
 from fleetbus.bus import Bus
 from fleetbus.errors import ConfigError, FleetbusError
-from fleetbus.evals.dataset import Case, Dataset, JudgeGrader
+from fleetbus.evals.dataset import Case, Dataset, Grader, JudgeGrader
 from fleetbus.evals.graders import (
     VERDICT_SCHEMA,
     Grade,
@@ -217,7 +217,7 @@ class Evaluation:
             )
         return result
 
-    async def _grade(self, case: Case, grader: Any, reply: Reply) -> Grade:
+    async def _grade(self, case: Case, grader: Grader, reply: Reply) -> Grade:
         if not isinstance(grader, JudgeGrader):
             return grade(grader, reply)
         name = grader.agent or self.judge
