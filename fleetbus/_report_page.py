@@ -105,8 +105,10 @@ def show(value: Any) -> str:
 
 
 def seconds(value: float) -> str:
-    """A duration, in milliseconds under a second."""
-    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.3g} s"
+    """A duration, in milliseconds under a second (whole seconds from 1,000)."""
+    if value < 1:
+        return f"{value * 1000:.0f} ms"
+    return f"{value:.3g} s" if value < 1000 else f"{value:,.0f} s"
 
 
 def when(stamp: Any) -> str:

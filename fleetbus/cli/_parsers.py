@@ -352,6 +352,8 @@ def add_eval_parser(
     p = sub.add_parser(
         "eval",
         help="evaluate an agent on a dataset of cases; or write the page of runs, compared",
+        usage="fleetbus eval DATASET.jsonl --agent NAME [options]\n"
+        "       fleetbus eval report RUN_DIR [NEW_RUN_DIR] [--out FILE]",
         description="Send each case of DATASET.jsonl to the agent --agent, grade its answers, "
         "and write the run (results.jsonl, summary.json, report.html) to --out. "
         "`fleetbus eval report RUN_DIR [NEW_RUN_DIR]` writes the page of a run, or of two "

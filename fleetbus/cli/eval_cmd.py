@@ -24,6 +24,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
+from fleetbus._report_page import seconds as duration
 from fleetbus.cli._common import connect, console, run
 from fleetbus.cli._parsers import EVAL_REPORT
 from fleetbus.cli._parsers import add_eval_parser as add_parser
@@ -114,7 +115,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     facts = result.facts
     console.print(
         f"{facts.passed} of {facts.done} cases passed ({facts.pass_rate:.1%}); latency p50 "
-        f"{facts.latency_p50:.2f} s, p90 {facts.latency_p90:.2f} s; "
+        f"{duration(facts.latency_p50)}, p90 {duration(facts.latency_p90)}; "
         f"{facts.input_tokens + facts.output_tokens:,} tokens; {facts.tool_calls} tool calls",
         highlight=False,
     )

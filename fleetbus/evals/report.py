@@ -344,7 +344,7 @@ class _Page:
             axis_number,
             lambda r: (
                 f"{r.tokens:,} tokens ({r.input_tokens:,} in, {r.output_tokens:,} out, "
-                f"{r.model_calls} model calls)"
+                f"{r.model_calls} model calls, {r.format_errors} format errors)"
             ),
         )
 

@@ -47,6 +47,8 @@ class CaseResult:
         input_tokens: tokens the model calls of the reply read.
         output_tokens: tokens they wrote.
         model_calls: the model calls of the reply.
+        format_errors: the steps the model wrote that could be used neither as
+            a tool call nor as an answer (the agent told the model so).
         models: the models that answered them.
         tool_calls: the tool calls it made, in order.
         finished_reason: how the reply ended ('' when it did not).
@@ -66,6 +68,7 @@ class CaseResult:
     input_tokens: int = 0
     output_tokens: int = 0
     model_calls: int = 0
+    format_errors: int = 0
     models: list[str] = field(default_factory=list)
     tool_calls: list[ToolCallMade] = field(default_factory=list)
     finished_reason: str = ""
@@ -113,6 +116,7 @@ class CaseResult:
             input_tokens=int(data.get("input_tokens", 0)),
             output_tokens=int(data.get("output_tokens", 0)),
             model_calls=int(data.get("model_calls", 0)),
+            format_errors=int(data.get("format_errors", 0)),
             models=[str(m) for m in data.get("models", [])],
             tool_calls=calls,
             finished_reason=str(data.get("finished_reason", "")),

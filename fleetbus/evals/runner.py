@@ -4,7 +4,9 @@
 ``user_request`` in a new session, with the case's ``output_schema`` when it
 has one), ``concurrency`` cases at a time, streaming the reply's events:
 the ``tool_call`` events give the tool calls made (names and arguments; the
-``tool_result`` events their status), the ``model_call_end`` events the
+``tool_result`` events their status; neither the finish tool of a structured
+answer nor a step the model wrote unusably, ``format_error``, is a call: the
+latter are counted apart), the ``model_call_end`` events the
 tokens and the models (events are best effort: one lost on the way is not
 counted). The answer is then graded by every grader of the case; a judge
 grader asks the judge agent (the grader's ``agent``, else the run's
@@ -47,6 +49,7 @@ from fleetbus.evals.graders import (
 )
 from fleetbus.evals.results import CaseResult, EvalFiles, EvalRun, RunFacts, read_run, summarize
 from fleetbus.models import FINISH_TOOL
+from fleetbus.models.model import FORMAT_ERROR_TOOL
 from fleetbus.protocol import ContentBlock, Event, FinalAnswer, TextBlock
 
 __all__ = ["DEFAULT_CONCURRENCY", "DEFAULT_TIMEOUT", "EvalListener", "Evaluation"]
@@ -240,7 +243,7 @@ class _Seen:
     def __init__(self) -> None:
         self.events: set[tuple[str | None, int]] = set()
         self.calls: dict[str, ToolCallMade] = {}
-        self.input_tokens = self.output_tokens = self.model_calls = 0
+        self.input_tokens = self.output_tokens = self.model_calls = self.format_errors = 0
         self.models: dict[str, None] = {}
 
     def add(self, event: Event) -> None:
@@ -255,6 +258,8 @@ class _Seen:
             self.output_tokens += _count(data.get("output_tokens"))
             if isinstance(data.get("model"), str):
                 self.models[data["model"]] = None
+        elif event.event == TOOL_CALL and data.get("tool_name") == FORMAT_ERROR_TOOL:
+            self.format_errors += 1
         elif event.event == TOOL_CALL and data.get("tool_name") != FINISH_TOOL:
             call_id = str(data.get("call_id"))
             arguments = data.get("parameters")
@@ -277,6 +282,7 @@ class _Seen:
         result.input_tokens = self.input_tokens
         result.output_tokens = self.output_tokens
         result.model_calls = self.model_calls
+        result.format_errors = self.format_errors
         result.models = list(self.models)
 
 

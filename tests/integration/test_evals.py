@@ -14,6 +14,7 @@ from fleetbus.agents import Agent
 from fleetbus.bus import Bus, EmbeddedServer
 from fleetbus.evals import CaseResult, Evaluation, load_dataset, read_run, write_report
 from fleetbus.models import FINISH_TOOL, ModelError, ModelRequest, ModelResponse, OfflineModel
+from fleetbus.models.model import FORMAT_ERROR_TOOL
 from fleetbus.protocol import TextBlock, Usage
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit
@@ -217,3 +218,28 @@ async def test_two_runs_compared_side_by_side(
     assert f"0 fixed, {cases} regressed, 0 still passing, 0 still failing." in page
     assert '<td>pass rate</td><td>100.0%</td><td>0.0%</td><td class="worse">-100.0%</td>' in page
     assert "<h1>offline vs sloppy</h1>" in page
+
+
+async def test_a_step_the_model_wrote_unusably_is_counted_apart_from_the_tool_calls(
+    nats_server: EmbeddedServer, bus: Bus, tmp_path: Path
+) -> None:
+    model = ScriptedModel(
+        [
+            ScriptedModel.call(FORMAT_ERROR_TOOL, {"error": "not a call, not an answer"}),
+            ScriptedModel.call("calculator", {"expr": "1 + 1"}),
+            "It is 2.",
+        ]
+    )
+    path = tmp_path / "one.jsonl"
+    path.write_text(
+        '{"id": "add", "input": "1 + 1?", "expect": {"kind": "tool_call", "tool": "calculator",'
+        ' "arguments": {"expr": 2}, "max_calls": 1}}\n'
+    )
+    agent = Agent("clumsy", "", model, toolkit=Toolkit([calculator]))
+    async with serving(nats_server.url, bus.prefix, agent):
+        run = await Evaluation(bus, load_dataset(path), agent="clumsy").run(tmp_path / "run")
+    (result,) = run.results
+    assert result.passed, result.grades
+    assert [(c.name, c.status) for c in result.tool_calls] == [("calculator", "success")]
+    assert result.format_errors == 1
+    assert result.model_calls == 3
