@@ -32,18 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetbus._report_page import write_page
-from fleetbus.sim._report_data import (
-    OTHER,
-    STATUSES,
-    ErrorKind,
-    RoundData,
-    RunReport,
-    finite,
-    is_number,
-    read_run,
-)
-from fleetbus.sim._report_svg import (
+from fleetbus._report_page import (
     BOTTOM,
     CSS,
     LEFT,
@@ -56,7 +45,7 @@ from fleetbus.sim._report_svg import (
     Plot,
     axis_number,
     esc,
-    group_rounds,
+    group_columns,
     legend_list,
     nice,
     quantile,
@@ -65,6 +54,17 @@ from fleetbus.sim._report_svg import (
     svg,
     svg_path,
     when,
+    write_page,
+)
+from fleetbus.sim._report_data import (
+    OTHER,
+    STATUSES,
+    ErrorKind,
+    RoundData,
+    RunReport,
+    finite,
+    is_number,
+    read_run,
 )
 from fleetbus.sim.results import RunFiles
 
@@ -163,7 +163,7 @@ class _Page:
         self.report = report
         self.rounds = report.rounds
         self.numbers = [r.round for r in self.rounds]
-        self.columns = group_rounds(self.numbers)
+        self.columns = group_columns(self.numbers, "round")  # MAX_COLUMNS at most
         self.latencies = [sorted(r.latencies) for r in self.rounds]
 
     def render(self) -> str:
