@@ -358,7 +358,7 @@ class FleetView:
             if view.event_at is not None and record.updated_at < view.event_at:
                 continue  # events seen since that write say more
             view.updated_at = record.updated_at
-            view.status = record.status
+            view.status = _stored_status(record.status, record.final)
             view.step = record.step
             reply = record.state.reply
             view.pending = [_pending(p.model_dump()) for p in reply.pending] if reply else []
@@ -408,7 +408,7 @@ class FleetView:
         view = self._session(agent, session_id)
         view.heard = time.monotonic()
         if fact.status is not None:
-            view.status = fact.status
+            view.status = _stored_status(fact.status, fact.final)
         if fact.kind == "taken":
             view.pending = []
         final = fact.final
@@ -821,3 +821,11 @@ def _ended(finished_reason: object) -> str:
     if finished_reason in ("error", "handed_off"):
         return str(finished_reason)
     return "done"
+
+
+def _stored_status(status: str, final: dict[str, Any] | None) -> str:
+    """A session's status as the store has it, but ``handed_off`` for one
+    whose last reply handed the conversation over (stored ``done``)."""
+    if status == "done" and final and final.get("finished_reason") == "handed_off":
+        return "handed_off"
+    return status
