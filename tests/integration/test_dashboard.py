@@ -612,9 +612,15 @@ async def test_a_session_handed_over_shows_where_it_went(
     ):
         answer = await RemoteAgent(bus, "triage", session_id="h-over").reply("charged twice")
         assert (answer.sender, answer.content) == ("billing", "Refunded.")
+        # As the events and journal facts say, and as the store's record
+        # says once polled (stored "done", with the handed_off answer).
         snap = await board.until(
             lambda s: (
-                {(x["agent"], x["status"]) for x in s["sessions"] if x["session"] == "h-over"}
+                {
+                    (x["agent"], x["status"])
+                    for x in s["sessions"]
+                    if x["session"] == "h-over" and x["in_store"]
+                }
                 >= {("triage", "handed_off"), ("billing", "done")}
             )
         )
