@@ -295,3 +295,43 @@ async def fleetbus_process(
         raise
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+@dataclass
+class OpenedPage:
+    """A page opened in a headless browser, with what it reported while it ran."""
+
+    page: Any
+    url: str
+    errors: list[str]
+    """Uncaught errors and console errors."""
+    requests: list[str]
+    """Every URL it asked for (the page's own first)."""
+
+
+async def open_page(browser: Any, url: str) -> OpenedPage:
+    """``url`` opened in a new page of ``browser`` (playwright), loaded."""
+    page = await browser.new_page(viewport={"width": 1280, "height": 1400})
+    opened = OpenedPage(page, url, [], [])
+    page.on("pageerror", lambda exc: opened.errors.append(str(exc)))
+    page.on("console", lambda m: opened.errors.append(m.text) if m.type == "error" else None)
+    page.on("request", lambda request: opened.requests.append(request.url))
+    await page.goto(url, wait_until="load")
+    return opened
+
+
+async def charts_drawn(page: Any, min_height: float) -> set[str]:
+    """The ids of the page's ``svg.chart`` elements, each checked visible and
+    drawn with a size (wider than 300 px, taller than ``min_height``)."""
+    from playwright.async_api import expect
+
+    ids = set(await page.locator("svg.chart").evaluate_all("(svgs) => svgs.map((s) => s.id)"))
+    for chart_id in sorted(ids):
+        chart = page.locator(f"#{chart_id}")
+        await chart.scroll_into_view_if_needed()
+        await expect(chart).to_be_visible()
+        box = await chart.bounding_box()
+        assert box is not None
+        assert box["width"] > 300, (chart_id, box)
+        assert box["height"] > min_height, (chart_id, box)
+    return ids

@@ -17,7 +17,7 @@ import pytest
 
 from fleetbus.bus import Bus, EmbeddedServer
 from fleetbus.evals import load_dataset, read_run
-from tests.helpers import ROOT, wait_for_workers
+from tests.helpers import ROOT, charts_drawn, open_page, wait_for_workers
 from tests.integration.test_dashboard_browser import CHROMIUM
 from tests.integration.test_readme_path import process, run_cli
 
@@ -101,24 +101,10 @@ async def _check_page(browser: Any, path: Path, shots: Path) -> None:
     from playwright.async_api import expect
 
     url = path.as_uri()
-    page = await browser.new_page(viewport={"width": 1280, "height": 1400})
-    errors: list[str] = []
-    requests: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    page.on("request", lambda request: requests.append(request.url))
-    await page.goto(url, wait_until="load")
-    charts = page.locator("svg.chart")
-    ids = set(await charts.evaluate_all("(svgs) => svgs.map((s) => s.id)"))
+    opened = await open_page(browser, url)
+    page, errors, requests = opened.page, opened.errors, opened.requests
+    ids = await charts_drawn(page, min_height=80)
     assert ids == {"chart-graders", "chart-latency", "chart-tokens", "chart-tools"}
-    for chart_id in sorted(ids):
-        chart = page.locator(f"#{chart_id}")
-        await chart.scroll_into_view_if_needed()
-        await expect(chart).to_be_visible()
-        box = await chart.bounding_box()
-        assert box is not None
-        assert box["width"] > 300, (chart_id, box)
-        assert box["height"] > 80, (chart_id, box)
     # Bars are drawn with a size: the pass rates, and one a case (two, comparing).
     for shape in ("#chart-graders .bars rect", "#chart-latency .bars rect"):
         box = await page.locator(shape).first.bounding_box()

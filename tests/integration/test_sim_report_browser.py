@@ -20,7 +20,7 @@ import pytest
 from fleetbus.bus import EmbeddedServer
 from fleetbus.cli.main import main
 from fleetbus.sim import RunFiles, Simulation
-from tests.helpers import ROOT
+from tests.helpers import ROOT, charts_drawn, open_page
 from tests.integration.test_dashboard_browser import CHROMIUM
 from tests.integration.test_sim_runner import simulation
 
@@ -107,28 +107,13 @@ async def test_the_page_draws_its_charts_in_chromium_and_loads_nothing(
             executable_path=CHROMIUM, headless=True, args=["--no-sandbox"]
         )
         try:
-            page = await browser.new_page(viewport={"width": 1280, "height": 1400})
-            errors: list[str] = []
-            requests: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("request", lambda request: requests.append(request.url))
-            await page.goto(url, wait_until="load")
-
-            charts = page.locator("svg.chart")
-            ids = set(await charts.evaluate_all("(svgs) => svgs.map((s) => s.id)"))
+            opened = await open_page(browser, url)
+            page, errors, requests = opened.page, opened.errors, opened.requests
+            ids = await charts_drawn(page, min_height=100)
             assert ids >= {
                 "chart-status", "chart-duration", "chart-rate", "chart-latency",
                 "chart-answers", "chart-histogram", "chart-metric-0", "chart-metric-1",
             }  # fmt: skip
-            for chart_id in sorted(ids):
-                chart = page.locator(f"#{chart_id}")
-                await chart.scroll_into_view_if_needed()
-                await expect(chart).to_be_visible()
-                box = await chart.bounding_box()
-                assert box is not None
-                assert box["width"] > 300, (chart_id, box)
-                assert box["height"] > 100, (chart_id, box)
             # What is drawn inside has a size too: bars, the latency's median
             # line, the heat map's cells.
             for shape in (
