@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 
+from fleetbus.agents import Agent, AgentService
+from fleetbus.agents.serving.remote import RemoteAgent
 from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus
 from fleetbus.errors import NoRespondersError, StoreError
 from fleetbus.protocol import AnyMessage, FinalAnswer, UserRequest, to_builtins
+from fleetbus.tools_workers import Toolkit
+from tests.integration.agent_specs import CommandModel
 from tests.integration.cluster import NatsCluster, stream_info
 from tests.integration.test_sessions_durable import (
     AGENT,
@@ -28,6 +33,8 @@ from tests.integration.test_sessions_durable import (
 )
 
 pytestmark = pytest.mark.slow
+
+WAITING = "waiting for the session store"
 
 CLUSTER_READY = 30.0
 """Seconds an agent service may take to be ready: its buckets are made (R3)
@@ -171,3 +178,39 @@ async def test_requests_that_come_while_the_leases_leader_is_killed_wait_for_the
     for (_, text), answer in zip(texts.items(), got, strict=True):
         assert isinstance(answer, FinalAnswer), answer
         assert answer.content == expected(text)
+
+
+@pytest.mark.timeout(150)
+async def test_a_host_started_while_jetstream_has_no_quorum_waits_for_it(
+    cluster: NatsCluster, cluster_bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host that starts while the cluster cannot make its session streams
+    (two nodes of three are down: no JetStream meta leader) waits for the
+    store, saying so once, and serves once the nodes are back."""
+    bus = cluster_bus
+    caplog.set_level(logging.WARNING, logger="fleetbus.agents.serving.host")
+    cluster.kill(2)
+    cluster.kill(3)
+    agent = Agent("echo", "", CommandModel(), toolkit=Toolkit())
+    host_bus = await Bus.connect(cluster.node(1).url, prefix=bus.prefix, name="agent-late")
+    service = AgentService(host_bus, agent, replica_id="echo@late", store_wait=120.0)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(service.run())
+            try:
+                await wait_until(
+                    lambda: any(WAITING in r.getMessage() for r in caplog.records), timeout=60
+                )
+                assert not service._ready.is_set()
+                cluster.restart(2)
+                cluster.restart(3)
+                await service.wait_ready(120)
+                answer = await RemoteAgent(bus, "echo", session_id="late").reply("hi", timeout=60)
+            finally:
+                service.stop()
+    finally:
+        await host_bus.close()
+    assert isinstance(answer, FinalAnswer), answer
+    waits = [r.getMessage() for r in caplog.records if WAITING in r.getMessage()]
+    assert len(waits) == 1, waits
+    assert "(up to 120 s)" in waits[0]

@@ -66,12 +66,14 @@ from fleetbus.agents.serving.sessions import (
     session_key,
 )
 from fleetbus.bus import Bus, Lifecycle, Request
+from fleetbus.bus.store import wait_for_store
 from fleetbus.bus.subjects import Subjects, check_name
 from fleetbus.errors import (
     BusError,
     ConfigError,
     InvalidSubjectError,
     SessionBusyError,
+    StoreError,
 )
 from fleetbus.protocol import (
     AgentMessage,
@@ -157,7 +159,8 @@ class AgentHost(Observing, Lifecycle):
         busy_wait: seconds a message waits for its session to be free.
         store_wait: seconds a message waits for the session store when it
             fails (a JetStream stream electing a new leader after a cluster
-            node died takes a few seconds) before it is answered an error.
+            node died takes a few seconds) before it is answered an error;
+            and that the host, starting, waits for the store's streams.
         recover_interval: seconds between checks of the running sessions' lease
             timers (no store scan: see :class:`Recovery`).
         drain_timeout: seconds running replies get to finish on stop.
@@ -294,8 +297,21 @@ class AgentHost(Observing, Lifecycle):
             StoreError: JetStream is not available for the sessions.
             ConnectionClosedError: the bus closed.
         """
-        self.store = await SessionStore.open(
-            self.bus, owner=self.replica_id, lease_ttl=self.lease_ttl
+
+        def waiting(exc: StoreError) -> None:
+            logger.warning(
+                "%s: waiting for the session store (up to %g s): %s",
+                self._describe(),
+                self.store_wait,
+                exc,
+            )
+
+        # Making the store's streams is a Raft proposal on a cluster: a busy
+        # cluster, or one electing a leader, may answer it late.
+        self.store = await wait_for_store(
+            lambda: SessionStore.open(self.bus, owner=self.replica_id, lease_ttl=self.lease_ttl),
+            timeout=self.store_wait,
+            waiting=waiting,
         )
         grouped = self.group is not None
         recovery = self.store.recovery(

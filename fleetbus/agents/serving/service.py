@@ -43,9 +43,11 @@ class AgentService(AgentHost):
         lease_ttl: float = 10.0,
         concurrency: int = 16,
         busy_wait: float = 60.0,
+        store_wait: float = 30.0,
         recover_interval: float = 2.0,
         drain_timeout: float = 30.0,
         checkpoints: Literal["step", "reply"] = "step",
+        events: Literal["all", "final", "none"] = "all",
     ) -> None:
         super().__init__(
             bus,
@@ -56,9 +58,11 @@ class AgentService(AgentHost):
             lease_ttl=lease_ttl,
             concurrency=concurrency,
             busy_wait=busy_wait,
+            store_wait=store_wait,
             recover_interval=recover_interval,
             drain_timeout=drain_timeout,
             checkpoints=checkpoints,
+            events=events,
         )
         self.agent = agent
         self.name = agent.name
