@@ -184,3 +184,38 @@ def _counted(
         return await method(*args, **kwargs)
 
     return counted
+
+
+async def test_releases_heard_are_neither_read_at_a_resync_nor_at_the_next_take(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another replica's releases, heard: the resync that lists their markers
+    reads none of them, and taking one of those sessions is one write."""
+    a = await SessionStore.open(bus, owner="a")
+    b = await SessionStore.open(bus, owner="b")
+
+    async def take_over(agent: str, session: str, revision: int) -> None:
+        raise AssertionError(f"nothing died, yet {agent}/{session} was taken over")
+
+    recovery = b.recovery(["rsy"], take_over)
+    await recovery.start()
+    try:
+        keys = []
+        for i in range(3):
+            lease = await a.acquire("rsy", f"s{i}", fresh=AgentState(agent_name="rsy"))
+            await a.save(lease, status="idle", release=True)
+            keys.append(session_key("rsy", f"s{i}"))
+        async with asyncio.timeout(10):
+            while not all(b._leases.released(key) for key in keys):  # noqa: ASYNC110 - heard
+                await asyncio.sleep(0.01)
+        assert sorted(await b.leases.subjects("rsy.*")) == keys  # the markers are listed
+        calls: list[str] = []
+        for name in ("create", "update", "_read"):
+            monkeypatch.setattr(b.leases, name, _counted(calls, name, getattr(b.leases, name)))
+        await recovery._resync()
+        assert calls == []
+        lease = await b.acquire("rsy", "s0", fresh=AgentState(agent_name="rsy"), create=False)
+        assert calls == ["update"]
+        await b.save(lease, status="idle", release=True)
+    finally:
+        await recovery.close()

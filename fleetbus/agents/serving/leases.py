@@ -54,17 +54,14 @@ is resumed by its next message instead of by recovery."""
 _MARKER_TTL = 60.0
 """Seconds the marker of a released lease stays (at least; 6 lease TTLs)."""
 _RELEASED_KEPT = 250_000
-"""Leases released whose marker's revision is remembered, at most (about 150
-bytes each). Where markers expire (nats-server 2.11+), only those released
-within a marker's life are kept: a take against an expired marker would fail,
-then read, then write, where one write finds the lease gone."""
+"""Leases released that are remembered, at most (about 280 bytes each). Where
+markers expire (nats-server 2.11+), only those released within a marker's
+life are kept: a take against an expired marker would fail, then read, then
+write, where one write finds the lease gone; and a resync of :class:`Recovery`
+lists no key whose marker expired."""
 _CARRIED_BYTES = 16 * 1024
 """A lease carries the whole request up to this size (a larger one is
 recorded in the journal with the ``taken`` fact)."""
-_GONE_KEPT = _RELEASED_KEPT
-"""Released lease keys a Recovery remembers, so a resync does not read them:
-as many as the markers it lists may be (fewer, and every resync of a fleet
-releasing more within a marker's life read the keys it had forgotten)."""
 
 
 @dataclass
@@ -131,9 +128,10 @@ class Leases:
         self.owner = owner
         self.ttl = ttl
         # The revision of the marker each released lease left (here, or
-        # heard), and when: the next take writes against it without reading
-        # first, while the marker lives (``marker_life``).
-        self._released: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        # heard; ``None``: found gone, its marker unknown), and when: the next
+        # take writes against it without reading first, while the marker
+        # lives (``marker_life``); and a resync of Recovery does not read it.
+        self._released: OrderedDict[str, tuple[int | None, float]] = OrderedDict()
         marker_ttl = max(_MARKER_TTL, 6 * ttl)
         self.marker_life = marker_ttl - min(5.0, marker_ttl / 10)
         """Seconds after a release during which its marker is taken to be
@@ -317,10 +315,11 @@ class Leases:
         self.note_released(key, marker)
         return marker
 
-    def note_released(self, key: str, marker: int) -> None:
+    def note_released(self, key: str, marker: int | None) -> None:
         """Lease ``key`` was released, leaving a marker at revision ``marker``
         (here, or by another replica: :class:`Recovery` hears it): the next
-        take writes against it without reading the lease first."""
+        take writes against it without reading the lease first. ``None``:
+        found released, the marker's revision unknown."""
         released = self._released
         now = time.monotonic()
         released[key] = (marker, now)
@@ -331,14 +330,28 @@ class Leases:
             while released and next(iter(released.values()))[1] < now - self._marker_gone:
                 released.popitem(last=False)  # expired on the server meanwhile
 
+    def released(self, key: str) -> bool:
+        """Whether lease ``key`` is known released (its marker not yet expired)."""
+        return key in self._released
+
+    def note_held(self, key: str, revision: int | None) -> None:
+        """Lease ``key`` was written by a holder, at ``revision``: a release
+        noted before it is no longer the key's last write."""
+        known = self._released.get(key)
+        if known is not None and (known[0] is None or revision is None or known[0] < revision):
+            del self._released[key]
+
+    def forget_released(self) -> None:
+        """Forget every release noted (writes may have been missed meanwhile)."""
+        self._released.clear()
+
     def _known_marker(self, key: str) -> tuple[int, bool] | None:
         """The revision of the marker lease ``key`` left when released, and
         whether it is surely there still (else it may have expired); ``None``
         when it has surely expired or is not known. Forgotten once asked for."""
-        known = self._released.pop(key, None)
-        if known is None:
+        marker, at = self._released.pop(key, (None, 0.0))
+        if marker is None:
             return None
-        marker, at = known
         if not self.bucket.expiring_markers:
             return marker, True
         age = time.monotonic() - at
@@ -425,9 +438,9 @@ class Recovery:
         self.interval = interval
         self.resync_interval = resync_interval
         self.watched: dict[str, _Watched] = {}
-        """Running sessions by lease key (``<agent>.<session>``)."""
-        self._gone: OrderedDict[str, None] = OrderedDict()
-        """Lease keys known deleted (not read again at a resync); bounded."""
+        """Running sessions by lease key (``<agent>.<session>``). The keys
+        known released are the leases' (:meth:`Leases.released`): a resync
+        does not read them."""
         if agents is None:
             self._patterns = ["*.*"]
         else:
@@ -454,23 +467,15 @@ class Recovery:
         owner = lease_owner(value) if value else None
         if owner is None:
             self.watched.pop(key, None)
-            self._note_gone(key)
-            if revision is not None and value is None:
-                # Released (by any replica): the next take is one write.
-                self.leases.note_released(key, revision)
+            # Released (by any replica): the next take is one write.
+            self.leases.note_released(key, revision if value is None else None)
             return
-        self._gone.pop(key, None)
+        self.leases.note_held(key, revision)
         watched = self.watched.get(key)
         if watched is None:
             self.watched[key] = _Watched(None, time.monotonic())
         else:
             watched.since = time.monotonic()
-
-    def _note_gone(self, key: str) -> None:
-        self._gone[key] = None
-        self._gone.move_to_end(key)
-        if len(self._gone) > _GONE_KEPT:
-            self._gone.popitem(last=False)
 
     @property
     def _reconnects_seen(self) -> int:
@@ -495,17 +500,18 @@ class Recovery:
     async def _resync(self) -> None:
         reconnects = self._reconnects_seen
         if reconnects != self._reconnects:
-            self._gone.clear()  # writes may have been missed while away
+            self.leases.forget_released()  # writes may have been missed while away
             self._reconnects = reconnects
         self._resynced = time.monotonic()
         bucket = self.leases.bucket
         for pattern in self._patterns:
             for key in await bucket.subjects(pattern):
-                if key in self.watched or key in self._gone or not self._ours(key):
+                if key in self.watched or self.leases.released(key) or not self._ours(key):
                     continue
-                entry = await bucket.get_or_none(key)
-                if entry is None or lease_owner(entry.value) is None:
-                    self._note_gone(key)
+                entry = await bucket.last(key)
+                if entry is None or entry.deleted or lease_owner(entry.value) is None:
+                    marker = entry.revision if entry is not None and entry.deleted else None
+                    self.leases.note_released(key, marker)
                     continue
                 self.watched[key] = _Watched(entry.revision, time.monotonic())
 

@@ -1,0 +1,69 @@
+"""What a replica remembers of the leases released: only while their markers
+may still be on the server, and only while no later write replaced them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import cast
+
+import pytest
+
+from fleetbus.agents.serving import leases as leases_module
+from fleetbus.agents.serving.leases import Leases
+from fleetbus.bus import Bus
+from fleetbus.bus.store import KeyValueStore
+
+
+def _leases(monkeypatch: pytest.MonkeyPatch, *, expiring: bool) -> tuple[Leases, list[float]]:
+    clock = [1000.0]
+    monkeypatch.setattr(leases_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    bucket = cast(KeyValueStore, SimpleNamespace(expiring_markers=expiring))
+    return Leases(cast(Bus, None), bucket, owner="a", ttl=10.0), clock
+
+
+def test_a_release_is_forgotten_once_its_marker_has_surely_expired(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    leases, clock = _leases(monkeypatch, expiring=True)
+    leases.note_released("x.old", 5)
+    clock[0] += leases._marker_gone - 1
+    leases.note_released("x.young", 6)
+    assert leases.released("x.old")
+    assert leases.released("x.young")
+    clock[0] += 2  # "x.old" is past its marker's life; noting another prunes it
+    leases.note_released("x.new", None)
+    assert not leases.released("x.old")
+    assert leases.released("x.young")
+    assert leases.released("x.new")
+    assert leases._known_marker("x.young") == (6, True)
+    assert leases._known_marker("x.new") is None  # released, its marker unknown
+    assert not leases.released("x.young")  # asked for: forgotten
+
+
+def test_where_markers_stay_releases_are_kept_up_to_a_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(leases_module, "_RELEASED_KEPT", 3)
+    leases, clock = _leases(monkeypatch, expiring=False)
+    for i in range(5):
+        leases.note_released(f"x.{i}", i)
+        clock[0] += 3600
+    assert [leases.released(f"x.{i}") for i in range(5)] == [False, False, True, True, True]
+    assert leases._known_marker("x.2") == (2, True)  # a marker that stays is always there
+
+
+def test_a_later_write_replaces_a_release_and_an_earlier_one_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    leases, _ = _leases(monkeypatch, expiring=True)
+    leases.note_released("x.s", 10)
+    leases.note_held("x.s", 9)  # heard late: the take before the release
+    assert leases.released("x.s")
+    leases.note_held("x.s", 11)
+    assert not leases.released("x.s")
+    leases.note_released("x.t", None)
+    leases.note_held("x.t", 3)  # a release of unknown revision: any write replaces it
+    assert not leases.released("x.t")
+    leases.note_released("x.u", 4)
+    leases.forget_released()
+    assert not leases.released("x.u")
