@@ -25,6 +25,7 @@ from typing import Any
 
 import nats.errors
 
+from fleetbus.bus._seam import Client, Received
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.store import KeyValueStore
 from fleetbus.bus.subjects import Subjects
@@ -77,22 +78,34 @@ class KeyUpdates:
             BusError: the subscription failed.
         """
 
-        async def deliver(msg: Any) -> None:
-            key = msg.subject[len(self._prefix) :]
-            headers = msg.headers or {}
-            value = None if headers.get(_OPERATION) in ("DEL", "PURGE") else bytes(msg.data)
-            sequence = headers.get(_SEQUENCE)
-            revision = int(sequence) if sequence and sequence.isdigit() else None
-            try:
-                self._callback(key, value, revision)
-            except Exception:  # a callback bug must not end the subscription
-                logger.exception("key update callback failed for %s", key)
+        async def deliver(msg: Any) -> None:  # (what the route declines; see _seam)
+            self._deliver(msg.subject, msg.data, msg.headers)
 
+        def take(msg: Received) -> bool:
+            self._deliver(msg.subject, msg.data, msg.headers)
+            return True
+
+        nc = self._bus.nc
         try:
-            self._sub = await self._bus.nc.subscribe(self._subject, cb=deliver)
+            self._sub = await nc.subscribe(self._subject, cb=deliver)
         except nats.errors.Error as exc:
             raise BusError(f"cannot follow {self._subject}: {exc}") from exc
+        if isinstance(nc, Client):
+            # Every replica hears every lease write of the fleet: handed
+            # over where nats-py parses it, with no queue, task or Msg.
+            nc.route(self._sub, take, bare=True)
         await self._bus.flush()
+
+    def _deliver(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+        key = subject[len(self._prefix) :]
+        headers = headers or {}
+        value = None if headers.get(_OPERATION) in ("DEL", "PURGE") else bytes(data)
+        sequence = headers.get(_SEQUENCE)
+        revision = int(sequence) if sequence and sequence.isdigit() else None
+        try:
+            self._callback(key, value, revision)
+        except Exception:  # a callback bug must not end the subscription
+            logger.exception("key update callback failed for %s", key)
 
     async def close(self) -> None:
         """Unsubscribe (idempotent)."""
