@@ -72,11 +72,13 @@ class KeyUpdates:
         return int(self._bus.nc.stats.get("reconnects", 0))
 
     async def start(self) -> None:
-        """Subscribe (and flush, so no later write is missed).
+        """Subscribe (and flush, so no later write is missed); once.
 
         Raises:
             BusError: the subscription failed.
         """
+        if self._sub is not None:
+            return
 
         async def deliver(msg: Any) -> None:  # (what the route declines; see _seam)
             self._deliver(msg.subject, msg.data, msg.headers)

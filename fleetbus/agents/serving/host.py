@@ -320,7 +320,11 @@ class AgentHost(Observing, Lifecycle):
             serves=self.serves if grouped else None,
             interval=self.recover_interval,
         )
-        await recovery.start()
+        try:
+            await wait_for_store(recovery.start, timeout=self.store_wait, waiting=waiting)
+        except BaseException:
+            await recovery.close()
+            raise
         limiter = asyncio.Semaphore(self.concurrency)
         self._limiter = limiter
         try:

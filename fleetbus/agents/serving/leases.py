@@ -482,7 +482,8 @@ class Recovery:
         return self._updates[0].reconnects
 
     async def start(self) -> None:
-        """Follow the lease writes and learn the current leases.
+        """Follow the lease writes and learn the current leases (again
+        after a failure: the following starts once).
 
         Raises:
             BusError: the subscription failed.
