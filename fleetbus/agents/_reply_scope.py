@@ -11,6 +11,7 @@ out, how the reader is waited for, how the reply ends and how it is saved.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
@@ -83,7 +84,9 @@ class ReplyScope:
             input_tokens=reply.input_tokens,
             output_tokens=reply.output_tokens,
             tool_calls=reply.tool_calls,
-            sink=self,
+            # Weakly: the scope holds the context, and a cycle between them
+            # would leave each reply's objects to the cycle collector.
+            sink=weakref.proxy(self),
         )
         # Only the middleware that watches events is called for each one, and
         # only the middleware that checks answers sees them: a reply of an

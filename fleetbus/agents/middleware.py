@@ -121,7 +121,10 @@ class ReplyContext:
         middleware watching events sees it. Nothing happens when nobody
         reads the reply's events."""
         if self.sink is not None:
-            self.sink.event(name, **data)
+            try:
+                self.sink.event(name, **data)
+            except ReferenceError:  # the reply is over: nobody reads its events
+                self.sink = None
 
     def end_after_step(
         self,

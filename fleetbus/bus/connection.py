@@ -893,10 +893,11 @@ class Observation:
 
     async def close(self) -> None:
         """Stop observing (pending messages are discarded)."""
-        if self._sub is None:
+        sub, self._sub = self._sub, None  # (its callback is ours: no cycle left)
+        if sub is None:
             return
         try:
-            await self._sub.unsubscribe()
+            await sub.unsubscribe()
         except nats.errors.Error:
             pass  # already unsubscribed, or the connection is gone
 
