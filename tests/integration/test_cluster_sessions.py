@@ -15,6 +15,7 @@ from fleetbus.agents import Agent, AgentService
 from fleetbus.agents.serving.remote import RemoteAgent
 from fleetbus.agents.serving.sessions import SessionStore
 from fleetbus.bus import Bus
+from fleetbus.bus import journal as journal_module
 from fleetbus.errors import NoRespondersError, StoreError
 from fleetbus.protocol import AnyMessage, FinalAnswer, UserRequest, to_builtins
 from fleetbus.tools_workers import Toolkit
@@ -182,12 +183,17 @@ async def test_requests_that_come_while_the_leases_leader_is_killed_wait_for_the
 
 @pytest.mark.timeout(150)
 async def test_a_host_started_while_jetstream_has_no_quorum_waits_for_it(
-    cluster: NatsCluster, cluster_bus: Bus, caplog: pytest.LogCaptureFixture
+    cluster: NatsCluster,
+    cluster_bus: Bus,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A host that starts while the cluster cannot make its session streams
     (two nodes of three are down: no JetStream meta leader) waits for the
     store, saying so once, and serves once the nodes are back."""
     bus = cluster_bus
+    # Unanswered, a stream's creation waits 15 s before it is tried again.
+    monkeypatch.setattr(journal_module, "ADMIN_TIMEOUT", 3.0)
     caplog.set_level(logging.WARNING, logger="fleetbus.agents.serving.host")
     cluster.kill(2)
     cluster.kill(3)
