@@ -91,6 +91,28 @@ class Output:
         return self.proc.returncode, text
 
 
+@contextmanager
+def _interruptible() -> Iterator[None]:
+    """Processes started in the block take Ctrl-C (SIGINT) as they would from
+    a terminal, even when this one was started ignoring it (a background job
+    of a shell, ``nohup``): an ignored signal stays ignored across ``exec``,
+    a caught one is reset to its default."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _signal_masks(pid: int) -> str:
+    """A process's blocked, ignored and caught signals, as Linux shows them."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            return " ".join(line.strip() for line in status if line.startswith("Sig"))
+    except OSError:
+        return "(no /proc)"
+
+
 async def run_cli(*args: str, timeout: float = 60.0) -> tuple[int, str]:
     """Run ``fleetbus ARGS`` to its end: exit code and output."""
     return await Output(spawn(list(args), env=CLI_ENV)).finish(timeout)
@@ -363,18 +385,22 @@ async def test_an_ask_that_times_out_or_is_stopped_interrupts_its_reply(
 
         events = await bus.observe(bus.subjects.events("echo", "t2", ANY_OWNER))
         await bus.flush()
-        with running_cli("ask", "echo", "sleep 20; slow", *on_bus, "--session", "t2") as asking:
+        with (
+            _interruptible(),
+            running_cli("ask", "echo", "sleep 20; slow", *on_bus, "--session", "t2") as asking,
+        ):
             # The reply ends by itself after the model's 20 s: what ended it
             # is in its end, and both processes' output is shown if not this.
             async with events, asyncio.timeout(60):
                 async for message in events:  # the model sleeps from here on
                     if isinstance(message, Event) and message.event == "model_call_start":
+                        masks = _signal_masks(asking.proc.pid)
                         asking.proc.send_signal(signal.SIGINT)  # Ctrl-C, once
                     if isinstance(message, Event) and message.event == "reply_end":
                         break
             code, out = await asking.finish(timeout=45)
         assert isinstance(message, Event)
-        seen = f"ask:\n{out}\nagent:\n{agent.text}"
+        seen = f"ask ({masks}):\n{out}\nagent:\n{agent.text}"
         assert message.data["finished_reason"] == "interrupted", seen
         assert code == 130, seen
         assert "interrupted" in out
