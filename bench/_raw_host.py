@@ -21,19 +21,24 @@ floor's prefix: the journal stream ``<prefix>_session`` as
    journal's end) when the session is new; a session its last owner
    released is taken cleanly, its request carried in the lease;
 4. call the tool on the worker;
-5. append the ``end`` fact against the journal's end;
+5. append the ``end`` fact against the journal's end, rolling the journal
+   up (``Nats-Rollup: sub``) as fleetbus's population host does while a
+   session is under ``SNAPSHOT_BYTES``: the end is then a snapshot of the
+   whole session, which grows by a reply's four messages each round;
 6. answer, then release the lease (a purge leaving a marker that expires,
    compare-and-set), in fleetbus's order: written, answered, released.
 
 Like a fleetbus host, it follows every lease write the server republishes on
 ``<prefix>.kv.session_leases.>`` (a release heard is known for the next
-take). Facts and lease have the sizes fleetbus writes for the benchmark's
-reply (one tool call: four messages): the lease and a ``taken`` fact carry
-the request, the ``end`` fact the four messages and the final answer.
+take). Messages have the sizes fleetbus sends for the benchmark's reply
+(one tool call: four messages), measured on the wire: the lease and a
+``taken`` fact carry the request; the first ``end`` is a snapshot of the
+four messages and the final answer, each later one that snapshot and four
+messages more; the tool call and the answer as fleetbus encodes them.
 
 What it does not do is fleetbus's work in Python: no fact is decoded nor
-folded, no state built; and a journal read shares one inbox subscription
-(fleetbus's ``Journal.read`` subscribes an inbox per read).
+folded, no state built. A journal read shares one inbox subscription, as
+fleetbus's does.
 
 Usage: python bench/_raw_host.py URL PREFIX TOOL_SUBJECT CONCURRENCY
 """
@@ -49,19 +54,27 @@ import nats
 import orjson
 from nats.aio.msg import Msg
 
-TAKEN_BYTES = 358
+TAKEN_BYTES = 529
+"""A ``taken`` fact of the benchmark's reply (the request it serves, owner, status)."""
 LEASE = orjson.dumps(
     {
         "owner": "bench@raw-host",
         "epoch": 0,
         "renewals": 0,
-        "request": {"reply_to": "_INBOX.x", "input": "r" * (TAKEN_BYTES - 80)},
+        "request": {"reply_to": "_INBOX.x", "input": "r" * 277},
     }
 )
-"""A ``taken`` fact of the benchmark's reply (the request it serves, owner, status)."""
-END_BYTES = 1053
-"""An ``end`` fact: the reply's four messages, the final answer, the status."""
-ANSWER = b"a" * 400
+"""The lease while a reply runs, the request it serves in it (371 bytes, as fleetbus's)."""
+FIRST_END_BYTES = 1333
+"""The ``end`` of a session's first reply: a snapshot of its four messages,
+the final answer, the status."""
+END_GROWTH_BYTES = 699
+"""What each later reply adds to the snapshot its ``end`` is: four messages."""
+SNAPSHOT_BYTES = 16 * 1024
+"""The ``end`` rolls the journal up while it is under this size (fleetbus's
+``SNAPSHOT_BYTES``); past it, the floor appends a reply's four messages
+alone."""
+ANSWER = b"a" * 313
 TOOL_CALL = orjson.dumps(
     {
         "type": "tool_call",
@@ -70,8 +83,10 @@ TOOL_CALL = orjson.dumps(
         "sender": "raw-host",
         "tool_name": "noop",
         "parameters": {},
+        "pad": "p" * 158,
     }
 )
+"""A tool call the size of fleetbus's (293 bytes)."""
 CACHED = 256
 """Sessions whose journal end is known (fleetbus's session cache)."""
 BATCH = 256
@@ -82,6 +97,16 @@ _OPERATION = "KV-Operation"
 _EXPECTED = "Nats-Expected-Last-Subject-Sequence"
 _SEQUENCE = "Nats-Sequence"
 _WRONG_LAST_SEQUENCE = (10071, 10164)
+
+
+def fact(replies: int, size: int) -> bytes:
+    """A fact of ``size`` bytes that says how many replies the session had."""
+    return b"%08d" % replies + b"f" * (size - 8)
+
+
+def replies_in(data: bytes) -> int:
+    """The replies the session had, as its fact says."""
+    return int(data[:8]) if data[:8].isdigit() else 0
 
 
 class Mismatch(Exception):
@@ -99,9 +124,9 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
     direct = f"$JS.API.DIRECT.GET.{prefix}_session"
     republished = f"{prefix}.kv.session_leases."
     released: dict[str, int] = {}
-    ends: OrderedDict[str, tuple[int, int]] = OrderedDict()
+    ends: OrderedDict[str, tuple[tuple[int, int], int]] = OrderedDict()
     limiter = asyncio.Semaphore(concurrency)
-    reads: dict[str, tuple[list[int], asyncio.Future[bool]]] = {}
+    reads: dict[str, tuple[list[tuple[int, int]], asyncio.Future[bool]]] = {}
     inbox = nc.new_inbox()
     numbers = iter(range(1 << 62))
 
@@ -116,8 +141,8 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
             return
         headers = msg.headers or {}
         status = headers.get("Status")
-        if status is None:
-            waiting[0].append(int(headers.get(_SEQUENCE, "0")))
+        if status is None:  # (sequence, replies the session had: what the fact says)
+            waiting[0].append((int(headers.get(_SEQUENCE, "0")), replies_in(msg.data)))
         elif not waiting[1].done():
             waiting[1].set_result(status == "204" and int(headers.get("Nats-Num-Pending") or 0) > 0)
 
@@ -130,12 +155,13 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
             raise RuntimeError(f"{subject}: {error}")
         return int(answer["seq"])
 
-    async def journal_end(key: str) -> int:
-        """The sequence of the journal's last message (0: empty), read whole."""
-        start, end = 1, 0
+    async def journal_end(key: str) -> tuple[int, int]:
+        """The sequence of the journal's last message (0: empty), read whole,
+        and the replies the session had."""
+        start, end = 1, (0, 0)
         while True:
             token = str(next(numbers))
-            seqs: list[int] = []
+            seqs: list[tuple[int, int]] = []
             done: asyncio.Future[bool] = loop.create_future()
             reads[token] = (seqs, done)
             query = {"seq": start, "next_by_subj": journals + key, "batch": BATCH}
@@ -148,7 +174,7 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
                 end = seqs[-1]
             if not more or not seqs:
                 return end
-            start = end + 1
+            start = end[0] + 1
 
     async def take(key: str) -> tuple[int, int | None]:
         """The lease taken: its revision, and the marker it was taken over."""
@@ -171,17 +197,25 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
             lease, marker = await take(key)
             known = ends.pop(key, None)
             # Known when nobody took the lease since this host released it.
-            end = known[0] if known is not None and marker == known[1] else None
-            while end is None or end == 0:
-                if end is None:
-                    end = await journal_end(key)
-                if end == 0:  # a new session begins with its taken fact
+            last = known[0] if known is not None and marker == known[1] else None
+            while last is None or last[0] == 0:
+                if last is None:
+                    last = await journal_end(key)
+                if last[0] == 0:  # a new session begins with its taken fact
                     try:
-                        end = await acked(journals + key, b"t" * TAKEN_BYTES, {_EXPECTED: "0"})
+                        taken = fact(0, TAKEN_BYTES)
+                        last = (await acked(journals + key, taken, {_EXPECTED: "0"}), 0)
                     except Mismatch:
-                        end = None
+                        last = None
             await nc.request(tool, TOOL_CALL, timeout=60)
-            end = await acked(journals + key, b"e" * END_BYTES, {_EXPECTED: str(end)})
+            replies = last[1] + 1
+            size = FIRST_END_BYTES + END_GROWTH_BYTES * (replies - 1)
+            headers = {_EXPECTED: str(last[0])}
+            if size <= SNAPSHOT_BYTES:
+                headers["Nats-Rollup"] = "sub"  # the end is a snapshot of the session
+            else:
+                size = END_GROWTH_BYTES
+            end = await acked(journals + key, fact(replies, size), headers)
             await nc.publish(msg.reply, ANSWER)
             released[key] = marker = await acked(
                 leases + key,
@@ -193,7 +227,7 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
                     _EXPECTED: str(lease),
                 },
             )
-            ends[key] = (end, marker)
+            ends[key] = ((end, replies), marker)
             if len(ends) > CACHED:
                 ends.popitem(last=False)
 

@@ -44,7 +44,8 @@ this process as the runner. Measured:
   (``bench/_raw_host.py``) doing a reply's bus work and nothing else on the
   session layout of journals (take the lease, read the journal when its end
   is not known, append ``taken``, call the tool, append ``end``, answer,
-  release), on streams fleetbus made; its CPU per reply (its hosts and the
+  release: messages of the sizes fleetbus sends, the ``end`` a snapshot
+  rolling the journal up as fleetbus's does), on streams fleetbus made; its CPU per reply (its hosts and the
   server(s)). What is above it is the work of fleetbus's host in Python
   (the agent, its session's records). It runs before the fleet's rounds, its
   streams removed after it, so that its round N meets the server as the
