@@ -13,7 +13,10 @@ floor's prefix: the journal stream ``<prefix>_session`` as
    against the marker its release left (a create when none is known);
 2. read the session's journal when its end is not known: one direct get
    batch (``$JS.API.DIRECT.GET.<stream>`` with ``{"seq", "next_by_subj",
-   "batch"}``), every message of the session to its end of batch. Like
+   "batch"}``), every message of the session to its end of batch; or, as
+   fleetbus's journals do while the journals read last were each one
+   snapshot, its last message first (``$JS.API.DIRECT.GET.<stream>.
+   <subject>``: a snapshot is the whole journal). Like
    fleetbus's session cache, the ends of the last 256 sessions released here
    are known (with 10,000 agents played in order, none is when its turn
    comes again);
@@ -99,9 +102,10 @@ _SEQUENCE = "Nats-Sequence"
 _WRONG_LAST_SEQUENCE = (10071, 10164)
 
 
-def fact(replies: int, size: int) -> bytes:
-    """A fact of ``size`` bytes that says how many replies the session had."""
-    return b"%08d" % replies + b"f" * (size - 8)
+def fact(replies: int, kind: bytes, size: int) -> bytes:
+    """A fact of ``size`` bytes that says how many replies the session had,
+    and its kind: ``t`` taken, ``s`` a snapshot, ``d`` a reply's messages."""
+    return b"%08d" % replies + kind + b"f" * (size - 9)
 
 
 def replies_in(data: bytes) -> int:
@@ -126,7 +130,8 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
     released: dict[str, int] = {}
     ends: OrderedDict[str, tuple[tuple[int, int], int]] = OrderedDict()
     limiter = asyncio.Semaphore(concurrency)
-    reads: dict[str, tuple[list[tuple[int, int]], asyncio.Future[bool]]] = {}
+    reads: dict[str, tuple[list[tuple[int, int, bool]], asyncio.Future[bool]]] = {}
+    snapshots_last = False
     inbox = nc.new_inbox()
     numbers = iter(range(1 << 62))
 
@@ -141,8 +146,9 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
             return
         headers = msg.headers or {}
         status = headers.get("Status")
-        if status is None:  # (sequence, replies the session had: what the fact says)
-            waiting[0].append((int(headers.get(_SEQUENCE, "0")), replies_in(msg.data)))
+        if status is None:  # (sequence, replies the session had, a snapshot: the fact says)
+            seq = int(headers.get(_SEQUENCE, "0"))
+            waiting[0].append((seq, replies_in(msg.data), msg.data[8:9] == b"s"))
         elif not waiting[1].done():
             waiting[1].set_result(status == "204" and int(headers.get("Nats-Num-Pending") or 0) > 0)
 
@@ -157,11 +163,21 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
 
     async def journal_end(key: str) -> tuple[int, int]:
         """The sequence of the journal's last message (0: empty), read whole,
-        and the replies the session had."""
-        start, end = 1, (0, 0)
+        and the replies the session had. As fleetbus's journals do, while the
+        journals read last were each one snapshot, its last message is read
+        first: a snapshot is the whole journal."""
+        nonlocal snapshots_last
+        if snapshots_last:
+            got = await nc.request(f"{direct}.{journals}{key}", b"", timeout=60)
+            status = (got.headers or {}).get("Status")
+            if status == "404":
+                return 0, 0
+            if status is None and got.data[8:9] == b"s":
+                return int((got.headers or {})[_SEQUENCE]), replies_in(got.data)
+        start, end, facts = 1, (0, 0), 0
         while True:
             token = str(next(numbers))
-            seqs: list[tuple[int, int]] = []
+            seqs: list[tuple[int, int, bool]] = []
             done: asyncio.Future[bool] = loop.create_future()
             reads[token] = (seqs, done)
             query = {"seq": start, "next_by_subj": journals + key, "batch": BATCH}
@@ -170,9 +186,11 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
                 more = await asyncio.wait_for(done, 60)
             finally:
                 del reads[token]
+            facts += len(seqs)
             if seqs:
-                end = seqs[-1]
+                end = seqs[-1][:2]
             if not more or not seqs:
+                snapshots_last = facts == 1 and seqs[-1][2]
                 return end
             start = end[0] + 1
 
@@ -203,7 +221,7 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
                     last = await journal_end(key)
                 if last[0] == 0:  # a new session begins with its taken fact
                     try:
-                        taken = fact(0, TAKEN_BYTES)
+                        taken = fact(0, b"t", TAKEN_BYTES)
                         last = (await acked(journals + key, taken, {_EXPECTED: "0"}), 0)
                     except Mismatch:
                         last = None
@@ -211,11 +229,12 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
             replies = last[1] + 1
             size = FIRST_END_BYTES + END_GROWTH_BYTES * (replies - 1)
             headers = {_EXPECTED: str(last[0])}
+            kind = b"s"
             if size <= SNAPSHOT_BYTES:
                 headers["Nats-Rollup"] = "sub"  # the end is a snapshot of the session
             else:
-                size = END_GROWTH_BYTES
-            end = await acked(journals + key, fact(replies, size), headers)
+                kind, size = b"d", END_GROWTH_BYTES
+            end = await acked(journals + key, fact(replies, kind, size), headers)
             await nc.publish(msg.reply, ANSWER)
             released[key] = marker = await acked(
                 leases + key,

@@ -39,17 +39,18 @@ this process as the runner. Measured:
 - a broadcast on a topic every agent observes, until it is recorded in the
   session of every agent;
 - the floor: the same number of raw nats-py request/replies between this
-  process and a trivial responder process, with the same requests in flight;
+  process and a trivial responder process, with the same requests in flight
+  (requests and answers the size of a round's request and of a tool result);
 - the protocol floor: the same rounds served by as many raw nats-py hosts
   (``bench/_raw_host.py``) doing a reply's bus work and nothing else on the
   session layout of journals (take the lease, read the journal when its end
   is not known, append ``taken``, call the tool, append ``end``, answer,
   release: messages of the sizes fleetbus sends, the ``end`` a snapshot
-  rolling the journal up as fleetbus's does), on streams fleetbus made; its CPU per reply (its hosts and the
-  server(s)). What is above it is the work of fleetbus's host in Python
-  (the agent, its session's records). It runs before the fleet's rounds, its
-  streams removed after it, so that its round N meets the server as the
-  fleet's round N does.
+  rolling the journal up as fleetbus's does), on streams fleetbus made; its
+  CPU per reply (its hosts and the server(s)). What is above it is the
+  work of fleetbus's host in Python (the agent, its session's records). It
+  runs before the fleet's rounds, its streams removed after it, so that its
+  round N meets the server as the fleet's round N does.
 
 With ``--cluster 3`` the three nodes run ``deploy/nats-cluster/*.conf`` made
 fit for this machine (``bench/_sim_cluster.py``; JetStream flushed as
@@ -145,6 +146,17 @@ def start(
         stdout=out,
         stderr=subprocess.STDOUT,
     )
+
+
+TOOL_RESULT_BYTES = 290
+"""The size of the ``noop`` tool's result a fleetbus tool worker sends (on
+the wire): the raw responder's answers have it."""
+
+
+def request_bytes(bus: Bus, session: str) -> bytes:
+    """A round's request as the runner sends it to the fleet: the floors send
+    requests of its size."""
+    return bus.encode(UserRequest(sender="runner", session_id=session, content="play"))
 
 
 def progress(line: str) -> None:
@@ -328,13 +340,14 @@ async def protocol_floor(
         await asyncio.sleep(1.0)  # (started with the interpreter alone: no imports to wait for)
         out = []
         n = len(names)
-        for number in range(1, args.rounds + 1):
+        request = request_bytes(bus, "game")
 
-            async def play(name: str, timeout: float, number: int = number) -> bool:
-                inbox = f"{floor}.agent.{name}.inbox"
-                await bus.nc.request(inbox, str(number).encode(), timeout=timeout)
-                return True
+        async def play(name: str, timeout: float) -> bool:
+            inbox = f"{floor}.agent.{name}.inbox"
+            await bus.nc.request(inbox, request, timeout=timeout)
+            return True
 
+        for _ in range(args.rounds):
             before = sum(cpu_seconds(h.pid) for h in hosts)
             server_before = top.cpu()
             routes_before = await top.routes()
@@ -608,7 +621,15 @@ async def measure(
     memory = Memory()
     with topology(args) as top:
         bus = await Bus.connect(top.url(0), prefix=base, name="sim-runner")
-        raw = start([sys.executable, str(HERE / "_raw_responder.py"), top.url(1), f"{base}.raw"])
+        raw = start(
+            [
+                sys.executable,
+                str(HERE / "_raw_responder.py"),
+                top.url(1),
+                f"{base}.raw",
+                str(TOOL_RESULT_BYTES),
+            ]
+        )
         procs = [raw]
         try:
             for d in designs:
@@ -644,8 +665,10 @@ async def measure(
                 assert d.one is not None
                 d.figures["rss"], d.figures["rss_one"] = rss_kb(d.main.pid), rss_kb(d.one.pid)
 
+            request = request_bytes(bus, "game")
+
             async def raw_call(name: str, timeout: float) -> bool:
-                await bus.nc.request(f"{base}.raw", b"x" * 200, timeout=timeout)
+                await bus.nc.request(f"{base}.raw", request, timeout=timeout)
                 return True
 
             floor_s, *_ = await fan_out(raw_call, names, args.in_flight, args.deadline)
