@@ -113,10 +113,18 @@ class ReplyScope:
         return self.structured_model is not None or self.reply.structured_schema is not None
 
     def onion(self, hook: str, innermost: _F) -> _F:
-        """``innermost`` wrapped in every middleware's ``hook``, the first outermost."""
+        """``innermost`` wrapped in every middleware's ``hook``, the first
+        outermost. A layer that keeps :class:`Middleware`'s own ``hook``,
+        which only passes the call on, is left out: it would add a wrapper
+        to the call and two frames to every wait inside it, and do nothing
+        (a served agent's offload layer, say, has only ``on_tool_call``)."""
         call: Any = innermost
+        passes = getattr(Middleware, hook)
         for middleware in reversed(self.settings.middlewares):
-            call = _layer(getattr(middleware, hook), self.ctx, call)
+            method = getattr(middleware, hook)
+            if getattr(method, "__func__", None) is passes:
+                continue
+            call = _layer(method, self.ctx, call)
         return cast(_F, call)
 
     async def wait_for_reader(self) -> None:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
 from fleetbus import Agent, BudgetLimit, StepLogger, Toolkit, tool
 from fleetbus.agents import AgentSettings, Middleware, Msg, ReplyContext
 from fleetbus.models import ModelRequest, ModelResponse
+from fleetbus.models.model import ModelStreamItem
 from fleetbus.protocol import FinalAnswer, ToolResultBlock, ToolUseBlock, Usage
 from fleetbus.testing import ScriptedModel
 
@@ -108,6 +111,71 @@ async def test_first_middleware_is_the_outermost_layer_of_every_hook() -> None:
     step += ["B<reasoning", "A<reasoning"]
     tool_call = ["A>tool", "B>tool", "B<tool", "A<tool"]
     assert log == ["A>reply", "B>reply", *step, *tool_call, *step, "B<reply", "A<reply"]
+
+
+class ToolsOnly(Middleware):
+    """Overrides one hook: every other hook is the base class's, which passes through."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    async def on_tool_call(
+        self,
+        ctx: ReplyContext,
+        call: ToolUseBlock,
+        call_next: Callable[[ToolUseBlock], Awaitable[ToolResultBlock]],
+    ) -> ToolResultBlock:
+        self.log.append("tool")
+        return await call_next(call)
+
+
+class FrameCountingModel(ScriptedModel):
+    """Counts, at each model call, the middleware wrappers it is called through."""
+
+    def __init__(self, script: list[Any]) -> None:
+        super().__init__(script)
+        self.wrappers: list[int] = []
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelStreamItem]:
+        frame = sys._getframe()
+        wrappers = 0
+        while frame is not None:
+            wrappers += frame.f_code.co_qualname == "_layer.<locals>.call"
+            frame = frame.f_back
+        self.wrappers.append(wrappers)
+        async for item in super().stream(request):
+            yield item
+
+
+async def test_a_hook_a_layer_does_not_override_is_not_wrapped() -> None:
+    log: list[str] = []
+    model = FrameCountingModel([ScriptedModel.call("ping", {"label": "x"}), "done"])
+    reasoning = Recorder("R", log)
+    # A hook given to one instance (not its class) is that layer's own.
+    own = ToolsOnly(log)
+
+    async def around(ctx: ReplyContext, call_next: Callable[[], Awaitable[Msg]]) -> Msg:
+        log.append("own>reasoning")
+        return await call_next()
+
+    own.on_reasoning = around  # type: ignore[method-assign]
+    agent = Agent(
+        "a",
+        "You ping.",
+        model,
+        toolkit=_counting_tool([]),
+        middlewares=[ToolsOnly(log), own, reasoning],
+    )
+
+    answer = await agent.reply("ping once")
+
+    assert answer.finished_reason == "completed"
+    assert log.count("tool") == 2  # both ToolsOnly layers saw the call
+    assert log.count("own>reasoning") == 2  # one per step
+    # At each model call, inside: the Recorder's reply, reasoning and model
+    # call layers, and the instance's reasoning layer; none for the hooks
+    # left as they pass (three layers wrapping each of the three: 9).
+    assert model.wrappers == [4, 4]
 
 
 async def test_system_prompt_transformers_apply_in_list_order_before_each_model_call() -> None:
