@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -137,7 +138,7 @@ class FrameCountingModel(ScriptedModel):
         self.wrappers: list[int] = []
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelStreamItem]:
-        frame = sys._getframe()
+        frame: FrameType | None = sys._getframe()
         wrappers = 0
         while frame is not None:
             wrappers += frame.f_code.co_qualname == "_layer.<locals>.call"
