@@ -476,17 +476,19 @@ class ReplyRunning:
     async def _stream(
         self, agent: Agent, inputs: Any, session: str, events: list[str], run: Run
     ) -> FinalAnswer | None:
+        if self.events != "all":
+            # Events that are not published are not made (but for the
+            # middleware watching them): the final answer alone.
+            return await agent.reply(inputs, session_id=session)
         final: FinalAnswer | None = None
-        # Events that are not published are not made (but for the middleware
-        # watching them): only "all" publishes them.
-        stream = agent.reply_stream(inputs, session_id=session, events=self.events == "all")
+        stream = agent.reply_stream(inputs, session_id=session)
         try:
             async for item in stream:
                 if run.cancelled:
                     agent.interrupt(pending=True)  # a cancel that came before (idempotent)
                 if isinstance(item, FinalAnswer):
                     final = item  # stored in the journal, sent to the requester
-                elif self.events == "all":
+                else:
                     for subject in events:
                         await self._publish(subject, item)
         finally:
