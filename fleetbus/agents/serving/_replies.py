@@ -338,8 +338,7 @@ class ReplyRunning:
             if isinstance(phase.input, AgentMessage) and not phase.input.reply:
                 await agent.observe(phase.input)
                 continue
-            events = self._events_subjects(lease.record.agent, session, phase.to)
-            final = await self._stream(agent, phase.input, session, events, run)
+            final = await self._stream(agent, phase.input, session, phase.to, run)
             if index == len(phases) - 1:
                 last_to = phase.to  # answered once its end is written
             elif final is not None:
@@ -474,12 +473,15 @@ class ReplyRunning:
         return [subjects.events(name, session, owner) for owner in owners or [NO_OWNER]]
 
     async def _stream(
-        self, agent: Agent, inputs: Any, session: str, events: list[str], run: Run
+        self, agent: Agent, inputs: Any, session: str, to: list[str | None], run: Run
     ) -> FinalAnswer | None:
+        """The reply to ``inputs``, its events published where the answer
+        goes (to ``to``) when this host publishes them."""
         if self.events != "all":
             # Events that are not published are not made (but for the
             # middleware watching them): the final answer alone.
             return await agent.reply(inputs, session_id=session)
+        events = self._events_subjects(agent.name, session, to)
         final: FinalAnswer | None = None
         stream = agent.reply_stream(inputs, session_id=session)
         try:
