@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -184,8 +185,14 @@ async def wait_for_store(
                 waiting(exc)
             raise
 
-    retry = Retry(on=transient, attempts=None, backoff=0.1, max_backoff=1.0, timeout=timeout)
-    return await retry.call(attempt)
+    return await _store_retry(timeout).call(attempt)
+
+
+@functools.lru_cache(maxsize=32)
+def _store_retry(timeout: float) -> Retry:
+    """The policy of :func:`wait_for_store` (made once for each timeout: a
+    host waits this way for every store operation of every reply)."""
+    return Retry(on=transient, attempts=None, backoff=0.1, max_backoff=1.0, timeout=timeout)
 
 
 JS_TIMEOUT = 5.0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -453,9 +454,8 @@ class ReplyRunning:
                 )
                 raise
 
-        retry = Retry(on=StoreError, attempts=None, backoff=0.05, max_backoff=1.0, timeout=deadline)
         try:
-            await retry.call(save)
+            await _save_retry(deadline).call(save)
         except StoreError as exc:
             raise SessionLost(
                 f"session {record.session_id} could not be saved for {deadline:g} s: {exc}",
@@ -594,6 +594,13 @@ class ReplyRunning:
     def _error(self, about: AnyMessage, code: ErrorCode, text: str) -> ErrorMessage:
         # The text may quote what the message carried (a session id, say).
         return error_reply(about, code, clip(text), source=self.replica_id)
+
+
+@functools.lru_cache(maxsize=32)
+def _save_retry(deadline: float) -> Retry:
+    """How a save is tried again, for up to ``deadline`` seconds (made once
+    for each deadline: every reply saves)."""
+    return Retry(on=StoreError, attempts=None, backoff=0.05, max_backoff=1.0, timeout=deadline)
 
 
 @dataclass

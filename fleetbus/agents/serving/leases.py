@@ -127,6 +127,10 @@ class Leases:
         self.bucket = bucket
         self.owner = owner
         self.ttl = ttl
+        self._drop_retry = Retry(
+            on=transient, attempts=None, backoff=0.05, max_backoff=1.0, timeout=ttl
+        )
+        """How a release is tried again (for up to a lease's TTL: see :meth:`drop`)."""
         # The revision of the marker each released lease left (here, or
         # heard; ``None``: found gone, its marker unknown), and when: the next
         # take writes against it without reading first, while the marker
@@ -294,7 +298,7 @@ class Leases:
         would have lapsed anyway: a lease left to lapse holds the session's
         next request for a whole TTL, which across a cluster node's death
         made that session's next answer far later than the others'."""
-        retry = Retry(on=transient, attempts=None, backoff=0.05, max_backoff=1.0, timeout=self.ttl)
+        retry = self._drop_retry
         try:
             try:
                 marker = await retry.call(self._remove, key, revision)
