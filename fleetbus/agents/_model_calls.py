@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -156,12 +157,7 @@ class ModelCalls:
         settings = self.settings
         config = settings.model_config
         models = [settings.model] + ([config.fallback] if config.fallback is not None else [])
-        retry = Retry(
-            on=_retryable,
-            attempts=config.max_retries + 1,
-            backoff=config.backoff,
-            max_backoff=config.max_backoff,
-        )
+        retry = _model_retry(config.max_retries + 1, config.backoff, config.max_backoff)
         failures: list[str] = []
         for model in models:
             numbers = itertools.count(1)
@@ -351,6 +347,13 @@ _SPECS_KEPT = 256
 _SPECS_TOKENS: dict[tuple[Any, ...], tuple[list[ToolSpec], Any, int]] = {}
 """The tokens of the tool spec lists counted, by counter, names, descriptions
 and parameter objects."""
+
+
+@functools.lru_cache(maxsize=32)
+def _model_retry(attempts: int, backoff: float, max_backoff: float) -> Retry:
+    """The retry policy of a model call (made once for each setting: every
+    step of every reply calls a model)."""
+    return Retry(on=_retryable, attempts=attempts, backoff=backoff, max_backoff=max_backoff)
 
 
 def _fix_ids(response: ModelResponse, used: Container[str]) -> list[Any]:

@@ -15,6 +15,7 @@ instead; ``bench/tool_calls.py`` measures it).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -571,8 +572,7 @@ class Bus:
                 # Retry makes its first attempt without stamina (tenacity),
                 # which was half of a tool call's client CPU
                 # (bench/tool_calls.py): only a call unanswered pays for it.
-                retry = Retry(on=_UNANSWERED, attempts=attempts, backoff=max(0.0, retry_backoff))
-                reply = await retry.call(send)
+                reply = await _request_retry(attempts, max(0.0, retry_backoff)).call(send)
         except nats.errors.Error as exc:
             raise self._failed(exc, subject, message, timeout, sent, len(payload)) from exc
         return decode(reply.data)
@@ -911,6 +911,13 @@ class Observation:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+
+@functools.lru_cache(maxsize=32)
+def _request_retry(attempts: int, backoff: float) -> Retry:
+    """The policy of a request sent up to ``attempts`` times (made once for
+    each setting: a tool call is such a request)."""
+    return Retry(on=_UNANSWERED, attempts=attempts, backoff=backoff)
 
 
 def _log_unanswered(
