@@ -139,6 +139,19 @@ class Retry:
             first: BaseException = exc
         return await self._retry(fn, args, kwargs, first, started)
 
+    async def after(self, fn: Callable[[], Awaitable[_T]], first: Exception, started: float) -> _T:
+        """Go on as :meth:`call` would after ``await fn()`` failed with
+        ``first``, that attempt begun at ``started`` (the event loop's time):
+        for a caller that makes its first attempt itself and builds the
+        policy only when that attempt fails.
+
+        Raises:
+            Exception: as :meth:`call` (``first`` when ``on`` does not retry it).
+        """
+        if not self._retries(first):
+            raise first
+        return await self._retry(fn, (), {}, first, started)
+
     def _retries(self, exc: Exception) -> bool:
         on = self.on
         if isinstance(on, type | tuple):

@@ -45,7 +45,6 @@ from fleetbus.errors import (
     UnexpectedMessageError,
 )
 from fleetbus.protocol import (
-    AnyMessage,
     Cancel,
     DataBlock,
     ErrorDetail,
@@ -481,25 +480,30 @@ class ToolClient:
         else:
             timeout_of_call = self.timeout if timeout is None else timeout
         wait = timeout_of_call + self.reply_grace
+        send = partial(
+            self._bus.request,
+            subject,
+            call,
+            timeout=wait,
+            attempts=tries,
+            watch=watch,
+            stream=stream,
+        )
+        started = asyncio.get_running_loop().time()
         try:
-            if worker_wait > 0:
-
-                async def send() -> AnyMessage:
-                    return await self._bus.request(
-                        subject, call, timeout=wait, attempts=tries, watch=watch, stream=stream
-                    )
-
-                reply = await Retry(
+            try:  # the first attempt: most calls find a worker
+                reply = await send()
+            except NoRespondersError as exc:
+                if worker_wait <= 0:
+                    raise
+                waiting = Retry(
                     on=_nobody_serves(tool_name, worker_wait, call),
                     attempts=None,
                     backoff=0.1,
                     max_backoff=1.0,
                     timeout=worker_wait,
-                ).call(send)
-            else:  # send(), without its frame: on every call
-                reply = await self._bus.request(
-                    subject, call, timeout=wait, attempts=tries, watch=watch, stream=stream
                 )
+                reply = await waiting.after(send, exc, started)
         except asyncio.CancelledError as exc:
             scope = CallScope.current()
             if scope is not None and scope.abandoned:

@@ -131,6 +131,33 @@ async def test_success_ends_the_retries() -> None:
     assert calls == 3
 
 
+async def test_after_goes_on_from_a_first_attempt_made_by_the_caller() -> None:
+    failing = Failing()
+    retry = Retry(on=ConnectionError, attempts=3, backoff=0.0)
+    started = asyncio.get_running_loop().time()
+    try:
+        await failing()
+    except ConnectionError as first:
+        with pytest.raises(ConnectionError) as caught:
+            await retry.after(failing, first, started)
+    assert len(failing.raised) == 3  # the caller's attempt counts as the first
+    assert caught.value is failing.raised[-1]
+
+    # Not retried: the first failure itself, at once.
+    other = ValueError("not retried")
+    with pytest.raises(ValueError) as caught_other:
+        await retry.after(failing, other, started)
+    assert caught_other.value is other
+    assert len(failing.raised) == 3
+
+    # Its deadline counts from the caller's first attempt.
+    timed = Retry(on=ConnectionError, attempts=None, backoff=0.01, timeout=0.05)
+    late = asyncio.get_running_loop().time() - 1.0  # that attempt began a second ago
+    with pytest.raises(ConnectionError):
+        await timed.after(failing, ConnectionError("first"), late)
+    assert len(failing.raised) == 3  # past its deadline already: no retry
+
+
 async def test_a_wait_that_would_end_past_the_deadline_is_cut_short() -> None:
     failing = Failing()
     retry = Retry(on=ConnectionError, attempts=3, backoff=10.0, timeout=0.1)
