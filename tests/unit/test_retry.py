@@ -145,7 +145,7 @@ async def test_after_goes_on_from_a_first_attempt_made_by_the_caller() -> None:
 
     # Not retried: the first failure itself, at once.
     other = ValueError("not retried")
-    with pytest.raises(ValueError) as caught_other:
+    with pytest.raises(ValueError, match="not retried") as caught_other:
         await retry.after(failing, other, started)
     assert caught_other.value is other
     assert len(failing.raised) == 3
