@@ -10,7 +10,7 @@ import pytest
 
 from fleetbus.agents import AgentState, Msg
 from fleetbus.agents.compression import ApproxTokenCounter
-from fleetbus.agents.messages import stored_messages
+from fleetbus.agents.messages import stored_json, stored_messages
 from fleetbus.protocol import DataBlock, TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock
 
 MEMORY = [
@@ -45,6 +45,21 @@ def test_restored_messages_equal_and_behave_like_the_stored_ones() -> None:
     assert restored[3].marked("hint").marks == {"observed", "hint"}
     with pytest.raises(Exception, match="frozen"):
         restored[0].name = "eve"  # type: ignore[misc]
+
+
+def test_a_message_is_stored_as_pydantic_dumps_it() -> None:
+    unusual = [
+        Msg(role="assistant", content=[ToolUseBlock(id="c2", name="f", input={"x": 1.5e16})]),
+        Msg(role="tool", content=[ToolResultBlock(id="c2", name="f", output=[0.1, -2, "é ☃"])]),
+        Msg(role="user", content="plain", marks=frozenset({"hint", "observed"})),
+    ]
+    for message in [*MEMORY, *unusual]:
+        stored = stored_json(message)
+        assert orjson.loads(stored) == message.model_dump(mode="json")
+        assert stored_messages(b"[" + stored + b"]") == [message]
+    # Without metadata it is written by msgspec, byte for byte as pydantic's.
+    for message in MEMORY[1:]:
+        assert stored_json(message) == orjson.dumps(message.model_dump(mode="json"))
 
 
 def test_a_malformed_stored_message_is_a_clear_error() -> None:

@@ -24,7 +24,7 @@ import msgspec
 import orjson
 from pydantic import BaseModel, Field
 
-from fleetbus.agents.messages import Msg, stored_messages
+from fleetbus.agents.messages import Msg, stored_json, stored_messages
 from fleetbus.agents.state import AgentState, MemoryIndex
 from fleetbus.bus.journal import JournalEntry
 from fleetbus.errors import StoreError
@@ -199,7 +199,7 @@ def add_state(
         len(memory) >= n and memory_ends(memory[:1] + memory[n - 1 : n]) == lease.persisted_ends
     ):
         return None
-    new = [orjson.dumps(m.model_dump(mode="json")) for m in memory[n:]]
+    new = [stored_json(m) for m in memory[n:]]
     if new:
         fact["m"] = n
         fact["add"] = json_array(new)
@@ -223,7 +223,7 @@ def snapshot_fact(
     """A snapshot fact: the whole session (``encoded``: the JSON of memory's
     messages, when known)."""
     if encoded is None or len(encoded) != len(state.memory):
-        encoded = [orjson.dumps(m.model_dump(mode="json")) for m in state.memory]
+        encoded = [stored_json(m) for m in state.memory]
     return {
         "k": "snapshot",
         "owner": record.owner,

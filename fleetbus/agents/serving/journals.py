@@ -28,6 +28,7 @@ from typing import Any
 import msgspec
 import orjson
 
+from fleetbus.agents.messages import stored_json
 from fleetbus.agents.serving.facts import (
     Fact,
     Lease,
@@ -392,7 +393,7 @@ class SessionJournals:
             rollup = True
         if rollup:
             if encoded is None or len(encoded) != len(state.memory):
-                encoded = [orjson.dumps(m.model_dump(mode="json")) for m in state.memory]
+                encoded = [stored_json(m) for m in state.memory]
             fact = snapshot_fact(base.model_copy(update=meta), state, fields, encoded)
             data = orjson.dumps({**fact, "e": lease.epoch, "n": n})
         blob = None
