@@ -39,7 +39,8 @@ through an ``asyncio.Queue`` and a task that takes from it: a put, a get, a
 starting a request's handler, the reply inbox waking a caller) only start or
 wake a task and never wait, so :meth:`Client._process_msg` hands them the
 message where nats-py parses it, as a :class:`Delivered` when they ask for it
-bare. A receiver may decline (a serving loop with every place taken): that
+bare (with its header block unparsed, for one that reads a header or two of
+it: :func:`header_value`). A receiver may decline (a serving loop with every place taken): that
 message, and those after it while any wait, go through nats-py's queue, so
 their order, the pending limits, slow-consumer errors and ``drain`` are
 nats-py's. Reads ``_process_msg``, ``_remove_sub``, ``_process_headers``,
@@ -53,8 +54,9 @@ up, without ``publish``'s coroutines. Reads ``_status``, ``_pending``,
 ``_flush_queue`` and ``_flusher_task``.
 
 ``headers`` — :meth:`Client._parse_header_lines` parses a message's headers
-without nats-py's per-character checks, with the same result. Every lease
-write comes back to every host with seven headers. nats-py has the method
+without nats-py's per-character checks, with the same result (a journal
+read comes back with six). Every lease write comes back to every host with
+seven headers, of which its follower reads two (:func:`header_value`). nats-py has the method
 from 2.15; before, it parses headers with ``email.parser`` inside
 ``_process_headers``, and this path is not taken (and not warned about).
 
@@ -288,6 +290,25 @@ def _header_block(headers: dict[str, str]) -> bytes | None:
     return "".join(lines).encode()
 
 
+def header_value(block: bytes, name: str) -> str | None:
+    """The value of header ``name`` in a header block as it came (``NATS/1.0``
+    and a ``Name: value`` line each), as nats-py's parse gives it for a name
+    written once, as the server writes its own: ``None`` when it is not
+    there. Reading two headers of seven this way costs a third of parsing
+    them all (``timeit``: 1.1 against 2.9 µs)."""
+    mark = f"\r\n{name}:".encode()
+    start = block.find(mark)
+    if start < 0:
+        return None
+    start += len(mark)
+    end = block.find(b"\r\n", start)
+    return (
+        block[start : end if end >= 0 else len(block)]
+        .decode("utf-8", "replace")
+        .strip(_HEADER_SPACE)
+    )
+
+
 class Delivered(msgspec.Struct, gc=False):
     """A message as a route that asks for it bare takes it: the four
     fields of nats-py's ``Msg`` that a serving loop and the reply inbox
@@ -299,6 +320,10 @@ class Delivered(msgspec.Struct, gc=False):
     reply: str
     data: bytes
     headers: dict[str, str] | None = None
+    block: bytes = b""
+    """The header block as it came (``NATS/1.0`` and a ``Name: value`` line
+    each), for a route that reads it itself (``unparsed``): ``headers`` is
+    ``None`` then."""
 
 
 Received = Msg | Delivered
@@ -320,16 +345,20 @@ class Client(NATS):
 
     def __init__(self) -> None:
         super().__init__()
-        self._routes: dict[int, tuple[Route, bool]] = {}
+        self._routes: dict[int, tuple[Route, bool, bool]] = {}
 
-    def route(self, sub: Subscription, take: Route, *, bare: bool = False) -> None:
+    def route(
+        self, sub: Subscription, take: Route, *, bare: bool = False, unparsed: bool = False
+    ) -> None:
         """Hand ``sub``'s messages to ``take`` as they are parsed, while none
         waits in nats-py's queue; those it declines go there (the
         subscription still needs its callback, for them). ``bare``: as
-        :class:`Delivered`, not nats-py's ``Msg``. Without the ``route``
-        path, all of them go there."""
+        :class:`Delivered`, not nats-py's ``Msg``; ``unparsed``: bare, with
+        the header block as it came (``Delivered.block``), for a receiver
+        that reads one or two headers of it. Without the ``route`` path, all
+        of them go there."""
         if "route" in AVAILABLE:
-            self._routes[sub._id] = (take, bare)
+            self._routes[sub._id] = (take, bare or unparsed, unparsed)
 
     def _remove_sub(self, sid: int, max_msgs: int = 0) -> None:
         if self._routes:
@@ -343,12 +372,15 @@ class Client(NATS):
         if route is not None:
             sub = self._subs.get(sid)
             if sub is not None and sub._pending_queue.empty():
-                hdr = await self._process_headers(headers) if headers else None
-                take, bare = route
-                if bare:
-                    msg: Received = Delivered(subject.decode(), reply.decode(), data, hdr)
+                take, bare, unparsed = route
+                if unparsed:
+                    msg: Received = Delivered(subject.decode(), reply.decode(), data, None, headers)
                 else:
-                    msg = self._build_message(sid, subject, reply, data, hdr)
+                    hdr = await self._process_headers(headers) if headers else None
+                    if bare:
+                        msg = Delivered(subject.decode(), reply.decode(), data, hdr)
+                    else:
+                        msg = self._build_message(sid, subject, reply, data, hdr)
                 if take(msg):
                     stats = self.stats
                     stats["in_msgs"] += 1

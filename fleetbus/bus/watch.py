@@ -25,7 +25,7 @@ from typing import Any
 
 import nats.errors
 
-from fleetbus.bus._seam import Client, Received
+from fleetbus.bus._seam import Client, Delivered, Received, header_value
 from fleetbus.bus.connection import Bus
 from fleetbus.bus.store import KeyValueStore
 from fleetbus.bus.subjects import Subjects
@@ -81,10 +81,13 @@ class KeyUpdates:
             return
 
         async def deliver(msg: Any) -> None:  # (what the route declines; see _seam)
-            self._deliver(msg.subject, msg.data, msg.headers)
+            headers = msg.headers or {}
+            self._deliver(msg.subject, msg.data, headers.get(_OPERATION), headers.get(_SEQUENCE))
 
         def take(msg: Received) -> bool:
-            self._deliver(msg.subject, msg.data, msg.headers)
+            block = msg.block if isinstance(msg, Delivered) else b""
+            operation, sequence = header_value(block, _OPERATION), header_value(block, _SEQUENCE)
+            self._deliver(msg.subject, msg.data, operation, sequence)
             return True
 
         nc = self._bus.nc
@@ -95,14 +98,15 @@ class KeyUpdates:
         if isinstance(nc, Client):
             # Every replica hears every lease write of the fleet: handed
             # over where nats-py parses it, with no queue, task or Msg.
-            nc.route(self._sub, take, bare=True)
+            # Two headers are read, of the seven each comes with.
+            nc.route(self._sub, take, unparsed=True)
         await self._bus.flush()
 
-    def _deliver(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
+    def _deliver(
+        self, subject: str, data: bytes, operation: str | None, sequence: str | None
+    ) -> None:
         key = subject[len(self._prefix) :]
-        headers = headers or {}
-        value = None if headers.get(_OPERATION) in ("DEL", "PURGE") else bytes(data)
-        sequence = headers.get(_SEQUENCE)
+        value = None if operation in ("DEL", "PURGE") else bytes(data)
         revision = int(sequence) if sequence and sequence.isdigit() else None
         try:
             self._callback(key, value, revision)

@@ -17,7 +17,7 @@ from nats.aio.client import Client
 
 from fleetbus.bus import BusSettings
 from fleetbus.bus._seam import Client as BusClient
-from fleetbus.bus._seam import check
+from fleetbus.bus._seam import check, header_value
 
 LINE_PARSER = callable(getattr(Client, "_parse_header_lines", None))
 """Whether the installed nats-py parses headers with ``_parse_header_lines`` (2.15+)."""
@@ -47,6 +47,21 @@ async def test_the_same_headers_as_nats_py(raw: bytes) -> None:
     parse where nats-py has a line parser, nats-py's own before."""
     block = b"NATS/1.0\r\n" + raw
     assert await BusClient()._process_headers(block) == await Client()._process_headers(block)
+
+
+@pytest.mark.parametrize("raw", BLOCKS)
+async def test_one_header_read_from_the_block_is_the_parsed_one(raw: bytes) -> None:
+    """``header_value`` (what a lease write's follower reads of the seven
+    headers each comes with) gives what nats-py's parse does for every name
+    written once, at the start of its line, as the server writes them."""
+    block = b"NATS/1.0\r\n" + raw
+    parsed = await Client()._process_headers(block) or {}
+    lines = block.split(b"\r\n")
+    for name, value in parsed.items():
+        written = [line for line in lines if line.startswith(name.encode() + b":")]
+        if len(written) == 1:
+            assert header_value(block, name) == value, name
+    assert header_value(block, "Not-There") is None
 
 
 def test_the_headers_path_is_taken_where_nats_py_has_a_line_parser(
