@@ -269,7 +269,9 @@ _HEADER_SPACE = " \t\n\r\x0b\x0c"
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 """A header name ``publish`` writes as it is (an RFC 9110 token)."""
 
-_HEADER_BREAK = re.compile(r"[\r\n]")
+_TOKEN_NAMES: set[str] = set()
+"""Header names found tokens (a few hundred at most are kept): a connection
+writes the same few names again and again."""
 
 
 def _header_block(headers: dict[str, str]) -> bytes | None:
@@ -279,11 +281,12 @@ def _header_block(headers: dict[str, str]) -> bytes | None:
     ``publish`` would change or refuse). ``None`` otherwise."""
     lines = ["NATS/1.0\r\n"]
     for name, value in headers.items():
-        if (
-            _HEADER_NAME.fullmatch(name) is None
-            or _HEADER_BREAK.search(value) is not None
-            or value != value.strip()
-        ):
+        if name not in _TOKEN_NAMES:
+            if _HEADER_NAME.fullmatch(name) is None:
+                return None
+            if len(_TOKEN_NAMES) < 256:
+                _TOKEN_NAMES.add(name)
+        if "\r" in value or "\n" in value or value != value.strip():
             return None
         lines.append(f"{name}: {value}\r\n")
     lines.append("\r\n")
