@@ -40,12 +40,12 @@ starting a request's handler, the reply inbox waking a caller) only start or
 wake a task and never wait, so :meth:`Client._process_msg` hands them the
 message where nats-py parses it, as a :class:`Delivered` when they ask for it
 bare (with its header block unparsed, for one that reads a header or two of
-it: :func:`header_value`). A receiver may decline (a serving loop with every place taken): that
-message, and those after it while any wait, go through nats-py's queue, so
-their order, the pending limits, slow-consumer errors and ``drain`` are
-nats-py's. Reads ``_process_msg``, ``_remove_sub``, ``_process_headers``,
-``_build_message``, ``_subs`` and a subscription's ``_id``, ``_pending_queue``
-and ``_received``.
+it: :func:`header_value`). A receiver may decline (a serving loop with every
+place taken): that message, and those after it while any wait, go through
+nats-py's queue, so their order, the pending limits, slow-consumer errors
+and ``drain`` are nats-py's. Reads ``_process_msg``, ``_remove_sub``,
+``_process_headers``, ``_build_message``, ``_subs`` and a subscription's
+``_id``, ``_pending_queue`` and ``_received``.
 
 ``publish_now`` — :meth:`Client.publish_now` queues a publish into nats-py's
 pending buffer for its flusher, as ``publish`` does on a connection that is
@@ -56,9 +56,10 @@ up, without ``publish``'s coroutines. Reads ``_status``, ``_pending``,
 ``headers`` — :meth:`Client._parse_header_lines` parses a message's headers
 without nats-py's per-character checks, with the same result (a journal
 read comes back with six). Every lease write comes back to every host with
-seven headers, of which its follower reads two (:func:`header_value`). nats-py has the method
-from 2.15; before, it parses headers with ``email.parser`` inside
-``_process_headers``, and this path is not taken (and not warned about).
+seven headers, of which its follower reads two (:func:`header_value`).
+nats-py has the method from 2.15; before, it parses headers with
+``email.parser`` inside ``_process_headers``, and this path is not taken
+(and not warned about).
 
 ``places`` — a serving loop takes and gives back a place of its
 ``asyncio.Semaphore`` from the read loop, where it cannot await ``acquire``
@@ -315,9 +316,10 @@ def header_value(block: bytes, name: str) -> str | None:
 class Delivered(msgspec.Struct, gc=False):
     """A message as a route that asks for it bare takes it: the four
     fields of nats-py's ``Msg`` that a serving loop and the reply inbox
-    read (a ``Msg`` is a dataclass of eight fields made by keyword, several
-    times slower to make). Not for what nats-py's own code reads (JetStream's
-    replies read ``Msg.header``, its metadata, its acks)."""
+    read, and the header block for a route that reads it itself (a ``Msg``
+    is a dataclass of eight fields made by keyword, several times slower to
+    make). Not for what nats-py's own code reads (JetStream's replies read
+    ``Msg.header``, its metadata, its acks)."""
 
     subject: str
     reply: str
@@ -377,7 +379,9 @@ class Client(NATS):
             if sub is not None and sub._pending_queue.empty():
                 take, bare, unparsed = route
                 if unparsed:
-                    msg: Received = Delivered(subject.decode(), reply.decode(), data, None, headers)
+                    msg: Received = Delivered(
+                        subject.decode(), reply.decode(), data, None, headers or b""
+                    )
                 else:
                     hdr = await self._process_headers(headers) if headers else None
                     if bare:
