@@ -115,19 +115,14 @@ async def test_first_middleware_is_the_outermost_layer_of_every_hook() -> None:
 
 
 class ToolsOnly(Middleware):
-    """Overrides one hook: every other hook is the base class's, which passes through."""
+    """Overrides one hook, the Recorder's ``on_tool_call``: every other hook
+    is the base class's, which passes through."""
+
+    on_tool_call = Recorder.on_tool_call
 
     def __init__(self, log: list[str]) -> None:
+        self.name = "T"
         self.log = log
-
-    async def on_tool_call(
-        self,
-        ctx: ReplyContext,
-        call: ToolUseBlock,
-        call_next: Callable[[ToolUseBlock], Awaitable[ToolResultBlock]],
-    ) -> ToolResultBlock:
-        self.log.append("tool")
-        return await call_next(call)
 
 
 class FrameCountingModel(ScriptedModel):
@@ -171,7 +166,7 @@ async def test_a_hook_a_layer_does_not_override_is_not_wrapped() -> None:
     answer = await agent.reply("ping once")
 
     assert answer.finished_reason == "completed"
-    assert log.count("tool") == 2  # both ToolsOnly layers saw the call
+    assert log.count("T>tool") == 2  # both ToolsOnly layers saw the call
     assert log.count("own>reasoning") == 2  # one per step
     # At each model call, inside: the Recorder's reply, reasoning and model
     # call layers, and the instance's reasoning layer; none for the hooks
