@@ -15,6 +15,7 @@ dashboard: :func:`wait_for_store` retries it, with jittered backoff, for up to
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import functools
@@ -173,19 +174,16 @@ async def wait_for_store(
         StoreError: a failure that is not transient, or the last transient
             one once ``timeout`` has passed.
     """
-    told = False
-
-    async def attempt() -> _T:
-        nonlocal told
-        try:
-            return await call()
-        except StoreError as exc:
-            if waiting is not None and exc.transient and not told:
-                told = True
-                waiting(exc)
+    started = asyncio.get_running_loop().time()
+    try:  # the first attempt: most find the store
+        return await call()
+    except StoreError as exc:
+        if not exc.transient:
             raise
-
-    return await _store_retry(timeout).call(attempt)
+        if waiting is not None:
+            waiting(exc)
+        first = exc
+    return await _store_retry(timeout).after(call, first, started)
 
 
 @functools.lru_cache(maxsize=32)

@@ -454,8 +454,12 @@ class ReplyRunning:
                 )
                 raise
 
+        started = asyncio.get_running_loop().time()
         try:
-            await _save_retry(deadline).call(save)
+            try:  # the first attempt: most saves succeed
+                await save()
+            except StoreError as exc:
+                await _save_retry(deadline).after(save, exc, started)
         except StoreError as exc:
             raise SessionLost(
                 f"session {record.session_id} could not be saved for {deadline:g} s: {exc}",
