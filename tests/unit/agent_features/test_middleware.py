@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import FrameType
 from typing import Any
@@ -133,7 +133,7 @@ class FrameCountingModel(ScriptedModel):
         self.wrappers: list[int] = []
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelStreamItem]:
-        frame: FrameType | None = sys._getframe()
+        frame: FrameType | None = inspect.currentframe()
         wrappers = 0
         while frame is not None:
             wrappers += frame.f_code.co_qualname == "_layer.<locals>.call"
