@@ -27,7 +27,7 @@ from fleetbus.agents import Agent, AgentHost, AgentSettings
 from fleetbus.agents.serving import RemoteAgent
 from fleetbus.agents.serving.sessions import SessionStore, session_key
 from fleetbus.bus import Bus, EmbeddedServer, ToolClient
-from fleetbus.errors import RevisionMismatchError
+from fleetbus.errors import RevisionMismatchError, StoreError
 from fleetbus.models import ModelRequest, ModelResponse
 from fleetbus.protocol import (
     AnyMessage,
@@ -317,6 +317,54 @@ async def test_a_host_that_stops_leaves_its_tool_call_to_the_replica_taking_over
     assert worker.cancelled == 0
     assert gate.runs == 1
     assert answer.content == "got x: run 1"
+
+
+async def test_a_take_over_the_store_fails_is_tried_again_and_the_host_serves_on(
+    nats_server: EmbeddedServer,
+    bus: Bus,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store that does not answer a take-over (a cluster node cut off) must
+    not end the host: recovery finds the silent lease again and takes it."""
+    caplog.set_level(logging.INFO)
+    gate = Gate()
+    url, prefix = nats_server.url, bus.prefix
+    acquire = SessionStore.acquire
+    failed: list[str] = []
+
+    async def first_take_over_fails(
+        self: SessionStore, agent: str, session_id: str, **options: Any
+    ) -> Any:
+        if options.get("take_over") and not failed:
+            failed.append(session_id)
+            raise StoreError(f"read '{agent}.{session_id}' failed: nats: timeout", transient=True)
+        return await acquire(self, agent, session_id, **options)
+
+    worker = ToolWorker(bus, gated_tools(gate), worker_id="w1")
+    async with worker_running(worker):
+        asking: asyncio.Task[Any] | None = None
+        try:
+            async with replica(url, prefix, "leaving", drain_timeout=0.5, recover_interval=3600):
+                asking = asyncio.create_task(
+                    RemoteAgent(bus, AGENT, session_id="s9").reply("go", timeout=WAIT)
+                )
+                async with asyncio.timeout(WAIT):
+                    await gate.started.wait()
+            monkeypatch.setattr(SessionStore, "acquire", first_take_over_fails)
+            async with replica(url, prefix, "successor", recover_interval=0.1):
+                gate.opened.set()
+                answer = await asyncio.wait_for(asking, WAIT)
+                # The host that met the failure still serves new sessions.
+                other = await RemoteAgent(bus, AGENT, session_id="s10").reply("go", timeout=WAIT)
+        finally:
+            if asking is not None:
+                asking.cancel()
+    assert failed == ["s9"]
+    assert "taking over session s9 failed, tried again once its lease is silent" in caplog.text
+    assert "taking over session s9 from leaving" in caplog.text
+    assert answer.finished_reason == "completed"
+    assert other.finished_reason == "completed"
 
 
 async def test_a_users_cancel_of_a_served_reply_still_cancels_its_tool_call(

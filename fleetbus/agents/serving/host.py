@@ -62,6 +62,7 @@ from fleetbus.agents.serving._observing import Observing
 from fleetbus.agents.serving._replies import Run
 from fleetbus.agents.serving.directory import agent_service
 from fleetbus.agents.serving.sessions import (
+    Recovery,
     SessionStore,
     session_key,
 )
@@ -262,6 +263,7 @@ class AgentHost(Observing, Lifecycle):
         self._running: dict[str, Agent] = {}
         self._runs: dict[str, Run] = {}
         self._takeovers: asyncio.TaskGroup | None = None
+        self._recovery: Recovery | None = None
         self._taking_over: set[str] = set()
         self._takeover_deadlines: set[asyncio.Timeout] = set()
         self._limiter = asyncio.Semaphore(concurrency)
@@ -314,7 +316,7 @@ class AgentHost(Observing, Lifecycle):
             waiting=waiting,
         )
         grouped = self.group is not None
-        recovery = self.store.recovery(
+        recovery = self._recovery = self.store.recovery(
             None if grouped else (self._names or []),
             self._take_over,
             serves=self.serves if grouped else None,
@@ -596,6 +598,19 @@ class AgentHost(Observing, Lifecycle):
                 )
             except SessionBusyError:
                 return  # another replica was faster, or it ended meanwhile
+            except StoreError as exc:
+                # A store that does not answer (a cluster node cut off): the
+                # lease is still silent; recovery watches it again.
+                logger.warning(
+                    "%s: taking over session %s failed, tried again once its lease is "
+                    "silent a TTL more: %s",
+                    name,
+                    session,
+                    exc,
+                )
+                if self._recovery is not None:
+                    self._recovery.watch_again(key, lease_revision)
+                return
             logger.warning(
                 "%s: taking over session %s from %s at step %d",
                 name,

@@ -547,6 +547,12 @@ class Recovery:
             agent, _, session = key.partition(".")
             await self._take_over(agent, session, entry.revision)
 
+    def watch_again(self, key: str, revision: int) -> None:
+        """Watch lease ``key`` (found silent at ``revision``) again, from now:
+        its take-over failed, and a lease still silent a TTL on is handed
+        over again."""
+        self.watched[key] = _Watched(revision, time.monotonic())
+
     async def run(self, stop: asyncio.Event) -> None:
         """Check every ``interval`` seconds until ``stop`` is set."""
         try:
