@@ -133,7 +133,9 @@ async def _serve_agents(args: argparse.Namespace, served: list[Agent] | Populati
         logs.bind_process(worker=host.replica_id)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(host.run())
-            await host.wait_ready(30)
+            # Ready once serving; run() bounds the wait for the session store
+            # (store_wait) and raises if it never comes: no deadline here.
+            await host.wait_ready(float("inf"))
             if isinstance(served, list) and len(served) > LISTED:
                 names = f"{len(served)} agents ({served[0].name} … {served[-1].name})"
             elif isinstance(served, list):
