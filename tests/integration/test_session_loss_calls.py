@@ -330,16 +330,17 @@ async def test_a_take_over_the_store_fails_is_tried_again_and_the_host_serves_on
     caplog.set_level(logging.INFO)
     gate = Gate()
     url, prefix = nats_server.url, bus.prefix
-    acquire = SessionStore.acquire
+    take = SessionStore._take
     failed: list[str] = []
 
     async def first_take_over_fails(
-        self: SessionStore, agent: str, session_id: str, **options: Any
+        self: SessionStore, key: str, *args: Any, **options: Any
     ) -> Any:
+        # The lease is taken; reading the journal then fails.
         if options.get("take_over") and not failed:
-            failed.append(session_id)
-            raise StoreError(f"read '{agent}.{session_id}' failed: nats: timeout", transient=True)
-        return await acquire(self, agent, session_id, **options)
+            failed.append(key)
+            raise StoreError(f"read '{key}' failed: nats: timeout", transient=True)
+        return await take(self, key, *args, **options)
 
     worker = ToolWorker(bus, gated_tools(gate), worker_id="w1")
     async with worker_running(worker):
@@ -351,7 +352,7 @@ async def test_a_take_over_the_store_fails_is_tried_again_and_the_host_serves_on
                 )
                 async with asyncio.timeout(WAIT):
                     await gate.started.wait()
-            monkeypatch.setattr(SessionStore, "acquire", first_take_over_fails)
+            monkeypatch.setattr(SessionStore, "_take", first_take_over_fails)
             async with replica(url, prefix, "successor", recover_interval=0.1):
                 gate.opened.set()
                 answer = await asyncio.wait_for(asking, WAIT)
@@ -360,7 +361,7 @@ async def test_a_take_over_the_store_fails_is_tried_again_and_the_host_serves_on
         finally:
             if asking is not None:
                 asking.cancel()
-    assert failed == ["s9"]
+    assert failed == [session_key(AGENT, "s9")]
     assert "taking over session s9 failed, tried again once its lease is silent" in caplog.text
     assert "taking over session s9 from leaving" in caplog.text
     assert answer.finished_reason == "completed"

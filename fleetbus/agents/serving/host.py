@@ -600,7 +600,7 @@ class AgentHost(Observing, Lifecycle):
                 return  # another replica was faster, or it ended meanwhile
             except StoreError as exc:
                 # A store that does not answer (a cluster node cut off): the
-                # lease is still silent; recovery watches it again.
+                # lease is left to lapse; recovery watches it again.
                 logger.warning(
                     "%s: taking over session %s failed, tried again once its lease is "
                     "silent a TTL more: %s",

@@ -44,6 +44,7 @@ from fleetbus.errors import (
     SessionBusyError,
     SessionLost,
     SessionNotFoundError,
+    StoreError,
 )
 
 __all__ = [
@@ -194,8 +195,11 @@ class SessionStore(SessionJournals):
                     create=create,
                     serving=serving,
                 )
-            except BaseException:
-                await self._leases.drop(key, taken.revision)
+            except BaseException as exc:
+                # A take-over the store failed leaves the lease to lapse:
+                # released, nobody would take the dead owner's reply over.
+                if not (take_over and isinstance(exc, StoreError)):
+                    await self._leases.drop(key, taken.revision)
                 raise
 
     async def _take(
