@@ -170,6 +170,20 @@ async def replica(
         await host_bus.close()
 
 
+async def left_in_its_tool_call(
+    url: str, prefix: str, bus: Bus, gate: Gate, session: str
+) -> asyncio.Task[Any]:
+    """A request of ``session`` to a replica that stops while the reply is in
+    its tool call (its drain runs out): the request, still waiting."""
+    async with replica(url, prefix, "leaving", drain_timeout=0.5, recover_interval=3600):
+        asking = asyncio.create_task(
+            RemoteAgent(bus, AGENT, session_id=session).reply("go", timeout=WAIT)
+        )
+        async with asyncio.timeout(WAIT):
+            await gate.started.wait()
+    return asking
+
+
 async def steal_lease(bus: Bus, session: str) -> None:
     """Write the session's lease as another owner that then goes silent: its
     holder has lost it (as a replica that stalled past its lease does)."""
@@ -296,12 +310,7 @@ async def test_a_host_that_stops_leaves_its_tool_call_to_the_replica_taking_over
     async with worker_running(worker), seen(bus, tools) as sent, seen(bus, control) as controlled:
         asking: asyncio.Task[Any] | None = None
         try:
-            async with replica(url, prefix, "leaving", drain_timeout=0.5, recover_interval=3600):
-                asking = asyncio.create_task(
-                    RemoteAgent(bus, AGENT, session_id="s2").reply("go", timeout=WAIT)
-                )
-                async with asyncio.timeout(WAIT):
-                    await gate.started.wait()
+            asking = await left_in_its_tool_call(url, prefix, bus, gate, "s2")
             # Stopped: its drain ran out with the reply still in its tool call.
             async with replica(url, prefix, "successor", recover_interval=0.1):
                 await sent.until(lambda m: len(calls_of(m)) >= 2)
@@ -346,12 +355,7 @@ async def test_a_take_over_the_store_fails_is_tried_again_and_the_host_serves_on
     async with worker_running(worker):
         asking: asyncio.Task[Any] | None = None
         try:
-            async with replica(url, prefix, "leaving", drain_timeout=0.5, recover_interval=3600):
-                asking = asyncio.create_task(
-                    RemoteAgent(bus, AGENT, session_id="s9").reply("go", timeout=WAIT)
-                )
-                async with asyncio.timeout(WAIT):
-                    await gate.started.wait()
+            asking = await left_in_its_tool_call(url, prefix, bus, gate, "s9")
             monkeypatch.setattr(SessionStore, "_take", first_take_over_fails)
             async with replica(url, prefix, "successor", recover_interval=0.1):
                 gate.opened.set()
