@@ -826,7 +826,9 @@ class Bus:
         try:
             if not self._nc.is_draining:
                 await asyncio.wait_for(self._nc.drain(), self._drain_timeout + 1.0)
-        except (TimeoutError, nats.errors.Error, OSError) as exc:
+        except (TimeoutError, nats.errors.Error, OSError, RuntimeError) as exc:
+            # RuntimeError: uvloop's, when the connection closed under the
+            # drain before nats-py noticed (the server went away just then).
             logger.debug("drain failed (%s); closing", exc)
         await _close_quietly(self._nc)
 

@@ -366,6 +366,28 @@ async def test_a_closed_bus_says_so(nats_server: EmbeddedServer) -> None:
         await closed.publish("x", Event(event="e"))
 
 
+def test_a_bus_whose_connection_closes_under_it_closes_quietly(
+    nats_server: EmbeddedServer,
+) -> None:
+    """The server goes away just as a host stops: its connection is closed
+    before nats-py notices. Under uvloop (as ``fleetbus`` runs), the drain's
+    write raises ``RuntimeError``; the bus's close takes that as the
+    connection gone, not as a failure of its own."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def closing() -> None:
+        bus = await Bus.connect(nats_server.url, name="closing")
+        observing = await bus.observe("closing.x")
+        # The socket closed under the client, as when the server dies, and
+        # nothing read since: nats-py still takes the connection for up.
+        bus.nc._transport._io_writer.transport.close()  # type: ignore[union-attr]
+        await bus.close()
+        assert bus.nc.is_closed
+        await observing.close()
+
+    uvloop.run(closing())
+
+
 async def test_the_bus_survives_a_server_restart() -> None:
     """Requests work again once a restarted server is back on the same port."""
     port = free_port()
