@@ -8,9 +8,12 @@ tool on the worker, then the answer; a new session, as in a simulation's
 first round) run under callgrind. The runner asks ``N`` agents, 64 in
 flight, then stops the host; the same again with ``4N``. The figure is the
 difference divided by ``3N``: start-up and shutdown cancel out. Only the
-host is counted. ``--tree DIR`` runs the host from another tree (a
-``git archive`` of another commit, to compare two in one run);
-``--profile FILE`` keeps callgrind's profile of the ``4N`` run.
+host is counted. ``--rounds R`` asks every agent R times (its session one
+reply longer each round, as in a simulation's later rounds), the counters
+dumped after each round (``callgrind_control --dump``): one figure a round.
+``--tree DIR`` runs the host from another tree (a ``git archive`` of
+another commit, to compare two in one run); ``--profile DIR`` keeps
+callgrind's profiles of the ``4N`` run there (one file a round).
 
 Needs valgrind (else it says it skipped). Prints one JSON line.
 """
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -48,9 +52,10 @@ def _spawn(
     )
 
 
-async def _count(url: str, n: int, tree: Path, out: str = "/dev/null") -> int:
-    """The host's instructions over serving ``n`` new sessions, start and stop
-    included (``out``: where callgrind writes its profile)."""
+async def _count(url: str, n: int, tree: Path, rounds: int, out: Path) -> list[int]:
+    """The host's instructions in each of ``rounds`` rounds of ``n`` agents
+    (the first from start-up on, the last until it stopped; ``out``: the
+    directory callgrind writes its profiles to)."""
     prefix = f"ic{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "PYTHONPATH": str(tree), "SIM_AGENTS": str(n)}
     worker = _spawn(
@@ -69,7 +74,8 @@ async def _count(url: str, n: int, tree: Path, out: str = "/dev/null") -> int:
             except Exception:
                 await asyncio.sleep(0.2)
         host = _spawn(
-            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out / 'callgrind.out'}",
+             sys.executable,
              "-m", "fleetbus", "agent", "bench._sim_population:population", "--checkpoints",
              "reply", "--events", "final", "--nats", url, "--prefix", prefix],
             tree, env, log,
@@ -98,23 +104,22 @@ async def _count(url: str, n: int, tree: Path, out: str = "/dev/null") -> int:
             except Exception:
                 if host.poll() is not None:
                     raise RuntimeError(f"the host exited with {host.returncode}") from None
-        pending = iter(names)
-
-        async def worker_task() -> None:
-            for name in pending:
-                await ask(name, 600.0)
-
-        async with asyncio.TaskGroup() as tg:
-            for _ in range(64):
-                tg.create_task(worker_task())
+        for number in range(rounds):
+            pending = iter(names)
+            async with asyncio.TaskGroup() as tg:
+                for _ in range(64):
+                    tg.create_task(_asking(pending, ask))
+            if number < rounds - 1:  # the round's counters, to a file of their own
+                dump = ["callgrind_control", "--dump", str(host.pid)]
+                await asyncio.to_thread(subprocess.run, dump, check=True, capture_output=True)
         host.send_signal(signal.SIGTERM)
         await asyncio.to_thread(host.wait, 600)
         log.seek(0)
         err = log.read().decode(errors="replace")
-        match = re.search(r"Collected : (\d+)", err)
-        if match is None:
-            raise RuntimeError(err[-2000:])
-        return int(match[1])
+        counts = _totals(out)
+        if len(counts) != rounds:
+            raise RuntimeError(f"{len(counts)} profiles for {rounds} rounds: {err[-2000:]}")
+        return counts
     finally:
         if host is not None and host.poll() is None:
             host.kill()
@@ -124,22 +129,52 @@ async def _count(url: str, n: int, tree: Path, out: str = "/dev/null") -> int:
         await bus.close()
 
 
-async def measure(n: int, tree: Path, profile: Path | None) -> dict[str, float]:
-    with EmbeddedServer() as server:
-        small = await _count(server.url, n, tree)
-        out = str(profile) if profile is not None else "/dev/null"
-        large = await _count(server.url, 4 * n, tree, out)
-    return {"instructions_per_reply": round((large - small) / (3 * n))}
+async def _asking(pending: Iterator[str], ask: Callable[[str, float], Awaitable[None]]) -> None:
+    for name in pending:
+        await ask(name, 600.0)
+
+
+def _totals(out: Path) -> list[int]:
+    """The instructions of each profile callgrind wrote to ``out``, in the
+    order written (a dump's file is numbered ``.1``, ``.2``…; the one written
+    at exit has no number when nothing was dumped before)."""
+
+    def order(path: Path) -> int:
+        suffix = path.name.rpartition(".")[2]
+        return int(suffix) if suffix.isdigit() else 0
+
+    counts = []
+    for path in sorted(out.glob("callgrind.out*"), key=order):
+        match = re.search(r"^(?:totals|summary): (\d+)", path.read_text(), re.MULTILINE)
+        if match is None:
+            raise RuntimeError(f"{path} holds no totals")
+        counts.append(int(match[1]))
+    return counts
+
+
+async def measure(n: int, rounds: int, tree: Path, profile: Path | None) -> dict[str, Any]:
+    with EmbeddedServer() as server, tempfile.TemporaryDirectory() as tmp:
+        (small_dir := Path(tmp, "small")).mkdir()
+        small = await _count(server.url, n, tree, rounds, small_dir)
+        large_dir = profile or Path(tmp, "large")
+        large_dir.mkdir(parents=True, exist_ok=True)
+        for stale in large_dir.glob("callgrind.out*"):
+            stale.unlink()
+        large = await _count(server.url, 4 * n, tree, rounds, large_dir)
+    per_round = [round((b - a) / (3 * n)) for a, b in zip(small, large, strict=True)]
+    return {"instructions_per_reply": per_round[0], "instructions_per_reply_by_round": per_round}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replies", type=int, default=200, help="N (the runs serve N and 4N)")
+    parser.add_argument("--rounds", type=int, default=1, help="replies asked of each agent")
     parser.add_argument("--tree", type=Path, default=ROOT, help="the tree the host runs from")
     parser.add_argument(
         "--profile",
         type=Path,
-        help="write callgrind's profile of the 4N run here (callgrind_annotate reads it)",
+        help="keep callgrind's profiles of the 4N run in this directory (callgrind_annotate "
+        "reads them)",
     )
     parser.add_argument("--results", type=Path, help="append the JSON line to this file too")
     args = parser.parse_args()
@@ -148,11 +183,16 @@ def main() -> None:
         "bench": "sim_host_instructions",
         "python": platform.python_version(),
         "replies": args.replies,
+        "rounds": args.rounds,
     }
     if shutil.which("valgrind") is None:
         line["skipped"] = "valgrind not found"
     else:
-        line.update(asyncio.run(measure(args.replies, args.tree.resolve(), args.profile)))
+        if args.rounds < 1:
+            parser.error("--rounds must be at least 1")
+        line.update(
+            asyncio.run(measure(args.replies, args.rounds, args.tree.resolve(), args.profile))
+        )
     emit(line, args.results)
 
 
