@@ -67,3 +67,33 @@ def test_a_later_write_replaces_a_release_and_an_earlier_one_does_not(
     leases.note_released("x.u", 4)
     leases.forget_released()
     assert not leases.released("x.u")
+
+
+def test_a_release_noted_again_is_kept_by_its_later_note(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    leases, clock = _leases(monkeypatch, expiring=True)
+    leases.note_released("x.a", 1)
+    clock[0] += 1
+    leases.note_released("x.b", 2)
+    clock[0] += 3
+    leases.note_released("x.c", None)
+    clock[0] += leases._marker_gone - 10
+    leases.note_released("x.a", 7)  # taken and released again
+    clock[0] += 8  # x.a's first note and x.b are past their markers' life, x.c not yet
+    leases.note_released("x.d", 8)
+    assert [leases.released(k) for k in ("x.a", "x.b", "x.c", "x.d")] == [True, False, True, True]
+    assert leases._known_marker("x.a") == (7, True)  # the later note's
+    assert leases._known_marker("x.c") is None  # released, its marker unknown
+
+
+def test_a_release_noted_again_counts_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(leases_module, "_RELEASED_KEPT", 3)
+    leases, clock = _leases(monkeypatch, expiring=False)
+    for key, marker in [("x.0", 1), ("x.1", 2), ("x.0", 3), ("x.2", 4), ("x.0", 5)]:
+        leases.note_released(key, marker)
+        clock[0] += 1
+    assert [leases.released(f"x.{i}") for i in range(3)] == [True, True, True]
+    leases.note_released("x.3", 6)  # one too many: the oldest note still current goes
+    assert [leases.released(f"x.{i}") for i in range(4)] == [True, False, True, True]
+    assert leases._known_marker("x.0") == (5, True)
