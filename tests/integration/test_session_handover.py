@@ -65,7 +65,7 @@ async def test_held_by_another_replica_meanwhile_only_what_it_appended_is_read(
     assert await serve(b, "two") == ["one"]
     if heard:  # as a's recovery hears b's release: a's next take writes over its marker
         key = session_key("ann", "s1")
-        marker = (b._leases._released.get(key) or (None, 0.0))[0]
+        marker = b._leases._released[key][0]
         assert marker is not None
         a.note_released(key, marker)
     known = a._cache[session_key("ann", "s1")][0].seq  # the end of a's own last reply

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +54,7 @@ is resumed by its next message instead of by recovery."""
 _MARKER_TTL = 60.0
 """Seconds the marker of a released lease stays (at least; 6 lease TTLs)."""
 _RELEASED_KEPT = 250_000
-"""Leases released that are remembered, at most (about 140 bytes each). Where
+"""Leases released that are remembered, at most (about 280 bytes each). Where
 markers expire (nats-server 2.11+), only those released within a marker's
 life are kept: a take against an expired marker would fail, then read, then
 write, where one write finds the lease gone; and a resync of :class:`Recovery`
@@ -135,7 +135,7 @@ class Leases:
         # heard; ``None``: found gone, its marker unknown), and when: the next
         # take writes against it without reading first, while the marker
         # lives (``marker_life``); and a resync of Recovery does not read it.
-        self._released = _Releases()
+        self._released: OrderedDict[str, tuple[int | None, float]] = OrderedDict()
         marker_ttl = max(_MARKER_TTL, 6 * ttl)
         self.marker_life = marker_ttl - min(5.0, marker_ttl / 10)
         """Seconds after a release during which its marker is taken to be
@@ -326,10 +326,13 @@ class Leases:
         found released, the marker's revision unknown."""
         released = self._released
         now = time.monotonic()
-        released.note(key, marker, now)
-        # (Where markers expire, those noted before surely expired on the server.)
-        gone = now - self._marker_gone if self.bucket.expiring_markers else None
-        released.drop(_RELEASED_KEPT, gone)
+        released[key] = (marker, now)
+        released.move_to_end(key)
+        if len(released) > _RELEASED_KEPT:
+            released.popitem(last=False)
+        if self.bucket.expiring_markers:
+            while released and next(iter(released.values()))[1] < now - self._marker_gone:
+                released.popitem(last=False)  # expired on the server meanwhile
 
     def released(self, key: str) -> bool:
         """Whether lease ``key`` is known released (its marker not yet expired)."""
@@ -340,7 +343,7 @@ class Leases:
         noted before it is no longer the key's last write."""
         known = self._released.get(key)
         if known is not None and (known[0] is None or revision is None or known[0] < revision):
-            self._released.discard(key)
+            del self._released[key]
 
     def forget_released(self) -> None:
         """Forget every release noted (writes may have been missed meanwhile)."""
@@ -350,7 +353,7 @@ class Leases:
         """The revision of the marker lease ``key`` left when released, and
         whether it is surely there still (else it may have expired); ``None``
         when it has surely expired or is not known. Forgotten once asked for."""
-        marker, at = self._released.pop(key) or (None, 0.0)
+        marker, at = self._released.pop(key, (None, 0.0))
         if marker is None:
             return None
         if not self.bucket.expiring_markers:
@@ -359,76 +362,6 @@ class Leases:
         if age >= self._marker_gone:
             return None  # gone by now: the lease is written as new
         return marker, age < self.marker_life
-
-
-class _Releases:
-    """Releases noted, by lease key: each one's marker revision (or ``None``)
-    and when it was noted, oldest first.
-
-    A host hears every release of the fleet and keeps each for a marker's
-    life: 100,000 sessions a round are 100,000 entries. Each is one int (the
-    marker and the time in tenths of a second, packed) in a plain dict, and
-    the key and that int again in a queue that keeps the order: 138 bytes an
-    entry with its key (measured with tracemalloc), where a tuple of an int
-    and a float in an ordered dict took 261. A key noted again leaves its
-    earlier place in the queue behind: passed over (the dict holds a later
-    one) when the oldest are dropped.
-    """
-
-    __slots__ = ("_by_key", "_order", "_start")
-
-    def __init__(self) -> None:
-        self._by_key: dict[str, int] = {}
-        self._order: deque[Any] = deque()  # key, packed, key, packed…
-        self._start = time.monotonic()
-
-    def __len__(self) -> int:
-        return len(self._by_key)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._by_key
-
-    def _unpacked(self, packed: int) -> tuple[int | None, float]:
-        marker = (packed >> 32) - 1
-        return (marker if marker >= 0 else None), self._start + (packed & 0xFFFFFFFF) / 10
-
-    def note(self, key: str, marker: int | None, now: float) -> None:
-        """``key`` released at ``now``, leaving ``marker`` (``None``: unknown)."""
-        tenths = max(0, round((now - self._start) * 10))
-        packed = ((marker + 1 if marker is not None else 0) << 32) | tenths
-        self._by_key.pop(key, None)  # (kept in the order noted)
-        self._by_key[key] = packed
-        self._order.append(key)
-        self._order.append(packed)
-
-    def get(self, key: str) -> tuple[int | None, float] | None:
-        packed = self._by_key.get(key)
-        return None if packed is None else self._unpacked(packed)
-
-    def pop(self, key: str) -> tuple[int | None, float] | None:
-        packed = self._by_key.pop(key, None)
-        return None if packed is None else self._unpacked(packed)
-
-    def discard(self, key: str) -> None:
-        self._by_key.pop(key, None)
-
-    def clear(self) -> None:
-        self._by_key.clear()
-        self._order.clear()
-
-    def drop(self, kept: int, before: float | None) -> None:
-        """Forget the oldest releases beyond ``kept``, and those noted
-        before ``before`` (``None``: however old)."""
-        order, by_key = self._order, self._by_key
-        tenths = -1.0 if before is None else (before - self._start) * 10
-        while order:
-            key, packed = order[0], order[1]
-            if by_key.get(key) == packed:  # (else noted again since, or forgotten)
-                if len(by_key) <= kept and (packed & 0xFFFFFFFF) >= tenths:
-                    return
-                del by_key[key]
-            order.popleft()
-            order.popleft()
 
 
 def _needs_none(agent: str, session_id: str) -> SessionBusyError:
