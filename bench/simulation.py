@@ -49,8 +49,14 @@ this process as the runner. Measured:
   rolling the journal up as fleetbus's does), on streams fleetbus made; its
   CPU per reply (its hosts and the server(s)). What is above it is the
   work of fleetbus's host in Python (the agent, its session's records). It
-  runs before the fleet's rounds, its streams removed after it, so that its
-  round N meets the server as the fleet's round N does.
+  runs after the fleet, on a server the fleet's processes and streams are
+  gone from, so that no marker of the fleet's released leases expires
+  beside it; its streams are removed after it. Its round N starts as long
+  after its round 1 as the fleet's did: a released lease's marker expires
+  60 s after the release, and the server's expiry of one costs about what a
+  write does, so a round that starts a minute after the one before pays for
+  that round's markers (the fleet's second round of 100,000 agents does),
+  and the floor's round then pays for its own.
 
 With ``--cluster 3`` the three nodes run ``deploy/nats-cluster/*.conf`` made
 fit for this machine (``bench/_sim_cluster.py``; JetStream flushed as
@@ -225,6 +231,8 @@ class Design:
     hosts: list[subprocess.Popen[bytes]] = field(default_factory=list)
     figures: dict[str, Any] = field(default_factory=dict)
     rounds: list[dict[str, Any]] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)
+    """When each of its big rounds started (monotonic seconds)."""
 
     @property
     def procs(self) -> list[subprocess.Popen[bytes]]:
@@ -319,11 +327,17 @@ async def fan_out(
 
 
 async def protocol_floor(
-    top: Topology, prefix: str, names: list[str], args: argparse.Namespace
+    top: Topology,
+    prefix: str,
+    names: list[str],
+    args: argparse.Namespace,
+    offsets: list[float],
 ) -> list[dict[str, Any]]:
     """The rounds served by raw nats-py hosts doing a reply's bus work only:
     for each round, its seconds, the hosts' and the servers' CPU
-    milliseconds per agent, and (on a cluster) the route traffic per agent."""
+    milliseconds per agent, and (on a cluster) the route traffic per agent.
+    Round N starts ``offsets[N - 1]`` seconds after round 1 did (or when the
+    round before ends, if later): the fleet's own spacing."""
     floor = f"{prefix}floor"
     bus = await Bus.connect(top.url(0), prefix=floor, name="sim-floor")
     # The journal stream and the lease bucket, as fleetbus's session store
@@ -347,7 +361,9 @@ async def protocol_floor(
             await bus.nc.request(inbox, request, timeout=timeout)
             return True
 
-        for _ in range(args.rounds):
+        first = time.monotonic()
+        for number in range(args.rounds):
+            await asyncio.sleep(max(0.0, first + offsets[number] - time.monotonic()))
             before = sum(cpu_seconds(h.pid) for h in hosts)
             server_before = top.cpu()
             routes_before = await top.routes()
@@ -375,6 +391,14 @@ async def protocol_floor(
         for stream in (journals.stream, f"KV_{floor}_session_leases"):
             await js.delete_stream(stream)
         await bus.close()
+
+
+async def delete_streams(bus: Bus) -> None:
+    """Delete every stream on the server (the fleet's, once it stopped)."""
+    js = bus.nc.jetstream()
+    for info in await js.streams_info():
+        if info.config.name:
+            await js.delete_stream(info.config.name)
 
 
 async def wait_ready(
@@ -482,6 +506,7 @@ async def play_round(
             f"{compare['s']:.2f} s, {compare['answered']} answered"
         )
     stored, api = await writes.snapshot(), tap.snapshot(design.prefix)
+    design.starts.append(time.monotonic())
     figures = await played(design, names, "game", args, top)
     round_s = figures["s"]
     progress(f"round {number} of {design.name}: {round_s:.2f} s, {figures['answered']} answered")
@@ -631,6 +656,7 @@ async def measure(
             ]
         )
         procs = [raw]
+        played_all = False
         try:
             for d in designs:
                 d.bus = await Bus.connect(top.url(0), prefix=d.prefix, name=f"sim-runner-{d.name}")
@@ -672,12 +698,6 @@ async def measure(
                 return True
 
             floor_s, *_ = await fan_out(raw_call, names, args.in_flight, args.deadline)
-            # Before the rounds: each of its rounds meets a server in the state
-            # the same round of the fleet meets (its own streams, the rounds
-            # before it), and no other fleet's markers expiring beside it.
-            protocol = await protocol_floor(top, base, names, args)
-            floor_text = ", ".join(f"{p['s']:.2f} s" for p in protocol)
-            progress(f"protocol floor: {floor_text}")
             tap = ApiTap(bus.nc, [d.prefix for d in designs])
             await tap.start()
             async with memory.sampling():
@@ -703,11 +723,29 @@ async def measure(
                     await broadcast(d, names, args.deadline)
                     progress(f"broadcast of {d.name}: {d.figures['broadcast_s']} s")
             meta_leader = top.cluster.meta_leader() if top.cluster is not None else None
+            played_all = True
         finally:
             for d in designs:
                 if d.bus is not None:
                     await d.bus.close()
-                procs += d.procs
+                for proc in d.procs:
+                    stop(proc)
+            if not played_all:
+                await bus.close()
+                for proc in procs:
+                    stop(proc)
+        try:
+            # After the fleet, on a server as the fleet's round 1 met it: the
+            # fleet's streams deleted (with the markers its releases left,
+            # which would expire beside the floor's rounds), its own streams
+            # made anew; its rounds spaced as the new design's were.
+            await delete_streams(bus)
+            starts = designs[0].starts
+            offsets = [t - starts[0] for t in starts]
+            protocol = await protocol_floor(top, base, names, args, offsets)
+            floor_text = ", ".join(f"{p['s']:.2f} s" for p in protocol)
+            progress(f"protocol floor: {floor_text}")
+        finally:
             await bus.close()
             for proc in procs:
                 stop(proc)
@@ -747,6 +785,7 @@ async def measure(
             "cpu_ms_per_answer_total": [
                 round(p["host_cpu_ms"] + p["server_cpu_ms"], 3) for p in protocol
             ],
+            "round_starts_s": [round(t - designs[0].starts[0], 1) for t in designs[0].starts],
         },
         "servers": len(top.pids),
         "js_replicas": session_stream.get("replicas"),
