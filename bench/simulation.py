@@ -55,8 +55,9 @@ this process as the runner. Measured:
   after its round 1 as the fleet's did: a released lease's marker expires
   60 s after the release, and the server's expiry of one costs about what a
   write does, so a round that starts a minute after the one before pays for
-  that round's markers (the fleet's second round of 100,000 agents does),
-  and the floor's round then pays for its own.
+  that round's markers (the fleet's second round of 100,000 agents does);
+  the floor's round then pays for those of its own that expire while it
+  runs (fewer: its rounds are shorter).
 
 With ``--cluster 3`` the three nodes run ``deploy/nats-cluster/*.conf`` made
 fit for this machine (``bench/_sim_cluster.py``; JetStream flushed as
@@ -735,10 +736,10 @@ async def measure(
                 for proc in procs:
                     stop(proc)
         try:
-            # After the fleet, on a server as the fleet's round 1 met it: the
-            # fleet's streams deleted (with the markers its releases left,
-            # which would expire beside the floor's rounds), its own streams
-            # made anew; its rounds spaced as the new design's were.
+            # After the fleet, on a server that holds no stream but the
+            # floor's own: the fleet's deleted, with the markers its releases
+            # left, which would expire beside the floor's rounds. Its rounds
+            # are spaced as the new design's were.
             await delete_streams(bus)
             starts = designs[0].starts
             offsets = [t - starts[0] for t in starts]
