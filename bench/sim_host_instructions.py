@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import platform
 import re
@@ -112,6 +113,10 @@ async def _count(url: str, n: int, tree: Path, rounds: int, out: Path) -> list[i
             if number < rounds - 1:  # the round's counters, to a file of their own
                 dump = ["callgrind_control", "--dump", str(host.pid)]
                 await asyncio.to_thread(subprocess.run, dump, check=True, capture_output=True)
+                # Written once the host next runs (a timer wakes it): the
+                # next round starts after, or its first replies would count
+                # in this one.
+                await _written(out / f"callgrind.out.{number + 1}", host)
         host.send_signal(signal.SIGTERM)
         await asyncio.to_thread(host.wait, 600)
         log.seek(0)
@@ -129,6 +134,21 @@ async def _count(url: str, n: int, tree: Path, rounds: int, out: Path) -> list[i
         await bus.close()
 
 
+async def _written(path: Path, host: subprocess.Popen[bytes]) -> None:
+    """Wait until callgrind has written the dump ``path`` whole."""
+
+    def whole() -> bool:
+        return path.exists() and re.search(r"^totals: ", path.read_text(), re.MULTILINE) is not None
+
+    for _ in range(1200):
+        if await asyncio.to_thread(whole):
+            return
+        if host.poll() is not None:
+            raise RuntimeError(f"the host exited with {host.returncode} before its dump")
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"callgrind wrote no {path.name} in 120 s")
+
+
 async def _asking(pending: Iterator[str], ask: Callable[[str, float], Awaitable[None]]) -> None:
     for name in pending:
         await ask(name, 600.0)
@@ -136,12 +156,12 @@ async def _asking(pending: Iterator[str], ask: Callable[[str, float], Awaitable[
 
 def _totals(out: Path) -> list[int]:
     """The instructions of each profile callgrind wrote to ``out``, in the
-    order written (a dump's file is numbered ``.1``, ``.2``…; the one written
-    at exit has no number when nothing was dumped before)."""
+    order written: a dump's file is numbered ``.1``, ``.2``…; the one written
+    at exit has no number (the last)."""
 
-    def order(path: Path) -> int:
+    def order(path: Path) -> float:
         suffix = path.name.rpartition(".")[2]
-        return int(suffix) if suffix.isdigit() else 0
+        return int(suffix) if suffix.isdigit() else math.inf
 
     counts = []
     for path in sorted(out.glob("callgrind.out*"), key=order):
