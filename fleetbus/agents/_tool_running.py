@@ -24,6 +24,7 @@ from typing import Any, NamedTuple, cast
 
 import jsonschema  # type: ignore[import-untyped]
 import msgspec
+import orjson
 import pydantic
 import referencing
 import referencing.exceptions
@@ -463,11 +464,13 @@ class _Loop(NamedTuple):
 
 
 def _signature(use: ToolUseBlock) -> str:
-    """The call's tool and canonical arguments, in a few bytes: ``name:digest``."""
-    canonical = json.dumps(
-        use.input, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str
+    """The call's tool and canonical arguments, in a few bytes: ``name:digest``
+    (the arguments as orjson writes them with sorted keys; what it cannot
+    write, as text)."""
+    canonical = orjson.dumps(
+        use.input, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS, default=str
     )
-    return f"{use.name}:{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
+    return f"{use.name}:{hashlib.sha256(canonical).hexdigest()[:16]}"
 
 
 def _tool_of(signature: str) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 import nats.errors
 import nats.js.errors
@@ -242,10 +242,10 @@ def _status_error(what: str, status: str) -> StoreError:
 
 
 def _parse_time(stamp: str) -> datetime | None:
-    """A server time stamp (RFC 3339 with nanoseconds) as a datetime."""
+    """A server time stamp (RFC 3339 with nanoseconds, in UTC) as a datetime,
+    to the microsecond (Python 3.11's ``fromisoformat`` reads it whole)."""
     try:
-        head, _, rest = stamp.partition(".")
-        fraction = "".join(c for c in rest if c.isdigit())[:6]
-        return datetime.fromisoformat(f"{head}.{fraction or '0'}+00:00")
+        when = datetime.fromisoformat(stamp)
     except ValueError:
         return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)

@@ -236,3 +236,23 @@ async def test_the_saved_state_keeps_only_the_last_calls() -> None:
     assert final.finished_reason == "completed"
     assert len(runs) == 30
     assert max(lengths) == 20
+
+
+def test_a_call_is_known_by_its_tool_and_arguments_whatever_their_order() -> None:
+    from datetime import UTC, datetime
+
+    from fleetbus.agents._tool_running import _signature
+    from fleetbus.protocol import ToolUseBlock
+
+    def signature(name: str, arguments: dict[Any, Any]) -> str:
+        return _signature(ToolUseBlock(id="c1", name=name, input=arguments))
+
+    one = signature("weather", {"city": "Oslo", "days": [1, 2], "units": {"t": "C", "w": "m/s"}})
+    same = signature("weather", {"units": {"w": "m/s", "t": "C"}, "days": [1, 2], "city": "Oslo"})
+    assert one == same
+    assert one.startswith("weather:")
+    assert one != signature("weather", {"city": "Oslo", "days": [2, 1], "units": {"t": "C"}})
+    assert one != signature("news", {"city": "Oslo", "days": [1, 2], "units": {"t": "C"}})
+    # What JSON cannot hold is taken as its text, not refused.
+    when = datetime(2026, 12, 5, tzinfo=UTC)
+    assert signature("at", {"when": when, 1: "x"}) == signature("at", {1: "x", "when": when})
