@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
+import nats.js.errors
+
 from fleetbus.bus import Bus, find_server_binary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -329,6 +331,32 @@ class NatsCluster:
         }
         others = [node.name for node in self.nodes if node.running and node.name != leader]
         return all(seen.get(name) for name in others)
+
+    async def wait_placement(self, bus: Bus, timeout: float = 30.0) -> None:
+        """Wait until the cluster places a stream on every running node. The
+        meta leader may see a restarted node as current (``wait_ready``)
+        before its placement does: until then a stream wanting three copies
+        finds "no suitable peers for placement, peer offline". A stream of
+        as many copies as nodes run is made, then deleted.
+
+        Raises:
+            ClusterError: not placed within ``timeout`` seconds.
+        """
+        js = bus.nc.jetstream(timeout=5.0)
+        name = f"placement_probe_{time.monotonic_ns()}"
+        replicas = sum(1 for node in self.nodes if node.running)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await js.add_stream(
+                    name=name, subjects=[f"{name}.>"], num_replicas=replicas, storage="memory"
+                )
+                break
+            except nats.js.errors.BadRequestError as exc:
+                if "no suitable peers" not in str(exc) or time.monotonic() > deadline:
+                    raise ClusterError(f"no stream of {replicas} copies placed: {exc}") from exc
+                await asyncio.sleep(0.1)
+        await js.delete_stream(name)
 
     def meta_leader(self) -> str | None:
         """The server name of the JetStream meta leader, as a running node sees it."""

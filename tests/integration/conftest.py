@@ -34,6 +34,7 @@ async def cluster_bus(cluster: NatsCluster, prefix: str) -> AsyncIterator[Bus]:
     """A bus that knows all three servers, on the test's own prefix."""
     bus = await Bus.connect(cluster.urls, prefix=prefix, name="cluster-test")
     try:
+        await cluster.wait_placement(bus)
         yield bus
     finally:
         await bus.close()
