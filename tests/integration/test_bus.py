@@ -379,7 +379,10 @@ def test_a_bus_whose_connection_closes_under_it_closes_quietly(
         bus = await Bus.connect(nats_server.url, name="closing")
         observing = await bus.observe("closing.x")
         # The socket closed under the client, as when the server dies, and
-        # nothing read since: nats-py still takes the connection for up.
+        # nothing read since: nats-py still takes the connection for up. (A
+        # killed server cannot make this moment happen on purpose: the read
+        # loop notices first. nats-py has no public handle on its socket, so
+        # the test closes it through its private transport, a test's reach.)
         bus.nc._transport._io_writer.transport.close()  # type: ignore[union-attr]
         await bus.close()
         assert bus.nc.is_closed
