@@ -97,3 +97,26 @@ def test_a_release_noted_again_counts_once(monkeypatch: pytest.MonkeyPatch) -> N
     leases.note_released("x.3", 6)  # one too many: the oldest note still current goes
     assert [leases.released(f"x.{i}") for i in range(4)] == [True, False, True, True]
     assert leases._known_marker("x.0") == (5, True)
+
+
+async def test_a_marker_is_trusted_for_its_ttl_from_before_its_release_was_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server stamps a marker after its release was sent and expires it
+    a TTL later: within that TTL a take writes against it first (a guess
+    that fails costs a second write), past it the lease is written as new."""
+    leases, clock = _leases(monkeypatch, expiring=True)
+    markers = iter(range(7, 100))
+
+    async def purge(key: str, *, revision: int, ttl: float) -> int:
+        assert ttl == leases.marker_life == leases_module._MARKER_TTL
+        clock[0] += 2.0  # a slow answer: the marker was stamped meanwhile
+        return next(markers)
+
+    monkeypatch.setattr(leases.bucket, "purge", purge, raising=False)
+    assert await leases.drop("x.young", 3) == 7
+    assert await leases.drop("x.old", 4) == 8
+    clock[0] += leases.marker_life - 4.5  # x.young: 0.5 s of its TTL left since it was sent
+    assert leases._known_marker("x.young") == (7, True)
+    clock[0] += 3.0  # x.old: 0.5 s past its TTL since it was sent
+    assert leases._known_marker("x.old") == (8, False)

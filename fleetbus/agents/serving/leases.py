@@ -137,11 +137,13 @@ class Leases:
         # lives (``marker_life``); and a resync of Recovery does not read it.
         self._released: OrderedDict[str, tuple[int | None, float]] = OrderedDict()
         marker_ttl = max(_MARKER_TTL, 6 * ttl)
-        self.marker_life = marker_ttl - min(5.0, marker_ttl / 10)
+        self.marker_life = marker_ttl
         """Seconds after a release during which its marker is taken to be
-        there still (a little less than its TTL; forever where markers do
-        not expire). A take within it writes against the marker first, a
-        take after it writes the lease as new first."""
+        there still (forever where markers do not expire): its TTL, counted
+        from before the release was sent. The server stamps the marker after
+        that and expires it a TTL after its stamp, so within this time it is
+        there. A take within it writes against the marker first, a take
+        after it writes the lease as new first."""
         self._marker_gone = marker_ttl + min(30.0, marker_ttl / 2)
         """Seconds after a release by which the server has surely expired
         its marker (its TTL, and time for the server's expiry to run)."""
@@ -299,6 +301,7 @@ class Leases:
         next request for a whole TTL, which across a cluster node's death
         made that session's next answer far later than the others'."""
         retry = self._drop_retry
+        sent = time.monotonic()  # (the marker is stamped later: it lives longer)
         try:
             try:
                 marker = await retry.call(self._remove, key, revision)
@@ -316,17 +319,18 @@ class Leases:
         except StoreError as exc:
             logger.warning("lease of %s not released (it will lapse): %s", key, exc)
             return None
-        self.note_released(key, marker)
+        self.note_released(key, marker, at=sent)
         return marker
 
-    def note_released(self, key: str, marker: int | None) -> None:
+    def note_released(self, key: str, marker: int | None, *, at: float | None = None) -> None:
         """Lease ``key`` was released, leaving a marker at revision ``marker``
         (here, or by another replica: :class:`Recovery` hears it): the next
         take writes against it without reading the lease first. ``None``:
-        found released, the marker's revision unknown."""
+        found released, the marker's revision unknown. ``at``: the monotonic
+        time no later than the marker's stamp (now, by default)."""
         released = self._released
         now = time.monotonic()
-        released[key] = (marker, now)
+        released[key] = (marker, now if at is None else at)
         released.move_to_end(key)
         if len(released) > _RELEASED_KEPT:
             released.popitem(last=False)
