@@ -47,8 +47,12 @@ this process as the runner. Measured:
   is not known, append ``taken``, call the tool, append ``end``, answer,
   release: messages of the sizes fleetbus sends, the ``end`` a snapshot
   rolling the journal up as fleetbus's does), on streams fleetbus made; its
-  CPU per reply (its hosts and the server(s)). What is above it is the
-  work of fleetbus's host in Python (the agent, its session's records). It
+  CPU per reply (its hosts, the server(s), the raw responder serving its
+  tool calls and the runner: the fleet's four) and its JetStream API
+  requests per reply, counted by the same tap as the fleet's rounds (a copy
+  of every API request reaches this process: both pay for it). What is
+  above it is the work of fleetbus's host in Python (the agent, its
+  session's records) and of fleetbus's client in the runner. It
   runs after the fleet, on a server the fleet's processes and streams are
   gone from, so that no marker of the fleet's released leases expires
   beside it; its streams are removed after it. Its round N starts as long
@@ -333,14 +337,19 @@ async def protocol_floor(
     names: list[str],
     args: argparse.Namespace,
     offsets: list[float],
+    responder: subprocess.Popen[bytes],
 ) -> list[dict[str, Any]]:
     """The rounds served by raw nats-py hosts doing a reply's bus work only:
-    for each round, its seconds, the hosts' and the servers' CPU
-    milliseconds per agent, and (on a cluster) the route traffic per agent.
-    Round N starts ``offsets[N - 1]`` seconds after round 1 did (or when the
-    round before ends, if later): the fleet's own spacing."""
+    for each round, its seconds, the CPU milliseconds per agent of the
+    hosts, the servers, the raw responder that serves their tool calls and
+    this process (the runner), the JetStream API requests per reply (the
+    same tap as the fleet's rounds, at the same cost), and (on a cluster)
+    the route traffic per agent. Round N starts ``offsets[N - 1]`` seconds
+    after round 1 did (or when the round before ends, if later): the
+    fleet's own spacing."""
     floor = f"{prefix}floor"
     bus = await Bus.connect(top.url(0), prefix=floor, name="sim-floor")
+    tap = ApiTap(bus.nc, [floor])
     # The journal stream and the lease bucket, as fleetbus's session store
     # opens them.
     journals = await journal(bus, "session")
@@ -362,22 +371,31 @@ async def protocol_floor(
             await bus.nc.request(inbox, request, timeout=timeout)
             return True
 
+        await tap.start()
         first = time.monotonic()
         for number in range(args.rounds):
             await asyncio.sleep(max(0.0, first + offsets[number] - time.monotonic()))
             before = sum(cpu_seconds(h.pid) for h in hosts)
+            worker_before, runner_before = cpu_seconds(responder.pid), time.process_time()
             server_before = top.cpu()
             routes_before = await top.routes()
+            api = tap.snapshot(floor)
             round_s, answered, *_ = await fan_out(play, names, args.in_flight, args.deadline)
             if answered != n:
                 raise RuntimeError(f"the protocol floor answered {answered} of {n}")
             spent = sum(cpu_seconds(h.pid) for h in hosts) - before
+            worker = cpu_seconds(responder.pid) - worker_before
+            runner = time.process_time() - runner_before
             servers = [a - b for a, b in zip(top.cpu(), server_before, strict=True)]
             routes = await top.routes()
+            await asyncio.sleep(0.2)  # the last requests' copies reach the tap
             entry: dict[str, Any] = {
                 "s": round_s,
                 "host_cpu_ms": spent * 1000 / n,
                 "server_cpu_ms": sum(servers) * 1000 / n,
+                "worker_cpu_ms": worker * 1000 / n,
+                "runner_cpu_ms": runner * 1000 / n,
+                "api_requests_per_reply": ApiTap.per(api, tap.snapshot(floor), n),
             }
             if top.cluster is not None:
                 entry["server_cpu_ms_by_node"] = [round(c * 1000 / n, 3) for c in servers]
@@ -386,6 +404,7 @@ async def protocol_floor(
             out.append(entry)
         return out
     finally:
+        await tap.stop()
         for proc in hosts:
             stop(proc)
         js = bus.nc.jetstream()
@@ -743,7 +762,7 @@ async def measure(
             await delete_streams(bus)
             starts = designs[0].starts
             offsets = [t - starts[0] for t in starts]
-            protocol = await protocol_floor(top, base, names, args, offsets)
+            protocol = await protocol_floor(top, base, names, args, offsets, raw)
             floor_text = ", ".join(f"{p['s']:.2f} s" for p in protocol)
             progress(f"protocol floor: {floor_text}")
         finally:
@@ -783,9 +802,13 @@ async def measure(
             "rounds_s": [round(s, 2) for s in floor_rounds],
             "host_cpu_ms_per_agent": [round(p["host_cpu_ms"], 3) for p in protocol],
             "server_cpu_ms_per_agent": [round(p["server_cpu_ms"], 3) for p in protocol],
+            "worker_cpu_ms_per_agent": [round(p["worker_cpu_ms"], 3) for p in protocol],
+            "runner_cpu_ms_per_agent": [round(p["runner_cpu_ms"], 3) for p in protocol],
             "cpu_ms_per_answer_total": [
-                round(p["host_cpu_ms"] + p["server_cpu_ms"], 3) for p in protocol
+                round(sum(p[f"{k}_cpu_ms"] for k in ("host", "server", "worker", "runner")), 3)
+                for p in protocol
             ],
+            "api_requests_per_reply": [p["api_requests_per_reply"] for p in protocol],
             "round_starts_s": [round(t - designs[0].starts[0], 1) for t in designs[0].starts],
         },
         "servers": len(top.pids),
