@@ -218,3 +218,37 @@ async def test_a_reader_of_snapshots_reads_the_last_message_first_and_folds_the_
         assert record is not None
         assert dumped(record.state.memory) == dumped(memory)
         assert reads == ([session_key(AGENT, session)] if read_whole else [])
+
+
+async def test_a_small_rollup_keeps_the_journal_one_snapshot_while_it_stays_small(
+    bus: Bus,
+) -> None:
+    """A population's saves (``small_rollup``): each is the snapshot of the
+    whole session while that stays under ``SNAPSHOT_BYTES``; the save that
+    would pass it appends what it adds instead, and so do the next ones."""
+    store = await SessionStore.open(bus, owner="writer")
+    key = session_key(AGENT, "grows")
+    written: list[Msg] = []
+    sizes: list[tuple[int, int]] = []  # (messages in the journal, bytes of its last)
+    for n in range(40):  # about 28 KB of memory in the end
+        lease = await store.acquire(AGENT, "grows")
+        messages = turn(n)
+        written += messages
+        lease.record.state.memory.extend(messages)
+        await store.save(
+            lease, state=lease.record.state, status="idle", release=True, small_rollup=True
+        )
+        entries = await store.journal.read(key)
+        sizes.append((len(entries), len(entries[-1].data)))
+    small = [i for i, (count, _) in enumerate(sizes) if count == 1]
+    assert small == list(range(len(small)))  # one snapshot, then never again
+    assert 5 < len(small) < 40
+    assert all(last <= SNAPSHOT_BYTES for _, last in sizes[: len(small)])
+    past = sizes[len(small)][1]  # the first save that did not roll up: its turn alone
+    assert past < SNAPSHOT_BYTES // 4
+    counts = [c for c, _ in sizes[len(small) :]]
+    assert counts[0] > 1 and all(b > a for a, b in zip(counts, counts[1:], strict=False))
+    reader = await SessionStore.open(bus, owner="reader")
+    record = await reader.get(AGENT, "grows")
+    assert record is not None
+    assert dumped(record.state.memory) == dumped(written)

@@ -384,18 +384,28 @@ class SessionJournals:
         # Numbered before it is sent: an append that lands after its writer
         # stopped waiting is never mistaken for a later one.
         n = lease.writes = lease.writes + 1
-        data = orjson.dumps({**fact, "e": lease.epoch, "n": n})
-        weight = lease.since_snapshot + len(data)
-        if not rollup and (
-            weight > max(SNAPSHOT_BYTES, SNAPSHOT_MULTIPLE * lease.snapshot_bytes)
-            or (small_rollup and weight + lease.snapshot_bytes <= SNAPSHOT_BYTES)
+        data = b""
+        if (
+            not rollup
+            and small_rollup
+            and lease.snapshot_bytes + lease.since_snapshot < SNAPSHOT_BYTES
         ):
-            rollup = True
-        if rollup:
-            if encoded is None or len(encoded) != len(state.memory):
-                encoded = [stored_json(m) for m in state.memory]
-            fact = snapshot_fact(base.model_copy(update=meta), state, fields, encoded)
-            data = orjson.dumps({**fact, "e": lease.epoch, "n": n})
+            # While the whole journal is small, each write rolls it up: the
+            # snapshot is made first, and written unless it is too large now.
+            encoded = _all_encoded(encoded, state)
+            whole = snapshot_fact(base.model_copy(update=meta), state, fields, encoded)
+            small = orjson.dumps({**whole, "e": lease.epoch, "n": n})
+            if len(small) <= SNAPSHOT_BYTES:
+                fact, data, rollup = whole, small, True
+        if not data:
+            if not rollup:
+                data = orjson.dumps({**fact, "e": lease.epoch, "n": n})
+                weight = lease.since_snapshot + len(data)
+                rollup = weight > max(SNAPSHOT_BYTES, SNAPSHOT_MULTIPLE * lease.snapshot_bytes)
+            if rollup:
+                encoded = _all_encoded(encoded, state)
+                fact = snapshot_fact(base.model_copy(update=meta), state, fields, encoded)
+                data = orjson.dumps({**fact, "e": lease.epoch, "n": n})
         blob = None
         stored = data
         if len(data) > self._inline_limit:
@@ -472,3 +482,10 @@ class SessionJournals:
         facts = await self._facts(key)
         await self.journal.purge(key)
         await self._drop_blobs([f.ref for _, f, _ in facts if isinstance(f.ref, str)])
+
+
+def _all_encoded(encoded: list[bytes] | None, state: AgentState) -> list[bytes]:
+    """The JSON of each message of memory (``encoded`` when it has them all)."""
+    if encoded is None or len(encoded) != len(state.memory):
+        return [stored_json(m) for m in state.memory]
+    return encoded
