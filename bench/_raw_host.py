@@ -10,7 +10,10 @@ floor's prefix: the journal stream ``<prefix>_session`` as
 ``<prefix>.agent.*.inbox`` (queue group ``hosts``), in order, each awaited:
 
 1. take the session's lease: a compare-and-set write on the lease bucket
-   against the marker its release left (a create when none is known);
+   against the marker its release left while that lives (``MARKER_LIFE``),
+   else as new first (a create), the other second; the lease read and
+   written over only when both fail, or when no release is known and the
+   create fails;
 2. read the session's journal when its end is not known: one direct get
    batch (``$JS.API.DIRECT.GET.<stream>`` with ``{"seq", "next_by_subj",
    "batch"}``), every message of the session to its end of batch; or, as
@@ -51,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import time
 from collections import OrderedDict
 
 import nats
@@ -96,6 +100,13 @@ BATCH = 256
 """Messages a direct get returns at most (as fleetbus's journal asks)."""
 MARKER_TTL = "60"
 """Seconds the marker of a released lease stays (as fleetbus's leases)."""
+MARKER_LIFE = 60.0
+"""Seconds after a release during which its marker is written against first
+(fleetbus's ``Leases.marker_life``); past them, the lease is written as new
+first, and the marker is tried second."""
+MARKER_GONE = 90.0
+"""Seconds after a release by which its marker has surely expired: a take
+then writes the lease as new only (fleetbus's ``Leases._marker_gone``)."""
 _OPERATION = "KV-Operation"
 _EXPECTED = "Nats-Expected-Last-Subject-Sequence"
 _SEQUENCE = "Nats-Sequence"
@@ -127,7 +138,7 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
     journals = f"{prefix}.session."
     direct = f"$JS.API.DIRECT.GET.{prefix}_session"
     republished = f"{prefix}.kv.session_leases."
-    released: dict[str, int] = {}
+    released: dict[str, tuple[int, float]] = {}  # (marker, when released)
     ends: OrderedDict[str, tuple[tuple[int, int], int]] = OrderedDict()
     limiter = asyncio.Semaphore(concurrency)
     reads: dict[str, tuple[list[tuple[int, int, bool]], asyncio.Future[bool]]] = {}
@@ -138,7 +149,8 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
     async def heard(msg: Msg) -> None:
         headers = msg.headers or {}
         if headers.get(_OPERATION) == "PURGE":
-            released[msg.subject[len(republished) :]] = int(headers.get(_SEQUENCE, "0"))
+            marker = int(headers.get(_SEQUENCE, "0"))
+            released[msg.subject[len(republished) :]] = (marker, time.monotonic())
 
     async def part(msg: Msg) -> None:
         waiting = reads.get(msg.subject[len(inbox) + 1 :])
@@ -195,19 +207,30 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
             start = end[0] + 1
 
     async def take(key: str) -> tuple[int, int | None]:
-        """The lease taken: its revision, and the marker it was taken over."""
-        marker = released.pop(key, None)
-        first = marker
-        while True:
+        """The lease taken: its revision, and the marker it was taken over.
+        As fleetbus's leases: against the marker its release left while
+        that lives, else as new first and against the marker second; only
+        when both fail (or no release is known), the lease is read."""
+        known = released.pop(key, None)
+        ways: list[int] = [0]
+        if known is not None and time.monotonic() - known[1] < MARKER_GONE:
+            fresh = time.monotonic() - known[1] < MARKER_LIFE
+            ways = [known[0], 0] if fresh else [0, known[0]]
+        for way in ways:
             try:
-                revision = await acked(leases + key, LEASE, {_EXPECTED: str(marker or 0)})
-                return revision, first if marker == first else None
-            except Mismatch:  # the marker expired, or unknown: read the lease
-                query = orjson.dumps({"last_by_subj": leases + key})
-                got = orjson.loads(
-                    (await nc.request(f"$JS.API.STREAM.MSG.GET.KV_{bucket}", query, 60)).data
-                )
-                marker = int(got["message"]["seq"]) if "message" in got else 0
+                return await acked(leases + key, LEASE, {_EXPECTED: str(way)}), way or None
+            except Mismatch:
+                continue
+        while True:  # read the lease, then write over what it holds
+            query = orjson.dumps({"last_by_subj": leases + key})
+            got = orjson.loads(
+                (await nc.request(f"$JS.API.STREAM.MSG.GET.KV_{bucket}", query, 60)).data
+            )
+            marker = int(got["message"]["seq"]) if "message" in got else 0
+            try:
+                return await acked(leases + key, LEASE, {_EXPECTED: str(marker)}), None
+            except Mismatch:
+                continue
 
     async def reply(msg: Msg) -> None:
         async with limiter:
@@ -236,7 +259,8 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
                 kind, size = b"d", END_GROWTH_BYTES
             end = await acked(journals + key, fact(replies, kind, size), headers)
             await nc.publish(msg.reply, ANSWER)
-            released[key] = marker = await acked(
+            sent = time.monotonic()  # (as fleetbus's: the marker is stamped later)
+            marker = await acked(
                 leases + key,
                 b"",
                 {
@@ -246,6 +270,7 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
                     _EXPECTED: str(lease),
                 },
             )
+            released[key] = (marker, sent)
             ends[key] = ((end, replies), marker)
             if len(ends) > CACHED:
                 ends.popitem(last=False)
