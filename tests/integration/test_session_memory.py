@@ -5,6 +5,7 @@ and stored data that cannot be read."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import orjson
@@ -247,7 +248,8 @@ async def test_a_small_rollup_keeps_the_journal_one_snapshot_while_it_stays_smal
     past = sizes[len(small)][1]  # the first save that did not roll up: its turn alone
     assert past < SNAPSHOT_BYTES // 4
     counts = [c for c, _ in sizes[len(small) :]]
-    assert counts[0] > 1 and all(b > a for a, b in zip(counts, counts[1:], strict=False))
+    assert counts[0] > 1
+    assert all(b > a for a, b in itertools.pairwise(counts))
     reader = await SessionStore.open(bus, owner="reader")
     record = await reader.get(AGENT, "grows")
     assert record is not None
