@@ -12,9 +12,12 @@ from typing import Any
 import pytest
 
 from fleetbus.agents.serving import leases as leases_module
+from fleetbus.agents.serving.journals import JOURNAL_NAME
+from fleetbus.agents.serving.leases import Leases
 from fleetbus.agents.serving.sessions import SessionStore, session_key
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus
+from fleetbus.bus.journal import journal
 from fleetbus.protocol import UserRequest, to_builtins
 
 
@@ -219,3 +222,29 @@ async def test_releases_heard_are_neither_read_at_a_resync_nor_at_the_next_take(
         await b.save(lease, status="idle", release=True)
     finally:
         await recovery.close()
+
+
+async def test_a_cache_no_session_comes_back_to_holds_no_fold_until_one_does(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Sessions that never come back (a population's agents, each asked once
+    a round): after four times its size in such takes, the cache holds no
+    new fold, since the reads it would spare never come. A session that
+    comes back turns it on again, and its next take reads nothing."""
+    leases = await Leases.open(bus, owner="a", ttl=10.0)
+    store = SessionStore(bus, await journal(bus, JOURNAL_NAME), leases, cache_size=2)
+    for i in range(10):
+        await _released(store, f"pop{i}")
+
+    def held() -> list[str]:
+        return sorted(key.partition(".")[0] for key in store._cache)
+
+    assert held() == ["pop6", "pop7"]  # pop8 and pop9 came after 8 takes with none back
+    reads: list[str] = []
+    monkeypatch.setattr(store, "_load", _counted(reads, "read", store._load))
+    await _released(store, "pop9")  # released here, taken again here: it comes back
+    assert reads == ["read"]  # (its fold was not held)
+    assert "pop9" in held()
+    reads.clear()
+    await _released(store, "pop9")
+    assert reads == []  # held now: nothing read

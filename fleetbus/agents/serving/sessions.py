@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -66,6 +67,11 @@ logger = logging.getLogger(__name__)
 
 _CACHED_MESSAGES = 5_000
 """Messages the session cache holds at most, over all its sessions (a few MB)."""
+_IDLE_TAKES = 4
+"""The cache holds no new fold after this many times its size in takes of
+sessions that did not come back to it (a session released here and taken
+again here, nobody else's write between, comes back); one that does turns
+it on again."""
 
 
 class SessionStore(SessionJournals):
@@ -77,7 +83,10 @@ class SessionStore(SessionJournals):
         leases: the leases.
         cache_size: sessions whose fold is kept in memory, so that the next
             message of a session reads only the facts since (and at most
-            5,000 messages over all of them).
+            5,000 messages over all of them). Folds are kept only while
+            sessions come back to this replica within that many releases:
+            a population whose agents each speak once a round never does,
+            and holding folds that are never used cost more than reading.
     """
 
     def __init__(
@@ -89,6 +98,11 @@ class SessionStore(SessionJournals):
         """The lease bucket (see :mod:`.leases`)."""
         self._cache_size = cache_size
         self._cached_messages = 0
+        self._released_here: OrderedDict[str, int | None] = OrderedDict()
+        """The marker of each of the last ``cache_size`` sessions released
+        here, cached or not: a take against one is a session that came back
+        (see :meth:`_remember`)."""
+        self._takes_since_return = 0
 
     @classmethod
     async def open(cls, bus: Bus, *, owner: str, lease_ttl: float = 10.0) -> SessionStore:
@@ -230,6 +244,10 @@ class SessionStore(SessionJournals):
         agent, _, session_id = key.partition(".")
         cached = self._cache.get(key)
         marker, from_dead, dead = taken.marker, taken.from_dead, taken.dead
+        if marker is not None and self._released_here.get(key, -1) == marker:
+            self._takes_since_return = 0  # came back: its fold is worth holding
+        else:
+            self._takes_since_return += 1
         known = (
             cached[0] if cached is not None and marker is not None and cached[1] == marker else None
         )
@@ -410,6 +428,16 @@ class SessionStore(SessionJournals):
             return
         key = lease.key
         self._forget(key)
+        released = self._released_here
+        released[key] = marker
+        released.move_to_end(key)
+        if len(released) > self._cache_size:
+            released.popitem(last=False)
+        if self._takes_since_return > _IDLE_TAKES * self._cache_size:
+            # No session came back while it would have been held: holding
+            # folds that are never used, then freeing them cold, costs more
+            # than reading the few that come back.
+            return
         self._cache[key] = (lease, marker)
         self._cached_messages += len(lease.record.state.memory)
         while self._cache and (
@@ -432,6 +460,7 @@ class SessionStore(SessionJournals):
         key = session_key(agent, session_id)
         await self.leases.delete(key)
         self._forget(key)
+        self._released_here.pop(key, None)
 
     def note_released(self, key: str, marker: int) -> None:
         """Lease ``key`` was released leaving a marker at ``marker``: the next
