@@ -55,13 +55,14 @@ this process as the runner. Measured:
   session's records) and of fleetbus's client in the runner. It
   runs after the fleet, on a server the fleet's processes and streams are
   gone from, so that no marker of the fleet's released leases expires
-  beside it; its streams are removed after it. Its round N starts as long
-  after its round 1 as the fleet's did: a released lease's marker expires
-  60 s after the release, and the server's expiry of one costs about what a
-  write does, so a round that starts a minute after the one before pays for
-  that round's markers (the fleet's second round of 100,000 agents does);
-  the floor's round then pays for those of its own that expire while it
-  runs (fewer: its rounds are shorter).
+  beside it; its streams are removed after it. A released lease's marker
+  expires 60 s after the release, and the server's expiry of one costs
+  about what a write does: a round that starts within a minute of the one
+  before plays through the expiry of some of that round's markers (the
+  fleet's second round of 100,000 agents, of most). The floor's round N
+  (N > 1) is placed so that the same share of its round N - 1's markers
+  expires while it runs as of the fleet's (its length taken to be its
+  round N - 1's): ``protocol_floor.marker_expiry_share`` gives both.
 
 With ``--cluster 3`` the three nodes run ``deploy/nats-cluster/*.conf`` made
 fit for this machine (``bench/_sim_cluster.py``; JetStream flushed as
@@ -106,6 +107,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import statistics
 import subprocess
@@ -135,6 +137,8 @@ CHECKPOINTS = "reply"
 EVENTS = "final"
 
 _started = 0
+MARKER_TTL_S = 60.0
+"""Seconds a released lease's marker lives (fleetbus's leases, and the floor's)."""
 
 
 def start(
@@ -336,7 +340,7 @@ async def protocol_floor(
     prefix: str,
     names: list[str],
     args: argparse.Namespace,
-    offsets: list[float],
+    fleet: list[tuple[float, float]],
     responder: subprocess.Popen[bytes],
 ) -> list[dict[str, Any]]:
     """The rounds served by raw nats-py hosts doing a reply's bus work only:
@@ -344,9 +348,11 @@ async def protocol_floor(
     hosts, the servers, the raw responder that serves their tool calls and
     this process (the runner), the JetStream API requests per reply (the
     same tap as the fleet's rounds, at the same cost), and (on a cluster)
-    the route traffic per agent. Round N starts ``offsets[N - 1]`` seconds
-    after round 1 did (or when the round before ends, if later): the
-    fleet's own spacing."""
+    the route traffic per agent. ``fleet``: when each of the fleet's
+    rounds started (seconds after its first) and how long it took; the
+    floor's round N starts when as large a share of its round N - 1's lease
+    markers expires while it runs as of the fleet's (see
+    :func:`expiry_share`), and never before its round N - 1 ends."""
     floor = f"{prefix}floor"
     bus = await Bus.connect(top.url(0), prefix=floor, name="sim-floor")
     tap = ApiTap(bus.nc, [floor])
@@ -373,8 +379,11 @@ async def protocol_floor(
 
         await tap.start()
         first = time.monotonic()
+        spans: list[tuple[float, float]] = []  # (start, seconds) of each round played
         for number in range(args.rounds):
-            await asyncio.sleep(max(0.0, first + offsets[number] - time.monotonic()))
+            at = floor_start(spans[-1], fleet[number - 1 : number + 1]) if number else 0.0
+            await asyncio.sleep(max(0.0, first + at - time.monotonic()))
+            started = time.monotonic() - first
             before = sum(cpu_seconds(h.pid) for h in hosts)
             worker_before, runner_before = cpu_seconds(responder.pid), time.process_time()
             server_before = top.cpu()
@@ -389,8 +398,10 @@ async def protocol_floor(
             servers = [a - b for a, b in zip(top.cpu(), server_before, strict=True)]
             routes = await top.routes()
             await asyncio.sleep(0.2)  # the last requests' copies reach the tap
+            spans.append((started, round_s))
             entry: dict[str, Any] = {
                 "s": round_s,
+                "start_s": started,
                 "host_cpu_ms": spent * 1000 / n,
                 "server_cpu_ms": sum(servers) * 1000 / n,
                 "worker_cpu_ms": worker * 1000 / n,
@@ -411,6 +422,34 @@ async def protocol_floor(
         for stream in (journals.stream, f"KV_{floor}_session_leases"):
             await js.delete_stream(stream)
         await bus.close()
+
+
+def expiry_share(before: tuple[float, float], this: tuple[float, float]) -> float:
+    """The share of round ``before``'s lease markers (released evenly through
+    it) that expire while round ``this`` runs; each round as (start, seconds)."""
+    start, length = before
+    first, last = start + MARKER_TTL_S, start + length + MARKER_TTL_S
+    overlap = min(last, this[0] + this[1]) - max(first, this[0])
+    return max(0.0, overlap) / length if length > 0 else 0.0
+
+
+def floor_start(before: tuple[float, float], fleet: list[tuple[float, float]]) -> float:
+    """When the floor's next round starts (seconds after its first), its
+    round before being ``before`` (start, seconds): so that as large a share
+    of that round's markers expires while it runs (its length taken to be
+    the round before's) as of the fleet's round before while the fleet's
+    next round ran (``fleet``: those two rounds), and not before the round
+    before ends."""
+    start, length = before
+    ended, expiring = start + length, start + MARKER_TTL_S
+    share = expiry_share(*fleet)
+    if share == 0.0:  # as soon as possible without overlapping, or at the fleet's offset
+        at = max(ended, fleet[1][0])
+        if at + length <= expiring or at >= expiring + length:
+            return at
+        return max(ended, expiring + length)
+    at = expiring - length * (1.0 - share)
+    return at if at >= ended else expiring + length * (1.0 - share)
 
 
 async def delete_streams(bus: Bus) -> None:
@@ -761,8 +800,10 @@ async def measure(
             # are spaced as the new design's were.
             await delete_streams(bus)
             starts = designs[0].starts
-            offsets = [t - starts[0] for t in starts]
-            protocol = await protocol_floor(top, base, names, args, offsets, raw)
+            fleet = [
+                (t - starts[0], r["s"]) for t, r in zip(starts, designs[0].rounds, strict=True)
+            ]
+            protocol = await protocol_floor(top, base, names, args, fleet, raw)
             floor_text = ", ".join(f"{p['s']:.2f} s" for p in protocol)
             progress(f"protocol floor: {floor_text}")
         finally:
@@ -809,7 +850,17 @@ async def measure(
                 for p in protocol
             ],
             "api_requests_per_reply": [p["api_requests_per_reply"] for p in protocol],
-            "round_starts_s": [round(t - designs[0].starts[0], 1) for t in designs[0].starts],
+            "round_starts_s": [round(p["start_s"], 1) for p in protocol],
+            "fleet_round_starts_s": [round(t - designs[0].starts[0], 1) for t in designs[0].starts],
+            "marker_expiry_share": {
+                "fleet": [None]
+                + [round(expiry_share(a, b), 2) for a, b in itertools.pairwise(fleet)],
+                "floor": [None]
+                + [
+                    round(expiry_share((a["start_s"], a["s"]), (b["start_s"], b["s"])), 2)
+                    for a, b in itertools.pairwise(protocol)
+                ],
+            },
         },
         "servers": len(top.pids),
         "js_replicas": session_stream.get("replicas"),
