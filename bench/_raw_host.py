@@ -22,7 +22,8 @@ floor's prefix: the journal stream ``<prefix>_session`` as
    <subject>``: a snapshot is the whole journal). Like
    fleetbus's session cache, the ends of the last 256 sessions released here
    are known (with 10,000 agents played in order, none is when its turn
-   comes again);
+   comes again, and fleetbus's cache then holds nothing: it holds folds
+   only while sessions come back);
 3. append the ``taken`` fact (``Nats-Expected-Last-Subject-Sequence``: the
    journal's end) when the session is new; a session its last owner
    released is taken cleanly, its request carried in the lease;
