@@ -66,6 +66,16 @@ nats-py has the method from 2.15; before, it parses headers with
 (:func:`take_place`, :func:`give_place`): reads ``_value`` and ``_waiters``.
 Without it a serving loop takes no direct route.
 
+``unsubscribe`` — nats-py's ``Subscription.drain`` queues its UNSUB for the
+flusher, then writes a PING straight to the socket, ahead of it, and removes
+the subscription once the PONG is back: the server may not have the UNSUB
+yet, and a request it routes to the subscription meanwhile (a queue group
+member being stopped) is dropped here, unanswered. :func:`unsubscribe_ahead`
+sends the UNSUB and keeps the subscription, so a serving loop waits until the
+server has it (:func:`~fleetbus.bus._serve.settle`) before nats-py's drain.
+Calls ``_send_unsubscribe`` and reads a subscription's ``_id``. Without it a
+request sent in that moment waits out its timeout.
+
 ``server_info`` — the INFO the connected server sent (whether it is in a
 cluster: how many replicas a KV bucket gets), which nats-py keeps in
 ``_server_info`` with no public accessor. Without it fleetbus assumes a single
@@ -103,18 +113,27 @@ __all__ = [
     "give_place",
     "server_info",
     "take_place",
+    "unsubscribe_ahead",
 ]
 
 logger = logging.getLogger(__name__)
 
-Path = Literal["route", "publish_now", "headers", "places", "server_info"]
+Path = Literal["route", "publish_now", "headers", "places", "unsubscribe", "server_info"]
 """A private path of this module (see the module's docstring)."""
 
-PATHS: tuple[Path, ...] = ("route", "publish_now", "headers", "places", "server_info")
+PATHS: tuple[Path, ...] = (
+    "route",
+    "publish_now",
+    "headers",
+    "places",
+    "unsubscribe",
+    "server_info",
+)
 
 _CLIENT_METHODS: dict[Path, tuple[str, ...]] = {
     "route": ("_process_msg", "_remove_sub", "_process_headers", "_build_message"),
     "headers": ("_parse_header_lines",),
+    "unsubscribe": ("_send_unsubscribe",),
 }
 """nats-py ``Client`` methods each path overrides or calls."""
 
@@ -161,6 +180,8 @@ def _missing(path: Path) -> list[str]:
     for name in _CLIENT_FIELDS.get(path, ()):
         if not hasattr(client, name):
             missing.append(f"nats Client.{name}")
+    if path == "unsubscribe" and not hasattr(Subscription(client, id=1, subject="x"), "_id"):
+        missing.append("nats Subscription._id")
     if path == "route":
         process = getattr(NATS, "_process_msg", None)
         if process is not None and (
@@ -248,6 +269,26 @@ def give_place(limiter: asyncio.Semaphore) -> None:
         limiter._value += 1
     else:
         limiter.release()
+
+
+async def unsubscribe_ahead(nc: NATS, sub: Subscription) -> bool:
+    """Send ``sub``'s UNSUB to the server and keep the subscription here,
+    its messages still delivered to it; whether it was sent (not without the
+    ``unsubscribe`` path, nor to what is not a nats-py client, nor on a
+    connection that is not plainly up: nats-py sends none while it
+    reconnects). Once the server has it (a round trip
+    behind it: :func:`~fleetbus.bus._serve.settle`), nothing more comes, and
+    ``sub.drain()`` ends the subscription without dropping what was routed to
+    it (its own UNSUB is then one the server ignores)."""
+    if (
+        "unsubscribe" not in AVAILABLE
+        or not isinstance(nc, NATS)
+        or not nc.is_connected
+        or nc.is_draining
+    ):
+        return False
+    await nc._send_unsubscribe(sub._id)
+    return True
 
 
 def server_info(nc: NATS) -> dict[str, object]:

@@ -35,7 +35,14 @@ from opentelemetry import context as otel_context
 
 from fleetbus import logs, tracing
 from fleetbus.bus._replies import Reconnects
-from fleetbus.bus._seam import AVAILABLE, Client, Received, give_place, take_place
+from fleetbus.bus._seam import (
+    AVAILABLE,
+    Client,
+    Received,
+    give_place,
+    take_place,
+    unsubscribe_ahead,
+)
 from fleetbus.errors import BusError, ConnectionClosedError, PayloadTooLargeError, ProtocolError
 from fleetbus.protocol import (
     AnyMessage,
@@ -344,8 +351,13 @@ class ServeLoop:
         deadline = loop.time() + timeout
         try:
             # No new requests; those already received are still dispatched.
+            # The server has the UNSUB before the subscription goes: one
+            # routed here before it would otherwise be dropped unanswered
+            # (:func:`~fleetbus.bus._seam.unsubscribe_ahead`).
             async with asyncio.timeout(timeout):
                 if not self._nc.is_closed and not self._nc.is_draining:
+                    if await unsubscribe_ahead(self._nc, sub):
+                        await settle(self._nc, max(deadline - loop.time(), 0.001))
                     await sub.drain()  # type: ignore[no-untyped-call]
         except (TimeoutError, nats.errors.Error) as exc:
             logger.warning("draining %s: %s", self._subject, exc or type(exc).__name__)

@@ -64,10 +64,10 @@ class BusSettings(BaseSettings):
     private_off: str = ""
     """``FLEETBUS_PRIVATE_OFF``: the private paths of ``fleetbus.bus._seam``
     not to take, comma-separated (``route``, ``publish_now``, ``headers``,
-    ``places``, ``server_info``), or ``all``: those then go through nats-py's
-    and asyncio's public API. For measuring what each buys, and for a
-    nats-py release whose internals changed in a way the start-up check
-    cannot see."""
+    ``places``, ``unsubscribe``, ``server_info``), or ``all``: those then go
+    through nats-py's and asyncio's public API. For measuring what each buys,
+    and for a nats-py release whose internals changed in a way the start-up
+    check cannot see."""
 
     nats_server: str = ""
     """``FLEETBUS_NATS_SERVER``: the ``nats-server`` executable

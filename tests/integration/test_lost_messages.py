@@ -3,19 +3,21 @@ moments, not its whole timeout:
 
 - a reply lost with the responder's connection is sent again once the
   connection is back;
+- a request routed to a serving loop as it stops is answered, not dropped:
+  the loop stops once the server has its UNSUB;
 - a tool call lost on its way to the worker is found unheld by the worker
   check its caller makes after a while, and sent again at once; a call that
   a worker holds (running it) is not.
 
 The worker reaches the real nats-server through a TCP link the test
-controls: it swallows what passes one way (lost as with a dying server),
-then cuts the connection; nats-py reconnects through it.
+controls (:class:`tests.integration.link.Link`): it swallows what passes one
+way (lost as with a dying server), then cuts the connection, and nats-py
+reconnects through it; or it holds what the worker writes from its UNSUB on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import nats
 import pytest
@@ -23,74 +25,11 @@ from nats.aio.msg import Msg
 
 from fleetbus.bus import Bus, EmbeddedServer, Request, ToolClient
 from fleetbus.bus._serve import RecentReplies
-from fleetbus.errors import ConfigError
+from fleetbus.errors import ConfigError, NoRespondersError
 from fleetbus.protocol import Message, ToolCall, ToolResult, decode
 from fleetbus.tools_workers import Toolkit, ToolWorker, tool
 from tests.helpers import worker_running
-
-
-class Link:
-    """A TCP proxy to a server: what clients write can be swallowed, and
-    every connection through it cut."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.swallow = False
-        """Swallow what clients write (to the server)."""
-        self.swallow_incoming = False
-        """Swallow what the server writes (to the clients)."""
-        self.swallowed = 0
-        """Bytes swallowed so far."""
-        self._writers: list[asyncio.StreamWriter] = []
-        self._pumps: set[asyncio.Task[None]] = set()
-        self._server: asyncio.Server | None = None
-        self.port = 0
-
-    async def start(self) -> Link:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self._writers += [writer, up_writer]
-        for task in (
-            asyncio.create_task(self._pump(reader, up_writer, upstream=True)),
-            asyncio.create_task(self._pump(up_reader, writer, upstream=False)),
-        ):
-            self._pumps.add(task)
-            task.add_done_callback(self._pumps.discard)
-
-    async def _pump(
-        self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, *, upstream: bool
-    ) -> None:
-        with contextlib.suppress(ConnectionError, OSError):
-            while data := await source.read(65536):
-                if self.swallow if upstream else self.swallow_incoming:
-                    self.swallowed += len(data)
-                    continue
-                sink.write(data)
-                await sink.drain()
-        sink.close()
-
-    def cut(self) -> None:
-        """Close every connection through the link (the server died)."""
-        writers, self._writers = self._writers, []
-        for writer in writers:
-            writer.close()
-
-    async def close(self) -> None:
-        self.cut()
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-        for task in list(self._pumps):
-            task.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
+from tests.integration.link import Link
 
 
 async def test_a_reply_lost_with_the_responders_connection_is_sent_again_once_it_is_back(
@@ -135,6 +74,57 @@ async def test_a_reply_lost_with_the_responders_connection_is_sent_again_once_it
     assert reply.call_id == "c-lost"
     assert reply.content == "ok"
     assert calls == ["c-lost"]  # sent again by the responder, not asked again
+
+
+async def test_a_serving_loop_stops_only_once_the_server_routes_it_nothing_more(
+    nats_server: EmbeddedServer, bus: Bus, prefix: str
+) -> None:
+    # nats-py's drain ends a subscription once a PING it writes ahead of the
+    # UNSUB comes back: a request the server routes to it meanwhile (to a
+    # queue group member being stopped) would be dropped, unanswered. The
+    # link holds the responder's UNSUB: while it is held the server routes
+    # here, so the loop must still be serving.
+    link = await Link(int(nats_server.url.rsplit(":", 1)[1])).start()
+    responder = await Bus.connect(link.url, prefix=prefix, name="stopping-worker")
+    subject = f"{prefix}.stopping"
+
+    asked = asyncio.Event()
+
+    async def answer(request: Request) -> Message:
+        message = request.message
+        assert isinstance(message, ToolCall)
+        asked.set()
+        return ToolResult(call_id=message.call_id, tool_name="t", status="success", content="ok")
+
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    serving = asyncio.create_task(responder.serve(subject, answer, stop=stop, ready=ready))
+    try:
+        await ready.wait()
+        link.hold_from(b"UNSUB")
+        stop.set()
+        await link.held.wait()
+        # Time for a loop that does not wait for the server to stop (it
+        # stops within a round trip); one that waits cannot stop here.
+        await asyncio.wait({serving}, timeout=1.0)
+        assert not serving.done()
+        asking = asyncio.create_task(
+            bus.request(subject, ToolCall(tool_name="t", call_id="c-routed"), timeout=10)
+        )
+        await asked.wait()  # routed here, and handled; its reply waits behind the UNSUB
+        link.release()
+        reply = await asking
+        assert isinstance(reply, ToolResult)
+        assert reply.call_id == "c-routed"
+        await asyncio.wait_for(serving, 10)
+        with pytest.raises(NoRespondersError):  # the server has the UNSUB: nobody is asked
+            await bus.request(subject, ToolCall(tool_name="t", call_id="c-after"), timeout=10)
+    finally:
+        stop.set()
+        link.release()
+        await asyncio.gather(serving, return_exceptions=True)
+        await responder.close()
+        await link.close()
 
 
 def test_recent_replies_keep_the_newest_within_their_limits() -> None:
