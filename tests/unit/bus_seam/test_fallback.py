@@ -15,9 +15,18 @@ import logging
 
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.subscription import Subscription
 
 from fleetbus.bus import BusSettings, _seam
-from fleetbus.bus._seam import PATHS, Client, Path, check, give_place, take_place
+from fleetbus.bus._seam import (
+    PATHS,
+    Client,
+    Path,
+    check,
+    give_place,
+    take_place,
+    unsubscribe_ahead,
+)
 
 LINE_PARSER = callable(getattr(NATS, "_parse_header_lines", None))
 """Whether the installed nats-py parses headers with ``_parse_header_lines`` (2.15+)."""
@@ -110,6 +119,34 @@ async def test_without_the_headers_path_nats_py_parses_them(
         assert await Client()._process_headers(block) == by_nats_py
     else:  # nats-py parses the block itself, with email.parser
         assert await Client()._process_headers(block) == {"Name": "value"}
+
+
+def test_a_missing_send_unsubscribe_leaves_the_unsubscribe_path_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delattr(NATS, "_send_unsubscribe")
+    assert check(BusSettings(private_off="")) == THERE - {"unsubscribe"}
+    [warning] = _warnings(caplog)
+    assert "Client._send_unsubscribe" in warning
+
+
+async def test_without_the_unsubscribe_path_nothing_is_sent_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_seam, "AVAILABLE", frozenset(PATHS) - {"unsubscribe"})
+    sent: list[int] = []
+
+    async def send_unsubscribe(self: NATS, sid: int, limit: int = 0) -> None:
+        sent.append(sid)
+
+    monkeypatch.setattr(NATS, "_send_unsubscribe", send_unsubscribe)
+    client = Client()
+    subscription = Subscription(client, id=7, subject="x")
+    monkeypatch.setattr(NATS, "is_connected", property(lambda self: True))
+    assert not await unsubscribe_ahead(client, subscription)
+    monkeypatch.setattr(_seam, "AVAILABLE", frozenset(PATHS))
+    assert await unsubscribe_ahead(client, subscription)
+    assert sent == [7]
 
 
 async def test_places_are_taken_and_given_back_as_acquire_and_release_do() -> None:
