@@ -276,10 +276,10 @@ async def unsubscribe_ahead(nc: NATS, sub: Subscription) -> bool:
     its messages still delivered to it; whether it was sent (not without the
     ``unsubscribe`` path, nor to what is not a nats-py client, nor on a
     connection that is not plainly up: nats-py sends none while it
-    reconnects). Once the server has it (a round trip
-    behind it: :func:`~fleetbus.bus._serve.settle`), nothing more comes, and
-    ``sub.drain()`` ends the subscription without dropping what was routed to
-    it (its own UNSUB is then one the server ignores)."""
+    reconnects). Once the server has it (a round trip behind it:
+    :func:`~fleetbus.bus._serve.settle`), nothing more comes, and
+    ``sub.drain()`` ends the subscription without dropping what was routed
+    to it (its own UNSUB is then one the server ignores)."""
     if (
         "unsubscribe" not in AVAILABLE
         or not isinstance(nc, NATS)
