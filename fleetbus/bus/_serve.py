@@ -112,6 +112,11 @@ async def settle(nc: NATS, timeout: float = 5.0) -> None:
                 raise
 
 
+_UNSUBSCRIBE_WAIT = 10.0
+"""Seconds a stopping serving loop waits for the server to have its UNSUB
+(nats-py's own drain waits as long for its flush): a server that does not
+answer leaves the requests in flight the rest of the drain timeout."""
+
 _ROUND_TRIP_SLICE = 2.0
 """Seconds one PING of :func:`settle` is waited for before another is sent."""
 
@@ -357,7 +362,8 @@ class ServeLoop:
             async with asyncio.timeout(timeout):
                 if not self._nc.is_closed and not self._nc.is_draining:
                     if await unsubscribe_ahead(self._nc, sub):
-                        await settle(self._nc, max(deadline - loop.time(), 0.001))
+                        wait = min(deadline - loop.time(), _UNSUBSCRIBE_WAIT)
+                        await settle(self._nc, max(wait, 0.001))
                     await sub.drain()  # type: ignore[no-untyped-call]
         except (TimeoutError, nats.errors.Error) as exc:
             logger.warning("draining %s: %s", self._subject, exc or type(exc).__name__)

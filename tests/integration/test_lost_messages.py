@@ -4,7 +4,9 @@ moments, not its whole timeout:
 - a reply lost with the responder's connection is sent again once the
   connection is back;
 - a request routed to a serving loop as it stops is answered, not dropped:
-  the loop stops once the server has its UNSUB;
+  the loop stops once the server has its UNSUB (waiting a bounded time for
+  it, so that a server that never answers costs the calls in flight none of
+  their drain time);
 - a tool call lost on its way to the worker is found unheld by the worker
   check its caller makes after a while, and sent again at once; a call that
   a worker holds (running it) is not.
@@ -18,12 +20,13 @@ reconnects through it; or it holds what the worker writes from its UNSUB on.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import nats
 import pytest
 from nats.aio.msg import Msg
 
-from fleetbus.bus import Bus, EmbeddedServer, Request, ToolClient
+from fleetbus.bus import Bus, EmbeddedServer, Request, ToolClient, _serve
 from fleetbus.bus._serve import RecentReplies
 from fleetbus.errors import ConfigError, NoRespondersError
 from fleetbus.protocol import Message, ToolCall, ToolResult, decode
@@ -123,6 +126,67 @@ async def test_a_serving_loop_stops_only_once_the_server_routes_it_nothing_more(
         stop.set()
         link.release()
         await asyncio.gather(serving, return_exceptions=True)
+        await responder.close()
+        await link.close()
+
+
+async def test_a_server_that_never_has_the_unsubscribe_costs_the_calls_in_flight_no_drain_time(
+    nats_server: EmbeddedServer, bus: Bus, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The wait for the server to have the UNSUB is bounded: a server that
+    # never answers leaves a call in flight the rest of the drain timeout
+    # (unbounded, the wait took all of it and the call was cancelled).
+    monkeypatch.setattr(_serve, "_UNSUBSCRIBE_WAIT", 0.2)
+    link = await Link(int(nats_server.url.rsplit(":", 1)[1])).start()
+    responder = await Bus.connect(link.url, prefix=prefix, name="unheard-worker")
+    subject = f"{prefix}.unheard"
+    running, go_on, finished = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def slow(request: Request) -> Message:
+        message = request.message
+        assert isinstance(message, ToolCall)
+        running.set()
+        await go_on.wait()
+        await asyncio.sleep(0.5)  # the call's last moments, within its drain time
+        finished.set()
+        return ToolResult(call_id=message.call_id, tool_name="t", status="success", content="ok")
+
+    gave_up = asyncio.Event()
+
+    class GaveUp(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith(f"draining {subject}"):
+                gave_up.set()
+
+    watcher = GaveUp()
+    logging.getLogger("fleetbus.bus._serve").addHandler(watcher)
+    stop = asyncio.Event()
+    ready = asyncio.Event()
+    serving = asyncio.create_task(
+        responder.serve(subject, slow, stop=stop, ready=ready, drain_timeout=5)
+    )
+    asking = None
+    try:
+        await ready.wait()
+        asking = asyncio.create_task(
+            bus.request(subject, ToolCall(tool_name="t", call_id="c-slow"), timeout=10)
+        )
+        await running.wait()
+        link.hold_from(b"UNSUB")  # the server never has it
+        stop.set()
+        await gave_up.wait()
+        go_on.set()
+        await asyncio.wait_for(serving, 10)
+        assert finished.is_set()  # run to its end, not cancelled
+    finally:
+        logging.getLogger("fleetbus.bus._serve").removeHandler(watcher)
+        stop.set()
+        go_on.set()
+        if asking is not None:
+            asking.cancel()
+            await asyncio.gather(asking, return_exceptions=True)
+        await asyncio.gather(serving, return_exceptions=True)
+        link.release()
         await responder.close()
         await link.close()
 
