@@ -35,6 +35,34 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+async def pause(pid: int, timeout: float = 10.0) -> None:
+    """Stop process ``pid`` (SIGSTOP) and wait until every thread of it is
+    stopped: the signal returns before a busy multi-threaded process (a Go
+    nats-server) has stopped, and a thread still running may answer what
+    the test sends next.
+
+    Raises:
+        TimeoutError: not stopped within ``timeout``.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    async with asyncio.timeout(timeout):
+        while not _stopped(pid):  # noqa: ASYNC110 - /proc has no event to wait for
+            await asyncio.sleep(0.005)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped (``T`` in ``/proc``)."""
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{thread}/stat") as stat:
+                state = stat.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            continue  # (a thread that ended meanwhile)
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
 def spawn(args: Sequence[str], *, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """Start ``python -m fleetbus ARGS`` from the project root."""
     return subprocess.Popen(

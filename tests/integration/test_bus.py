@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import time
 from typing import Any
 
@@ -32,7 +30,7 @@ from fleetbus.protocol import (
     decode,
     encode,
 )
-from tests.helpers import free_port
+from tests.helpers import free_port, pause
 
 
 async def echo_handler(request: Request) -> Message:
@@ -432,7 +430,7 @@ async def test_a_subscription_made_while_the_server_is_away_is_confirmed_once_it
     try:
         bus = await Bus.connect(server.url)
         assert server.pid is not None
-        os.kill(server.pid, signal.SIGSTOP)
+        await pause(server.pid)  # every thread stopped: none answers a PING
         flushing = asyncio.create_task(bus.flush(timeout=30))
         observing = asyncio.create_task(bus.observe("away.events", timeout=30))
         await asyncio.sleep(0.5)  # their PINGs are on the socket, unanswered
