@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
@@ -219,19 +219,22 @@ def snapshot_fact(
     state: AgentState,
     fields: dict[str, Any] | None = None,
     encoded: list[bytes] | None = None,
+    meta: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A snapshot fact: the whole session (``encoded``: the JSON of memory's
-    messages, when known)."""
+    messages, when known), its record as ``meta`` (what a fact changes of
+    it: :func:`fact_meta`) leaves it, with no copy of the record made."""
     if encoded is None or len(encoded) != len(state.memory):
         encoded = [stored_json(m) for m in state.memory]
+    meta = meta or {}
     return {
         "k": "snapshot",
-        "owner": record.owner,
-        "status": record.status,
-        "to": record.reply_to,
-        "input": record.pending_input,
-        "final": record.final,
-        "created": record.created_at.isoformat(),
+        "owner": meta.get("owner", record.owner),
+        "status": meta.get("status", record.status),
+        "to": meta.get("reply_to", record.reply_to),
+        "input": meta.get("pending_input", record.pending_input),
+        "final": meta.get("final", record.final),
+        "created": meta.get("created_at", record.created_at).isoformat(),
         "m": 0,
         "add": json_array(encoded),
         "set": fields if fields is not None else state.model_dump(mode="json", exclude={"memory"}),
@@ -364,7 +367,9 @@ def fold_facts(lease: Lease, facts: Sequence[tuple[JournalEntry, Fact, int]]) ->
         state.memory = memory
         if isinstance(index, MemoryIndex):
             state.__dict__["_memory_index"] = index
-        lease.written = state.model_dump(mode="json", exclude={"memory"})
+        # The fields as the journal holds them (what the next fact patches),
+        # not dumped again from the state they were just validated into.
+        lease.written = fields
     update["state"] = state
     update["messages"] = len(state.memory)
     lease.record = record.model_copy(update=update)

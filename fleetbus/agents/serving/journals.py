@@ -393,7 +393,7 @@ class SessionJournals:
             # While the whole journal is small, each write rolls it up: the
             # snapshot is made first, and written unless it is too large now.
             encoded = _all_encoded(encoded, state)
-            whole = snapshot_fact(base.model_copy(update=meta), state, fields, encoded)
+            whole = snapshot_fact(base, state, fields, encoded, meta)
             small = orjson.dumps({**whole, "e": lease.epoch, "n": n})
             if len(small) <= SNAPSHOT_BYTES:
                 fact, data, rollup = whole, small, True
@@ -404,7 +404,7 @@ class SessionJournals:
                 rollup = weight > max(SNAPSHOT_BYTES, SNAPSHOT_MULTIPLE * lease.snapshot_bytes)
             if rollup:
                 encoded = _all_encoded(encoded, state)
-                fact = snapshot_fact(base.model_copy(update=meta), state, fields, encoded)
+                fact = snapshot_fact(base, state, fields, encoded, meta)
                 data = orjson.dumps({**fact, "e": lease.epoch, "n": n})
         blob = None
         stored = data
