@@ -1,5 +1,6 @@
 """A snapshot fact made from a record and what a fact changes of it, and
-the fields a fold of one keeps as written: what the next fact patches."""
+the fields a fold of one keeps as written: what the next fact patches,
+shared with nothing of the state."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from fleetbus.agents.serving.facts import (
     fold_facts,
     snapshot_fact,
 )
-from fleetbus.agents.state import AgentState
+from fleetbus.agents.state import AgentState, PendingCall, ReplyState
 from fleetbus.bus.journal import JournalEntry
 
 
@@ -58,10 +59,20 @@ def test_a_snapshot_from_a_record_and_a_facts_changes_is_the_one_from_the_change
     assert orjson.dumps(made) == orjson.dumps(snapshot_fact(changed, record.state, fields))
 
 
-def test_a_folded_snapshot_keeps_its_fields_as_written_and_the_next_fact_patches_nothing() -> None:
+def test_a_folded_snapshot_keeps_its_fields_as_written_apart_from_the_state() -> None:
     record = _record()
     state = record.state
-    state.summary = None
+    state.reply = ReplyState(
+        reply_id="r",
+        pending=[
+            PendingCall(
+                call_id="c",
+                tool_name="write",
+                parameters={"path": {"name": "a.txt"}},
+                kind="confirm",
+            )
+        ],
+    )
     fields = state.model_dump(mode="json", exclude={"memory"})
     data = orjson.dumps({**snapshot_fact(record, state, fields), "e": 1, "n": 1})
     entry = JournalEntry(7, data, datetime(2026, 12, 5, tzinfo=UTC))
@@ -70,6 +81,10 @@ def test_a_folded_snapshot_keeps_its_fields_as_written_and_the_next_fact_patches
     folded = lease.record.state
     assert lease.written == fields
     assert folded.model_dump(mode="json", exclude={"memory"}) == lease.written
+    # A change made in place in the state is a change against what is written.
+    assert folded.reply is not None
+    folded.reply.pending[0].parameters["path"]["name"] = "b.txt"
+    assert lease.written["reply"]["pending"][0]["parameters"]["path"]["name"] == "a.txt"
     assert [m.text for m in folded.memory] == ["hello"]
     assert lease.record.seq == 7
     assert lease.record.owner == "replica-1"

@@ -222,8 +222,9 @@ def snapshot_fact(
     meta: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A snapshot fact: the whole session (``encoded``: the JSON of memory's
-    messages, when known), its record as ``meta`` (what a fact changes of
-    it: :func:`fact_meta`) leaves it, with no copy of the record made."""
+    messages, when known). Its record's fields are ``record``'s as ``meta``
+    (what the fact changes of them: :func:`fact_meta`) changes them, read
+    without a copy of the record made."""
     if encoded is None or len(encoded) != len(state.memory):
         encoded = [stored_json(m) for m in state.memory]
     meta = meta or {}
@@ -367,9 +368,10 @@ def fold_facts(lease: Lease, facts: Sequence[tuple[JournalEntry, Fact, int]]) ->
         state.memory = memory
         if isinstance(index, MemoryIndex):
             state.__dict__["_memory_index"] = index
-        # The fields as the journal holds them (what the next fact patches),
-        # not dumped again from the state they were just validated into.
-        lease.written = fields
+        # Dumped afresh, not the fields it was validated from: those share
+        # nested values with the state (a dict under ``Any``), and a change
+        # made in place would then patch as no change.
+        lease.written = state.model_dump(mode="json", exclude={"memory"})
     update["state"] = state
     update["messages"] = len(state.memory)
     lease.record = record.model_copy(update=update)
