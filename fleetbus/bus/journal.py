@@ -26,7 +26,7 @@ from fleetbus.bus._replicas import ensure_replicas, placement_error, wanted_repl
 from fleetbus.bus._seam import Received
 from fleetbus.bus._stream_config import require
 from fleetbus.bus.connection import Bus
-from fleetbus.bus.store import ADMIN_TIMEOUT, _store_error, stored_sequence
+from fleetbus.bus.store import ADMIN_TIMEOUT, _store_error, stored_sequence, stream_subjects
 from fleetbus.errors import StoreError
 
 __all__ = ["Journal", "JournalEntry", "journal"]
@@ -209,18 +209,21 @@ class Journal:
 
     async def keys(self, pattern: str = ">") -> dict[str, int]:
         """The journals matching ``pattern`` with how many messages each
-        holds: one stream-info request, no consumer.
+        holds: stream-info requests (a page of up to 100,000 journals each),
+        no consumer.
 
         Raises:
             StoreError: the listing failed.
         """
-        js = self.bus.nc.jetstream(timeout=self.timeout)
-        try:
-            info = await js.stream_info(self.stream, subjects_filter=self.subject(pattern))
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise _store_error(exc, "list journals") from exc
+        subjects = await stream_subjects(
+            self.bus.nc,
+            self.stream,
+            self.subject(pattern),
+            timeout=self.timeout,
+            what="list journals",
+        )
         n = len(self.stem)
-        return {s[n:]: count for s, count in sorted((info.state.subjects or {}).items())}
+        return {s[n:]: count for s, count in sorted(subjects.items())}
 
     async def purge(self, key: str) -> None:
         """Remove journal ``key`` whole.

@@ -62,6 +62,7 @@ __all__ = [
     "delete_key_value",
     "key_value",
     "object_store",
+    "stream_subjects",
     "transient",
     "wait_for_store",
 ]
@@ -123,6 +124,52 @@ def _answered_error(what: str, error: dict[str, Any]) -> StoreError:
     return StoreError(
         f"{what} failed: {error.get('description') or error}", transient=error.get("code") == 503
     )
+
+
+_SUBJECTS_INFO = "$JS.API.STREAM.INFO."
+
+
+async def stream_subjects(
+    nc: NATS, stream: str, subjects_filter: str, *, timeout: float, what: str
+) -> dict[str, int]:
+    """The subjects of ``stream`` matching ``subjects_filter``, with how many
+    messages each holds: stream-info requests, which create no consumer.
+
+    The server answers at most 100,000 subjects a request, with how many
+    match in all (``total``); the next request asks from where the last
+    page ended (``offset``), until every page is read. A subject added or
+    removed while the pages are read may be missed, as by any listing of a
+    stream that changes.
+
+    Raises:
+        StoreError: a request failed (``what`` says what was being done), or
+            the server's answer is not stream info.
+    """
+    subjects: dict[str, int] = {}
+    offset = 0
+    while True:
+        query: dict[str, Any] = {"subjects_filter": subjects_filter}
+        if offset:
+            query["offset"] = offset
+        try:
+            msg = await nc.request(_SUBJECTS_INFO + stream, orjson.dumps(query), timeout=timeout)
+            answer = orjson.loads(msg.data)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise _store_error(exc, what) from exc
+        except orjson.JSONDecodeError:
+            raise StoreError(f"{what}: the server's answer is not JSON") from None
+        error = answer.get("error") if isinstance(answer, dict) else None
+        if error:
+            raise _answered_error(what, error)
+        try:
+            page = answer["state"].get("subjects") or {}
+            total = int(answer.get("total") or 0)
+            subjects.update((str(k), int(v)) for k, v in page.items())
+        except (KeyError, TypeError, AttributeError, ValueError):
+            raise StoreError(f"{what}: the server's answer is malformed") from None
+        offset += len(page)
+        if not page or offset >= total:
+            return subjects
 
 
 def stored_sequence(ack: bytes, what: str, *, key: str, expected: int | None, mismatch: str) -> int:
@@ -581,22 +628,23 @@ class KeyValueStore:
         """The keys matching ``pattern`` (``*`` and ``>`` wildcards) that hold a
         value or a deletion marker, sorted; without reading any value.
 
-        One stream-info request: it creates no consumer on the server, unlike
-        nats-py's ``keys()``, whose watcher outlives the listing for minutes
-        (listings every few seconds exhausted the server's consumer limit).
+        Stream-info requests (:func:`stream_subjects`): they create no
+        consumer on the server, unlike nats-py's ``keys()``, whose watcher
+        outlives the listing for minutes (listings every few seconds
+        exhausted the server's consumer limit).
 
         Raises:
             StoreError: the listing failed.
         """
         prefix = Subjects.kv_keys(self.bucket, "")
-        try:
-            info = await self._js.stream_info(
-                Subjects.kv_stream(self.bucket),
-                subjects_filter=Subjects.kv_keys(self.bucket, pattern),
-            )
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise _store_error(exc, "list keys") from exc
-        return sorted(s[len(prefix) :] for s in (info.state.subjects or {}))
+        subjects = await stream_subjects(
+            self._nc,
+            Subjects.kv_stream(self.bucket),
+            Subjects.kv_keys(self.bucket, pattern),
+            timeout=self._timeout,
+            what="list keys",
+        )
+        return sorted(s[len(prefix) :] for s in subjects)
 
     async def keys(self, pattern: str = ">") -> list[str]:
         """Every live key matching ``pattern``, sorted: one listing (no
