@@ -164,9 +164,11 @@ async def stream_subjects(
         try:
             page = answer["state"].get("subjects") or {}
             total = int(answer.get("total") or 0)
-            subjects.update((str(k), int(v)) for k, v in page.items())
         except (KeyError, TypeError, AttributeError, ValueError):
             raise StoreError(f"{what}: the server's answer is malformed") from None
+        if not isinstance(page, dict):
+            raise StoreError(f"{what}: the server's answer is malformed")
+        subjects.update(page)
         offset += len(page)
         if not page or offset >= total:
             return subjects
