@@ -32,7 +32,7 @@ async def _fill(bus: Bus, stream: str, subjects: list[str]) -> None:
     for start in range(0, len(subjects), 5_000):
         chunk = subjects[start : start + 5_000]
         target = stored + len(chunk)
-        while stored < target:
+        for _ in range(10):
             for subject in chunk:
                 await bus.nc.publish(subject, b"x", headers={"Nats-Msg-Id": subject})
             await bus.nc.flush()
@@ -41,6 +41,10 @@ async def _fill(bus: Bus, stream: str, subjects: list[str]) -> None:
                 before = stored
                 await asyncio.sleep(0.05)
                 stored = (await js.stream_info(stream)).state.messages
+            if stored >= target:
+                break
+        else:
+            pytest.fail(f"the server stored {stored} messages of {target}")
 
 
 @pytest.mark.slow
