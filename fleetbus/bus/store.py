@@ -126,6 +126,27 @@ def _answered_error(what: str, error: dict[str, Any]) -> StoreError:
     )
 
 
+async def _api_answer(
+    request: Awaitable[Received], what: str
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The JSON of a JetStream API answer, and the error it holds (``None``:
+    none), for the caller to tell which errors are answers (``what``: what
+    the request was for, in the errors raised).
+
+    Raises:
+        StoreError: the request failed, or its answer is not a JSON object.
+    """
+    try:
+        answer = orjson.loads((await request).data)
+    except (nats.errors.Error, TimeoutError) as exc:
+        raise _store_error(exc, what) from exc
+    except orjson.JSONDecodeError:
+        raise StoreError(f"{what}: the server's answer is not JSON") from None
+    if not isinstance(answer, dict):
+        raise StoreError(f"{what}: the server's answer is malformed")
+    return answer, answer.get("error") or None
+
+
 _SUBJECTS_INFO = "$JS.API.STREAM.INFO."
 
 
@@ -151,14 +172,8 @@ async def stream_subjects(
         query: dict[str, Any] = {"subjects_filter": subjects_filter}
         if offset:
             query["offset"] = offset
-        try:
-            msg = await nc.request(_SUBJECTS_INFO + stream, orjson.dumps(query), timeout=timeout)
-            answer = orjson.loads(msg.data)
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise _store_error(exc, what) from exc
-        except orjson.JSONDecodeError:
-            raise StoreError(f"{what}: the server's answer is not JSON") from None
-        error = answer.get("error") if isinstance(answer, dict) else None
+        request = nc.request(_SUBJECTS_INFO + stream, orjson.dumps(query), timeout=timeout)
+        answer, error = await _api_answer(request, what)
         if error:
             raise _answered_error(what, error)
         try:
@@ -451,14 +466,7 @@ class KeyValueStore:
         """``(value, revision, deleted)`` of ``key``'s last write, or ``None``."""
         what = f"get {key!r}"
         query = orjson.dumps({"last_by_subj": self._prefix + key})
-        try:
-            msg = await self._request(self._msg_get, query, None)
-            answer = orjson.loads(msg.data)
-        except (nats.errors.Error, TimeoutError) as exc:
-            raise _store_error(exc, what) from exc
-        except orjson.JSONDecodeError:
-            raise StoreError(f"{what}: the server's answer is not JSON") from None
-        error = answer.get("error") if isinstance(answer, dict) else None
+        answer, error = await _api_answer(self._request(self._msg_get, query, None), what)
         if error:
             if error.get("err_code") == _NO_MESSAGE or error.get("code") == 404:
                 return None
