@@ -268,12 +268,14 @@ async def ghost_reply(
     )
     saves = 0
     dead = asyncio.Event()
+    frozen = asyncio.Event()
 
     async def checkpoint(state: AgentState) -> None:
         nonlocal saves
         if host_points and state.reply is not None and redoable(state, True):
             return
         if saves >= freeze_after:
+            frozen.set()
             await dead.wait()  # set only to end the test: the process is gone
             raise SessionLost("the ghost is gone", agent=agent.name, session_id=session)
         saves += 1
@@ -286,7 +288,11 @@ async def ghost_reply(
             pass
 
     task = asyncio.create_task(run())
-    await asyncio.sleep(0.3)  # let it get as far as it will
+    # Let it get as far as it will: to its freeze, to the end of its reply, or
+    # (waiting on something, a tool call) for 0.3 s.
+    freeze = asyncio.create_task(frozen.wait())
+    await asyncio.wait({task, freeze}, timeout=0.3, return_when=asyncio.FIRST_COMPLETED)
+    freeze.cancel()
     return Ghost(task, dead)
 
 

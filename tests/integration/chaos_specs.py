@@ -9,7 +9,8 @@ alone what a run without failures answers:
   times in turn (one call per step, ``{"job": id, "step": n}``), then answers
   :func:`expected_answer`. Each model call takes 50-400 ms, a function of the
   conversation's text. ``slow-model=S`` in the request makes the first model
-  call take S seconds more; ``slow-tool=S`` makes each step's tool take S
+  call take S seconds more (not in a replica whose environment has
+  ``CHAOS_FAST_MODEL``); ``slow-tool=S`` makes each step's tool take S
   seconds. The model gives its tool calls no id: the agent names them
   (randomly), so a call asked of the model twice travels with two call_ids.
 - ``CHAOS_DIE_DIR`` in a replica's environment arms two self-kills (SIGKILL,
@@ -49,6 +50,8 @@ RUNS_ENV = "CHAOS_RUNS"
 """The environment variable naming the file of tool runs."""
 DIE_ENV = "CHAOS_DIE_DIR"
 """The environment variable that arms the self-kills (a directory)."""
+FAST_ENV = "CHAOS_FAST_MODEL"
+"""The environment variable that makes ``slow-model=S`` take no longer (any value)."""
 DIE_ANSWERED = "chaos-die-answered"
 """The session whose replica dies right before writing its reply's end."""
 DIE_STORED = "chaos-die-stored"
@@ -99,7 +102,7 @@ class ChaosModel:
         # Ids are left out: the agent chooses them, the conversation's text does not.
         delay = 0.05 + _digest("|".join([text, *outputs])) % 351 / 1000
         job, steps, options = parse_job(text)
-        if not done:
+        if not done and not os.environ.get(FAST_ENV):
             delay += options.get("slow-model", 0.0)
         await asyncio.sleep(delay)
         if len(done) < steps:

@@ -4,8 +4,9 @@ metadata), not the caller's own default, on every path: a
 :class:`ToolClient` call, a :class:`RemoteToolProxy` in an agent's toolkit,
 and ``fleetbus call``.
 
-The ``slow`` tool declares ``timeout=8`` (``patient`` in the worker process:
-45) and sleeps 5 s (33 s): longer than the callers' own wait.
+The ``slow`` tool declares ``timeout=8`` and sleeps 2 s, four times the
+callers' own wait (0.5 s); ``patient``, in the worker process, declares 45
+and sleeps 33 s, longer than ``fleetbus call``'s own 30 s.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from fleetbus.protocol import ToolCall, decode
 from fleetbus.tools_workers import RemoteToolProxy, Toolkit, ToolWorker, tool
 from tests.helpers import ROOT, wait_for_workers, worker_running, workers
 
-SLEEP = 5.0
+SLEEP = 2.0
 DECLARED = 8.0
-CLIENT_TIMEOUT = 1.0
+CLIENT_TIMEOUT = 0.5
 """The callers' own wait: far shorter than the tool runs."""
 
 
@@ -63,7 +64,7 @@ async def test_a_client_waits_the_timeout_the_tool_declares(
     client = ToolClient(bus, timeout=CLIENT_TIMEOUT, attempts=1)
     result = await client.call("slow", {"tag": "client"})
     assert result.status == "success", result
-    assert result.content == "client after 5s"
+    assert result.content == "client after 2s"
     assert await client.declared_timeout("slow") == DECLARED
 
 
@@ -92,7 +93,7 @@ async def test_a_remote_tool_proxy_waits_the_timeout_the_tool_declares(
     toolkit = Toolkit([RemoteToolProxy(remote, client)])
     outcome = await toolkit.run("slow", {"tag": "proxy"}, call_id="p-1")
     assert outcome.status == "success", outcome
-    assert outcome.content == "proxy after 5s"
+    assert outcome.content == "proxy after 2s"
 
 
 async def test_an_explicit_timeout_is_still_the_caller_s(bus: Bus, slow_worker: ToolWorker) -> None:

@@ -30,9 +30,9 @@ def killable() -> Simulation:
 
 
 def crowded() -> Simulation:
-    """Twelve agents, one round; each answer takes two seconds."""
+    """Twelve agents, one round; each answer takes a second."""
     names = tuple(f"p{n}" for n in range(12))
-    return simulation(names, delays=dict.fromkeys(names, 2.0), rounds=1)
+    return simulation(names, delays=dict.fromkeys(names, 1.0), rounds=1)
 
 
 def pid_of(*needles: str) -> int | None:
@@ -137,7 +137,7 @@ def test_a_host_killed_with_requests_queued_loses_none_of_them(
             assert run.poll() is None, output(run)
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        time.sleep(1.0)  # each host runs its first reply (2 s) and queues the rest
+        time.sleep(0.5)  # each host runs its first reply (1 s) and queues the rest
         host = pid_of(prefix, "visits-host-1")
         assert host is not None
         os.kill(host, signal.SIGKILL)
