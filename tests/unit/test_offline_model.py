@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -20,6 +21,7 @@ from fleetbus.protocol import (
     Event,
     FinalAnswer,
     TextBlock,
+    ToolResultBlock,
     ToolSpec,
     ToolUseBlock,
 )
@@ -423,3 +425,24 @@ async def test_a_request_naming_a_handoff_hands_the_conversation_over() -> None:
     assert answer.handoff.agent == "billing"
     plain = await triage.reply("Hello there")
     assert plain.finished_reason == "completed"
+
+
+async def test_usage_counts_what_json_cannot_hold() -> None:
+    """A schema or a tool input JSON cannot hold (a key that is not text, an
+    integer past 64 bits) is measured as text: the model still answers."""
+    schema: dict[Any, Any] = {"type": "object", (1, 2): 2**70}
+    odd = ToolSpec(name="odd", description="Odd.", parameters=schema)
+    call = ToolUseBlock(id="c1", name="odd", input={"n": 2**70})
+    messages = [
+        user("What is 6 * 7?"),
+        ChatMessage(role="assistant", content=[call]),
+        ChatMessage(role="tool", content=[ToolResultBlock(id="c1", name="odd", output="done")]),
+    ]
+    plain = ModelRequest(messages=messages[:1], tools=[ToolSpec(name="odd", description="Odd.")])
+
+    _, response = await run(OfflineModel(), ModelRequest(messages=messages, tools=[odd]))
+    _, smaller = await run(OfflineModel(), plain)
+
+    assert response.usage is not None
+    assert smaller.usage is not None
+    assert response.usage.input_tokens > smaller.usage.input_tokens
