@@ -256,9 +256,8 @@ class OfflineModel:
             if handoff is not None:
                 return _call(tally, *handoff), "tool_calls"
             if FINISH_TOOL in tools:
-                return _call(
-                    tally, FINISH_TOOL, filled(tools[FINISH_TOOL].parameters)
-                ), "tool_calls"
+                args = filled(tools[FINISH_TOOL].parameters)
+                return _call(tally, FINISH_TOOL, args), "tool_calls"
         if len(lines) == 1:
             text = lines[0] + "."
         elif lines:
