@@ -45,7 +45,7 @@ MAX_LIST_ENTRIES: Final = 1000
 """Most entries ``list_dir`` returns; a bigger directory is an error."""
 
 
-@tool
+@tool(blocking=False)  # bounded arithmetic (at most a millisecond): no thread needed
 def calculator(expr: str) -> int | float:
     """Evaluate an arithmetic expression exactly and safely.
 

@@ -120,6 +120,10 @@ class Tool:
             (``external_result``).
         group: the toolkit group it joins by default.
         streams: the function is a generator: it yields its result in chunks.
+        blocking: a sync function runs in a worker thread (``True``, the
+            default: it may block), or on the event loop (``False``: for a
+            function that only computes, briefly; it cannot be stopped, and
+            while it runs nothing else of the process does).
     """
 
     def __init__(
@@ -132,6 +136,7 @@ class Tool:
         concurrency_safe: bool = True,
         external: bool = False,
         group: str = DEFAULT_GROUP,
+        blocking: bool = True,
     ) -> None:
         if not callable(fn):
             raise ToolDefinitionError(f"a tool must wrap a function, not {fn!r}")
@@ -149,6 +154,7 @@ class Tool:
         self.concurrency_safe = concurrency_safe
         self.external = external
         self.group = group
+        self.blocking = blocking
         self.is_async = inspect.iscoroutinefunction(fn)
         self.streams = inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn)
         self._model = _parameters_model(
@@ -196,8 +202,10 @@ class Tool:
         this tool's, ``call_id`` and ``session_id`` are the ones given
         (``None`` when not: a local function does not need them).
 
-        A sync function runs in a worker thread; on timeout its result is
-        abandoned (a thread cannot be stopped), an async one is cancelled.
+        A sync function runs in a worker thread (on the event loop when not
+        :attr:`blocking`: then it runs to its end, whatever the timeout); on
+        timeout its result is abandoned (a thread cannot be stopped), an
+        async one is cancelled.
         A streaming tool (:attr:`streams`) hands each chunk, made JSON, to
         ``on_chunk`` as it comes (awaited before the next is asked for), and
         ends with the whole result.
@@ -291,7 +299,11 @@ class Tool:
             end = object()
             try:
                 # Each step in a thread, as a sync tool runs: it may block.
-                while (chunk := await asyncio.to_thread(next, made, end)) is not end:
+                while (
+                    chunk := await asyncio.to_thread(next, made, end)
+                    if self.blocking
+                    else next(made, end)
+                ) is not end:
                     await take(chunk)
             finally:
                 with contextlib.suppress(ValueError):  # a step still running in its thread
@@ -325,6 +337,10 @@ class Tool:
         through :func:`_resume` costs far less per suspension
         (``bench/tool_calls.py`` measures a worker's calls).
         """
+        if not self.is_async and not self.blocking:
+            # On the loop: a thread's hand-over cost a worker three times a
+            # small function's own work (the calculator's).
+            return self.fn(**kwargs)
         call = self.fn(**kwargs) if self.is_async else asyncio.to_thread(self.fn, **kwargs)
         if limit is None:
             return await call
@@ -458,6 +474,7 @@ def tool(
     concurrency_safe: bool = True,
     external: bool = False,
     group: str = DEFAULT_GROUP,
+    blocking: bool = True,
 ) -> Callable[[Callable[..., Any]], Tool]: ...
 
 
@@ -471,6 +488,7 @@ def tool(
     concurrency_safe: bool = True,
     external: bool = False,
     group: str = DEFAULT_GROUP,
+    blocking: bool = True,
 ) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Make a function a :class:`Tool` (as ``@tool`` or ``@tool(name=…)``).
 
@@ -482,6 +500,9 @@ def tool(
         concurrency_safe: whether calls may run in parallel within one agent.
         external: the agent pauses for an outside result instead of running it.
         group: the toolkit group it joins by default.
+        blocking: ``False`` runs a sync function on the event loop instead of
+            in a worker thread: for one that only computes, briefly (it
+            cannot be stopped at its timeout).
 
     Raises:
         ToolDefinitionError: the function cannot be described as a tool.
@@ -496,6 +517,7 @@ def tool(
             concurrency_safe=concurrency_safe,
             external=external,
             group=group,
+            blocking=blocking,
         )
 
     return wrap(fn) if fn is not None else wrap

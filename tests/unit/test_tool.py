@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -15,6 +16,7 @@ import pytest
 
 from fleetbus.errors import ToolDefinitionError, UnknownToolError
 from fleetbus.tools_workers import DEFAULT_GROUP, Tool, Toolkit, load_toolkit, tool
+from fleetbus.tools_workers.builtin import calculator, current_time
 
 
 @tool
@@ -314,3 +316,37 @@ async def test_results_are_json_as_pydantic_makes_them_scalars_as_they_are() -> 
     made = await give.run({"kind": "enum"})
     assert made.content == 3
     assert type(made.content) is int  # the enum's value, not the enum
+
+
+async def test_a_sync_tool_runs_in_a_thread_unless_it_does_not_block() -> None:
+    """A sync function runs in a worker thread (it may block); one marked
+    ``blocking=False`` runs on the event loop's thread, its chunks too, and
+    a timeout does not cut it short (nothing can)."""
+    loop_thread = threading.get_ident()
+
+    def where() -> bool:
+        """Whether it runs on the event loop's thread."""
+        return threading.get_ident() == loop_thread
+
+    def chunks() -> Any:
+        """Yields whether each step runs on the event loop's thread."""
+        yield threading.get_ident() == loop_thread
+        yield threading.get_ident() == loop_thread
+
+    def slow() -> str:
+        """Computes for longer than its timeout."""
+        time.sleep(0.05)
+        return "done"
+
+    assert (await tool(where).run({})).content is False
+    assert tool(where).blocking
+    assert (await tool(blocking=False)(where).run({})).content is True
+    assert (await tool(chunks).run({})).content == [False, False]
+    assert (await tool(blocking=False)(chunks).run({})).content == [True, True]
+    ran = await tool(blocking=False)(slow).run({}, timeout=0.01)
+    assert (ran.status, ran.content) == ("success", "done")
+
+
+def test_the_calculator_runs_on_the_loop() -> None:
+    assert not calculator.blocking
+    assert current_time.blocking  # its time zones are read from disk
