@@ -4,6 +4,7 @@ one clear line."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -13,7 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from fleetbus.bus import EmbeddedServer
+from fleetbus.bus import Bus, EmbeddedServer, key_value
 from fleetbus.cli.main import main
 from fleetbus.sim import RunFiles, Simulation
 from tests.helpers import output, spawn
@@ -33,6 +34,15 @@ def crowded() -> Simulation:
     """Twelve agents, one round; each answer takes a second."""
     names = tuple(f"p{n}" for n in range(12))
     return simulation(names, delays=dict.fromkeys(names, 1.0), rounds=1)
+
+
+async def leases_held(url: str, prefix: str, count: int, deadline: float) -> None:
+    """Wait until ``count`` sessions are held (their leases live)."""
+    async with await Bus.connect(url, prefix=prefix, name="lease-watch") as bus:
+        leases = await key_value(bus, "session_leases", create=False)
+        while len(await leases.keys()) < count:
+            assert time.monotonic() < deadline, await leases.keys()
+            await asyncio.sleep(0.02)
 
 
 def pid_of(*needles: str) -> int | None:
@@ -137,7 +147,8 @@ def test_a_host_killed_with_requests_queued_loses_none_of_them(
             assert run.poll() is None, output(run)
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        time.sleep(0.5)  # each host runs its first reply (1 s) and queues the rest
+        # Each host runs its first reply (1 s, holding its lease) and queues the rest.
+        asyncio.run(leases_held(nats_server.url, prefix, 2, deadline))
         host = pid_of(prefix, "visits-host-1")
         assert host is not None
         os.kill(host, signal.SIGKILL)
