@@ -318,11 +318,18 @@ class ModelCalls:
     def _tools_tokens(self, counter: Any) -> int:
         """The tokens of the tool specs on offer (counted again only when they change)."""
         specs = tool_specs(self.scope)
-        # A spec's parameters are its tool's own schema, the same object from
-        # reply to reply: name, description and that object's identity tell
-        # a spec list counted before. Counters that count alike are equal (a
-        # population's agents each have one); one that cannot be hashed is
-        # told by its identity. The entry keeps what its key names alive.
+        # Most specs are the same objects from step to step (a tool makes
+        # its spec once): those, with the same counter, are known by their
+        # identities alone. The entry keeps them alive, so no id is reused.
+        seen = (id(counter), *map(id, specs))
+        known = _SPECS_SEEN.get(seen)
+        if known is not None:
+            return known[2]
+        # Else a spec's parameters are its tool's own schema, the same object
+        # from reply to reply: name, description and that object's identity
+        # tell a spec list counted before. Counters that count alike are
+        # equal (a population's agents each have one); one that cannot be
+        # hashed is told by its identity.
         try:
             hash(counter)
             who: Any = counter
@@ -330,23 +337,33 @@ class ModelCalls:
             who = id(counter)
         key = (who, *((s.name, s.description, id(s.parameters)) for s in specs))
         known = _SPECS_TOKENS.get(key)
-        if known is not None:
-            return known[2]
-        # msgspec's encoder: it encodes the structs directly, where json.dumps
-        # needs them turned into builtins first.
-        text = msgspec.json.encode(specs).decode()
-        tokens: int = counter.count_text(text)
-        if len(_SPECS_TOKENS) >= _SPECS_KEPT:
-            _SPECS_TOKENS.clear()
-        _SPECS_TOKENS[key] = (specs, counter, tokens)
+        if known is None:
+            # msgspec's encoder: it encodes the structs directly, where
+            # json.dumps needs them turned into builtins first.
+            text = msgspec.json.encode(specs).decode()
+            known = (specs, counter, counter.count_text(text))
+            _keep(_SPECS_TOKENS, key, known)
+        _keep(_SPECS_SEEN, seen, (specs, counter, known[2]))
+        tokens: int = known[2]
         return tokens
 
 
+def _keep(kept: dict[tuple[Any, ...], _Counted], key: tuple[Any, ...], entry: _Counted) -> None:
+    if len(kept) >= _SPECS_KEPT:
+        kept.clear()
+    kept[key] = entry
+
+
+_Counted = tuple[list[ToolSpec], Any, int]
+"""A spec list, the counter that counted it, its tokens."""
 _SPECS_KEPT = 256
 """Tool spec lists whose tokens are kept (all agents of a population offer one)."""
-_SPECS_TOKENS: dict[tuple[Any, ...], tuple[list[ToolSpec], Any, int]] = {}
+_SPECS_TOKENS: dict[tuple[Any, ...], _Counted] = {}
 """The tokens of the tool spec lists counted, by counter, names, descriptions
 and parameter objects."""
+_SPECS_SEEN: dict[tuple[Any, ...], _Counted] = {}
+"""The same, by the identities of the counter and of the specs (each entry
+keeps them alive)."""
 
 
 @functools.lru_cache(maxsize=32)

@@ -203,8 +203,6 @@ class Agent:
         """What the agent is given beyond the loop (its layers are asked for at each reply)."""
         self.settings = settings or AgentSettings()
         """The loop's tuning knobs (a new value holds from the next reply)."""
-        self._approx_counter = ApproxTokenCounter()
-        """The token counter when the settings name none (shared with the clones: its cache)."""
         self._checkpoint = checkpoint
         if state is not None:
             if state.agent_name != name:
@@ -683,7 +681,7 @@ class Agent:
 
     def _token_counter(self) -> Any:
         counter = self.settings.token_counter
-        return counter if counter is not None else self._approx_counter
+        return counter if counter is not None else _APPROX_COUNTER
 
     def _reply_middlewares(self) -> tuple[Middleware, ...]:
         """The capabilities' layers (the first outermost), then the agent's
@@ -777,6 +775,12 @@ class Agent:
                         self._state.memory.append(Msg(role="tool", name=use.name, content=[block]))
                 break
         self._state.reply = None
+
+
+_APPROX_COUNTER = ApproxTokenCounter()
+"""The token counter of the agents whose settings name none: one for all, so
+that what it has counted (its cache, the tool specs' tokens) serves every
+agent of a population, each built afresh for a message."""
 
 
 def _as_messages(inputs: Any) -> list[Msg]:

@@ -115,10 +115,18 @@ class RemoteTool:
     worker_ids: tuple[str, ...] = ()
     timeout: float | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    _spec: ToolSpec = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Made once: an agent offers its tools at every step, and the same
+        # spec object from step to step is what the token count it costs
+        # is kept by (fleetbus.agents._model_calls).
+        spec = ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
+        object.__setattr__(self, "_spec", spec)
 
     def spec(self) -> ToolSpec:
         """The tool as offered to a model."""
-        return ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
+        return self._spec
 
 
 class CallScope:

@@ -172,8 +172,19 @@ class Tool:
         return f"Tool({self.name!r})"
 
     def spec(self) -> ToolSpec:
-        """The tool as offered to a model."""
-        return ToolSpec(name=self.name, description=self.description, parameters=self.parameters)
+        """The tool as offered to a model (the same object while its name,
+        description and parameters are)."""
+        made = self.__dict__.get("_spec")
+        if (
+            made is None
+            or made.name is not self.name
+            or made.description is not self.description
+            or made.parameters is not self.parameters
+        ):
+            made = self.__dict__["_spec"] = ToolSpec(
+                name=self.name, description=self.description, parameters=self.parameters
+            )
+        return made
 
     def validate(self, parameters: Any) -> dict[str, Any]:
         """Validate and coerce ``parameters`` to the keyword arguments of the function.

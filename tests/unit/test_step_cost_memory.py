@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import msgspec
 import pytest
 
 from fleetbus.agents import Agent, AgentSettings, ContextConfig, Msg
@@ -279,6 +280,48 @@ async def test_compression_starts_exactly_past_the_threshold_with_a_warm_index()
         model = ScriptedModel([summary, "Done."] if over else ["Done."])
         agent.model = model
 
+        answer = await agent.reply("Go.")
+
+        assert answer.finished_reason == "completed"
+        assert model.remaining == 0
+        assert model.requests[0].tool_choice == ("write_summary" if over else "auto")
+        assert ("compressed" in agent.memory[0].marks) == bool(over)
+
+
+async def test_the_tools_offered_are_counted_again_when_they_change() -> None:
+    """The tokens of the tool specs are kept from step to step, by the specs'
+    identities: a tool whose description grows is counted again, and the
+    growth that takes the context one token past the threshold compresses
+    memory at the next step (one token less does not)."""
+    for over in (0, 1):
+
+        @tool
+        def lookup() -> str:
+            """Look something up."""
+            return "found"
+
+        counter = ApproxTokenCounter()
+        context = ContextConfig(context_length=10_000, trigger_ratio=0.5, reserve_ratio=0.1)
+        agent = Agent(
+            "worker",
+            "",
+            ScriptedModel(["Fine."]),
+            toolkit=Toolkit([lookup]),
+            settings=AgentSettings(context=context, token_counter=counter),
+        )
+        agent.memory.extend(history(200))  # past the reserve kept verbatim
+        await agent.reply("Warm up.")  # below the threshold: the specs counted and kept
+        first = lookup.spec()
+        assert lookup.spec() is first  # the same spec while the tool is the same
+        specs = counter.count_text(msgspec.json.encode([first]).decode())
+        # What the next step sends: the specs, memory, the next input ("Go.": 1 + 4).
+        before = specs + counter.count(agent.memory) + 5
+        lookup.description += "x" * (4 * (context.trigger_tokens - before + over))
+        assert lookup.spec() is not first
+        summary = ScriptedModel.call(
+            "write_summary", {"task": "t", "current_state": "s"}, call_id="sum"
+        )
+        model = agent.model = ScriptedModel([summary, "Done."] if over else ["Done."])
         answer = await agent.reply("Go.")
 
         assert answer.finished_reason == "completed"
