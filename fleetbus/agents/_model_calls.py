@@ -27,7 +27,7 @@ from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope
 from fleetbus.agents._tool_groups import active_groups, switch_spec
 from fleetbus.agents.compression import compress, summarize_with_model
 from fleetbus.agents.long_term_memory import STORE_TOOLS
-from fleetbus.agents.messages import Msg
+from fleetbus.agents.messages import Msg, made_message
 from fleetbus.agents.middleware import StopReply
 from fleetbus.agents.tools import switchable
 from fleetbus.models.model import (
@@ -138,7 +138,7 @@ class ModelCalls:
             )
             response = await self.call_model(request)
             used = self.state.memory_index().call_ids
-            return Msg(role="assistant", name=self.settings.name, content=_fix_ids(response, used))
+            return made_message("assistant", _fix_ids(response, used), self.settings.name)
 
         call = self.scope.onion("on_reasoning", step)
         return await call()

@@ -35,7 +35,7 @@ from fleetbus.agents._model_calls import layer_tools, tool_specs
 from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope, tool_result
 from fleetbus.agents._tool_groups import SWITCH_TOOL, inactive_group, switch
 from fleetbus.agents.long_term_memory import STORE_TOOLS
-from fleetbus.agents.messages import Msg
+from fleetbus.agents.messages import made_message
 from fleetbus.agents.middleware import StopReply
 from fleetbus.agents.offload import cut, was_cut
 from fleetbus.agents.state import PendingCall, RecentCall
@@ -157,7 +157,7 @@ class ToolRunner:
 
     async def _arrive(self, use: ToolUseBlock, block: ToolResultBlock) -> ToolResultBlock:
         """Make a result durable as it arrives (before the step's other calls end)."""
-        self.reply.arrived.append(Msg(role="tool", name=use.name, content=[block]))
+        self.reply.arrived.append(made_message("tool", [block], use.name))
         await self.scope.checkpoint()
         return block
 
@@ -443,7 +443,7 @@ class ToolRunner:
 
     def _remember(self, use: ToolUseBlock, block: ToolResultBlock) -> None:
         """One result into memory, and its event."""
-        self.state.memory.append(Msg(role="tool", name=use.name, content=[block]))
+        self.state.memory.append(made_message("tool", [block], use.name))
         self.reply.answered.append(use.id)
         self.scope.event(
             ev.TOOL_RESULT,

@@ -25,7 +25,7 @@ from fleetbus.protocol import (
     new_id,
 )
 
-__all__ = ["Blocks", "Mark", "Msg", "Role", "stored_json", "stored_messages"]
+__all__ = ["Blocks", "Mark", "Msg", "Role", "made_message", "stored_json", "stored_messages"]
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -196,23 +196,58 @@ _FIELDS: Final = frozenset(Msg.model_fields)
 
 
 def _restored(m: _StoredMsg) -> Msg:
+    """A :class:`Msg` of checked fields (read by msgspec): it is made for
+    every message of a session each time a host loads it."""
+    return _built(m.msg_id, m.role, m.content, m.name, m.marks, m.metadata, chat=True)
+
+
+_BLOCK_TYPE_SET: Final = frozenset(_BLOCK_TYPES)
+_NO_MARKS: Final[frozenset[Mark]] = frozenset()
+
+
+def made_message(role: Role, content: list[ContentBlock], name: str = "") -> Msg:
+    """``Msg(role=role, content=content, name=name)`` for the messages the
+    loop makes of blocks (a step's answer, a tool's result): the same
+    message, a third of the time pydantic's validation takes (a served reply
+    makes several). ``content`` must be a list of content blocks; anything
+    else goes through that validation, and its error."""
+    if type(content) is not list or any(type(b) not in _BLOCK_TYPE_SET for b in content):
+        return Msg(role=role, content=content, name=name)
+    if role not in _ROLES or type(name) is not str:
+        return Msg(role=role, content=content, name=name)
+    return _built(new_id(), role, content, name, _NO_MARKS, {}, chat=False)
+
+
+_ROLES: Final = frozenset(("system", "user", "assistant", "tool"))
+
+
+def _built(
+    msg_id: str,
+    role: Role,
+    content: list[ContentBlock],
+    name: str,
+    marks: frozenset[Mark],
+    metadata: dict[str, Any],
+    *,
+    chat: bool,
+) -> Msg:
     """A :class:`Msg` of checked fields, made as ``model_construct`` makes
-    one when every field is given, without its generic per-field loop: it
-    runs for every message of a session each time a host loads it."""
+    one when every field is given, without its generic per-field loop
+    (``chat``: with its chat form made now)."""
     message = Msg.__new__(Msg)
     fields: dict[str, Any] = {
-        "msg_id": m.msg_id,
-        "role": m.role,
-        "content": m.content,
-        "name": m.name,
-        "marks": m.marks,
-        "metadata": m.metadata,
+        "msg_id": msg_id,
+        "role": role,
+        "content": content,
+        "name": name,
+        "marks": marks,
+        "metadata": metadata,
     }
-    if "hint" not in m.marks:
+    if chat and "hint" not in marks:
         # Its chat form, made now, while the message is fresh in the caches:
         # an agent's next step sends it, and made later from a loaded
         # session's cold messages it cost four times as much.
-        fields["_chat"] = _chat_form(m.role, m.content, m.name)
+        fields["_chat"] = _chat_form(role, content, name)
     object.__setattr__(message, "__dict__", fields)
     object.__setattr__(message, "__pydantic_fields_set__", set(_FIELDS))
     object.__setattr__(message, "__pydantic_extra__", None)
