@@ -149,6 +149,21 @@ class Lease:
         return session_key(self.record.agent, self.record.session_id)
 
 
+def updated(record: SessionRecord, update: Mapping[str, Any]) -> SessionRecord:
+    """``record.model_copy(update=update)`` (no field validated, as there),
+    without its generic path: a served reply copies its record a few times."""
+    copy = object.__new__(SessionRecord)
+    fields = dict(record.__dict__)
+    fields.update(update)
+    object.__setattr__(copy, "__dict__", fields)
+    object.__setattr__(
+        copy, "__pydantic_fields_set__", record.__pydantic_fields_set__ | update.keys()
+    )
+    object.__setattr__(copy, "__pydantic_extra__", None)
+    object.__setattr__(copy, "__pydantic_private__", None)
+    return copy
+
+
 def session_key(agent: str, session_id: str) -> str:
     """The key of a session (its journal and its lease)."""
     return f"{agent}.{session_id}"
@@ -374,7 +389,7 @@ def fold_facts(lease: Lease, facts: Sequence[tuple[JournalEntry, Fact, int]]) ->
         lease.written = state.model_dump(mode="json", exclude={"memory"})
     update["state"] = state
     update["messages"] = len(state.memory)
-    lease.record = record.model_copy(update=update)
+    lease.record = updated(record, update)
     lease.persisted, lease.persisted_ends = len(state.memory), memory_ends(state.memory)
     lease.encoded = encoded if encoded is not None and len(encoded) == len(memory) else []
 

@@ -45,6 +45,7 @@ from fleetbus.agents.serving.facts import (
     recorded,
     session_key,
     snapshot_fact,
+    updated,
 )
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus, ObjectStore, check_name, object_store
@@ -434,14 +435,15 @@ class SessionJournals:
             if blob is not None:
                 await self._drop_blobs([blob])
             raise
-        lease.record = base.model_copy(
-            update={
+        lease.record = updated(
+            base,
+            {
                 **meta,
                 "state": state,
                 "seq": seq,
                 "updated_at": utc_now(),
                 "messages": len(state.memory),
-            }
+            },
         )
         lease.seq, lease.writer = seq, lease.epoch
         if lease.untaken is not None:

@@ -29,6 +29,7 @@ from fleetbus.agents.serving.facts import (
     recorded,
     serving_request,
     session_key,
+    updated,
 )
 from fleetbus.agents.serving.journals import (
     JOURNAL_NAME,
@@ -318,7 +319,7 @@ class SessionStore(SessionJournals):
             if clean and taken.carried:
                 del fact["k"]
                 lease.untaken = fact
-                lease.record = record.model_copy(update=fact_meta(fact))
+                lease.record = updated(record, fact_meta(fact))
                 return lease
             lease.serving = recorded(lease.serving)  # the journal holds the request
             try:
