@@ -21,11 +21,9 @@ identity the server lets read them, and nobody else but the fleet's watchers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -120,8 +118,7 @@ class ReplyRunning:
     _running: dict[str, Agent]
     _runs: dict[str, Run]
     _limiter: asyncio.Semaphore
-    _session_locks: dict[str, asyncio.Lock]
-    _lock_users: dict[str, int]
+    _session_lock: SessionLocks
 
     def definition(self, name: str) -> Agent:
         raise NotImplementedError
@@ -188,21 +185,6 @@ class ReplyRunning:
             return self._error(message, "overloaded", str(exc))
         except StoreError as exc:
             return self._error(message, "internal", f"the session store failed: {exc}")
-
-    @contextlib.asynccontextmanager
-    async def _session_lock(self, key: str) -> AsyncIterator[None]:
-        """One reply (or observation) at a time per session in this replica;
-        the lease does the same across replicas."""
-        lock = self._session_locks.setdefault(key, asyncio.Lock())
-        self._lock_users[key] = self._lock_users.get(key, 0) + 1
-        try:
-            async with lock:
-                yield
-        finally:
-            self._lock_users[key] -= 1
-            if not self._lock_users[key]:
-                del self._lock_users[key]
-                del self._session_locks[key]
 
     async def _run_reply(
         self,
@@ -741,3 +723,51 @@ def decode_input(data: dict[str, Any] | None) -> AnyMessage | None:
 def decode_final(data: dict[str, Any] | None) -> FinalAnswer | None:
     message = decode_input(data)
     return message if isinstance(message, FinalAnswer) else None
+
+
+class SessionLocks:
+    """One reply (or observation) at a time per session in this replica (the
+    lease does the same across replicas): ``async with locks(key):``. A
+    session's lock is kept while someone holds it or waits for it."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, _SessionLock] = {}
+
+    def __call__(self, key: str) -> _SessionLock:
+        lock = self._held.get(key)
+        if lock is None:
+            lock = self._held[key] = _SessionLock(self._held, key)
+        return lock
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+class _SessionLock:
+    """The lock of one session (an async context manager written out: this
+    runs for every message a host serves)."""
+
+    __slots__ = ("_all", "_key", "_lock", "_users")
+
+    def __init__(self, held: dict[str, _SessionLock], key: str) -> None:
+        self._all = held
+        self._key = key
+        self._lock = asyncio.Lock()
+        self._users = 0
+
+    async def __aenter__(self) -> None:
+        self._users += 1
+        try:
+            await self._lock.acquire()
+        except BaseException:
+            self._leave()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._lock.release()
+        self._leave()
+
+    def _leave(self) -> None:
+        self._users -= 1
+        if not self._users:
+            del self._all[self._key]

@@ -59,7 +59,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from fleetbus.agents.agent import Agent
 from fleetbus.agents.serving._observing import Observing
-from fleetbus.agents.serving._replies import Run
+from fleetbus.agents.serving._replies import Run, SessionLocks
 from fleetbus.agents.serving.directory import agent_service
 from fleetbus.agents.serving.sessions import (
     Recovery,
@@ -267,10 +267,7 @@ class AgentHost(Observing, Lifecycle):
         self._taking_over: set[str] = set()
         self._takeover_deadlines: set[asyncio.Timeout] = set()
         self._limiter = asyncio.Semaphore(concurrency)
-        # One reply at a time per session in this replica; the lease does the
-        # same across replicas.
-        self._session_locks: dict[str, asyncio.Lock] = {}
-        self._lock_users: dict[str, int] = {}
+        self._session_lock = SessionLocks()
 
     def serves(self, name: str) -> bool:
         """Whether this host serves the agent ``name``."""
