@@ -18,6 +18,7 @@ from fleetbus.agents.serving.facts import (
     fact_meta,
     fold_facts,
     snapshot_fact,
+    updated,
 )
 from fleetbus.agents.state import AgentState, PendingCall, ReplyState
 from fleetbus.bus.journal import JournalEntry
@@ -89,3 +90,16 @@ def test_a_folded_snapshot_keeps_its_fields_as_written_apart_from_the_state() ->
     assert lease.record.seq == 7
     assert lease.record.owner == "replica-1"
     assert lease.record.status == "running"
+
+
+def test_a_record_updated_is_the_copy_pydantic_makes() -> None:
+    record = _record()
+    update = {"status": "done", "owner": None, "seq": 7, "messages": 1}
+
+    copy = updated(record, update)
+
+    assert copy == record.model_copy(update=update)
+    assert copy.model_fields_set == record.model_copy(update=update).model_fields_set
+    assert copy.model_dump() == {**record.model_dump(), **update}
+    assert (record.status, record.owner, record.seq) == ("running", "replica-1", 0)  # untouched
+    assert copy.state is record.state  # shallow, as model_copy is

@@ -10,7 +10,7 @@ import pytest
 
 from fleetbus.agents import AgentState, Msg
 from fleetbus.agents.compression import ApproxTokenCounter
-from fleetbus.agents.messages import stored_json, stored_messages
+from fleetbus.agents.messages import made_message, stored_json, stored_messages
 from fleetbus.protocol import DataBlock, TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock
 
 MEMORY = [
@@ -107,3 +107,24 @@ def test_restored_messages_carry_their_chat_form_and_count_as_the_originals() ->
     state = AgentState(agent_name="ann", memory=restored)
     assert state.memory_index().tokens(counter) == ApproxTokenCounter().count(restored)
     assert state.memory_index().call_ids == {"c1": 1}
+
+
+@pytest.mark.parametrize("message", MEMORY[1:3], ids=["assistant", "tool"])
+def test_a_message_the_loop_makes_is_the_message_pydantic_makes(message: Msg) -> None:
+    made = made_message(message.role, list(message.content), message.name)
+    validated = Msg(role=message.role, content=list(message.content), name=message.name)
+
+    assert made.model_copy(update={"msg_id": validated.msg_id}) == validated
+    assert made.msg_id != validated.msg_id  # a fresh id, as pydantic's default gives
+    assert made.model_dump(exclude={"msg_id"}) == validated.model_dump(exclude={"msg_id"})
+    assert made.to_chat() == validated.to_chat()
+    assert made.model_fields_set >= {"role", "content", "name"}
+
+
+def test_a_message_made_of_what_is_not_blocks_is_validated() -> None:
+    # A string becomes a text block, as Msg makes it; what is no block fails as there.
+    assert made_message("user", "hi").content == [TextBlock(text="hi")]  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="invalid content blocks"):
+        made_message("user", [{"type": "bogus"}])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="role"):
+        made_message("boss", [TextBlock(text="hi")])  # type: ignore[arg-type]
