@@ -126,12 +126,16 @@ class ModelCalls:
         await self.scope.wait_for_reader()
 
         async def step() -> Msg:
+            # The tools offered, made once: memory is compressed first if
+            # they, the system prompt and memory are past the threshold.
+            tools = tool_specs(self.scope)
+            await self.maybe_compress(tools)
             # A structured reply ends only with a tool call: forced where the
             # model can be forced, else asked for (and reminded, _reply.py).
             required = self.scope.structured and supports_required_tool_choice(self.settings.model)
             request = ModelRequest(
                 messages=self.prompt(),
-                tools=tool_specs(self.scope),
+                tools=tools,
                 tool_choice="required" if required else "auto",
                 options=dict(self.settings.model_config.options),
                 session_id=self.reply.session_id,
@@ -275,8 +279,10 @@ class ModelCalls:
             self.state.memory.append(Msg.text_message("assistant", text, name=self.settings.name))
         return text
 
-    async def maybe_compress(self) -> None:
-        """Compress memory if it is over the context's threshold.
+    async def maybe_compress(self, tools: list[ToolSpec]) -> None:
+        """Compress memory if it is over the context's threshold, with
+        ``tools`` offered (the step's, which are counted with the system
+        prompt).
 
         Memory's tokens come from the state's index: the sum of its messages'
         counts, each message counted once — what :func:`compress` counts
@@ -287,7 +293,7 @@ class ModelCalls:
         settings = self.settings
         config = settings.context
         counter = settings.token_counter
-        system_tokens = counter.count_text(settings.system_prompt) + self._tools_tokens(counter)
+        system_tokens = counter.count_text(settings.system_prompt) + _tools_tokens(counter, tools)
         try:
             tokens = self.state.memory_index().tokens(counter)
         except Exception:  # compress() counts again, and logs why it cannot
@@ -315,37 +321,37 @@ class ModelCalls:
         if result.summary is not None:
             self.state.summary = result.summary
 
-    def _tools_tokens(self, counter: Any) -> int:
-        """The tokens of the tool specs on offer (counted again only when they change)."""
-        specs = tool_specs(self.scope)
-        # Most specs are the same objects from step to step (a tool makes
-        # its spec once): those, with the same counter, are known by their
-        # identities alone. The entry keeps them alive, so no id is reused.
-        seen = (id(counter), *map(id, specs))
-        known = _SPECS_SEEN.get(seen)
-        if known is not None:
-            return known[2]
-        # Else a spec's parameters are its tool's own schema, the same object
-        # from reply to reply: name, description and that object's identity
-        # tell a spec list counted before. Counters that count alike are
-        # equal (a population's agents each have one); one that cannot be
-        # hashed is told by its identity.
-        try:
-            hash(counter)
-            who: Any = counter
-        except TypeError:
-            who = id(counter)
-        key = (who, *((s.name, s.description, id(s.parameters)) for s in specs))
-        known = _SPECS_TOKENS.get(key)
-        if known is None:
-            # msgspec's encoder: it encodes the structs directly, where
-            # json.dumps needs them turned into builtins first.
-            text = msgspec.json.encode(specs).decode()
-            known = (specs, counter, counter.count_text(text))
-            _keep(_SPECS_TOKENS, key, known)
-        _keep(_SPECS_SEEN, seen, (specs, counter, known[2]))
-        tokens: int = known[2]
-        return tokens
+
+def _tools_tokens(counter: Any, specs: list[ToolSpec]) -> int:
+    """The tokens of the tool specs on offer (counted again only when they change)."""
+    # Most specs are the same objects from step to step (a tool makes its
+    # spec once): those, with the same counter, are known by their
+    # identities alone. The entry keeps them alive, so no id is reused.
+    seen = (id(counter), *map(id, specs))
+    known = _SPECS_SEEN.get(seen)
+    if known is not None:
+        return known[2]
+    # Else a spec's parameters are its tool's own schema, the same object
+    # from reply to reply: name, description and that object's identity
+    # tell a spec list counted before. Counters that count alike are equal
+    # (a population's agents each have one); one that cannot be hashed is
+    # told by its identity.
+    try:
+        hash(counter)
+        who: Any = counter
+    except TypeError:
+        who = id(counter)
+    key = (who, *((s.name, s.description, id(s.parameters)) for s in specs))
+    known = _SPECS_TOKENS.get(key)
+    if known is None:
+        # msgspec's encoder: it encodes the structs directly, where
+        # json.dumps needs them turned into builtins first.
+        text = msgspec.json.encode(specs).decode()
+        known = (specs, counter, counter.count_text(text))
+        _keep(_SPECS_TOKENS, key, known)
+    _keep(_SPECS_SEEN, seen, (specs, counter, known[2]))
+    tokens: int = known[2]
+    return tokens
 
 
 def _keep(kept: dict[tuple[Any, ...], _Counted], key: tuple[Any, ...], entry: _Counted) -> None:

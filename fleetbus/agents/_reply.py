@@ -117,7 +117,6 @@ class ReplyRun:
         while reply.iteration < settings.max_iters:
             self.scope.ctx.iteration = reply.iteration
             with tracing.span("fleetbus step", attributes={"fleetbus.step": reply.iteration}):
-                await self.models.maybe_compress()
                 message = await self.models.reason()
                 self.state.memory.append(message)
                 reply.iteration += 1

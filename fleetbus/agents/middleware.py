@@ -7,8 +7,9 @@ outermost layer — ``a`` sees a call first and its result last::
     a.on_reply( b.on_reply( the reply ) )
 
 Inside one reply the hooks nest as the loop runs: ``on_reply`` around the
-whole reply; ``on_reasoning`` around each step's model call and its
-recording; ``on_model_call`` around each attempt at the model (retries and
+whole reply; ``on_reasoning`` around each step's model call (with the
+compression of memory that may come before it) and its recording;
+``on_model_call`` around each attempt at the model (retries and
 the fallback included, so it sees them all); ``on_tool_call`` around each
 tool call, after the permission check. ``system_prompt`` is applied in list
 order before each model call. ``on_event`` sees each event of the reply as it

@@ -21,9 +21,10 @@ import pytest
 from fleetbus.agents import Agent, AgentSettings, ContextConfig, Msg
 from fleetbus.agents import messages as messages_module
 from fleetbus.agents.compression import ApproxTokenCounter
+from fleetbus.agents.middleware import Middleware, ReplyContext
 from fleetbus.agents.state import AgentState
 from fleetbus.models.model import ModelResponse
-from fleetbus.protocol import ChatMessage, ToolResultBlock, ToolUseBlock, Usage
+from fleetbus.protocol import ChatMessage, ToolResultBlock, ToolSpec, ToolUseBlock, Usage
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit, tool
 
@@ -328,3 +329,39 @@ async def test_the_tools_offered_are_counted_again_when_they_change() -> None:
         assert model.remaining == 0
         assert model.requests[0].tool_choice == ("write_summary" if over else "auto")
         assert ("compressed" in agent.memory[0].marks) == bool(over)
+
+
+async def test_compression_counts_the_tools_the_step_offers() -> None:
+    """A layer that offers a tool from its ``on_reasoning`` on: the step's
+    compression check counts the tools that step sends, the new one too."""
+    context = ContextConfig(context_length=10_000, trigger_ratio=0.5, reserve_ratio=0.1)
+    big = ToolSpec(name="big", description="x" * (4 * context.trigger_tokens))
+
+    class Offering(Middleware):
+        offered = False
+
+        def tools(self, ctx: ReplyContext) -> Sequence[ToolSpec]:
+            return (big,) if self.offered else ()
+
+        async def on_reasoning(
+            self, ctx: ReplyContext, call_next: Callable[[], Awaitable[Msg]]
+        ) -> Msg:
+            self.offered = True
+            return await call_next()
+
+    summary = ScriptedModel.call("write_summary", {"task": "t", "current_state": "s"}, call_id="s")
+    model = ScriptedModel([summary, "Done."])
+    agent = Agent(
+        "worker",
+        "",
+        model,
+        middlewares=[Offering()],
+        settings=AgentSettings(context=context, token_counter=ApproxTokenCounter()),
+    )
+    agent.memory.extend(history(200))
+
+    answer = await agent.reply("Go.")
+
+    assert answer.finished_reason == "completed"
+    assert model.requests[0].tool_choice == "write_summary"
+    assert [t.name for t in model.requests[1].tools] == ["big"]
