@@ -257,6 +257,24 @@ async def test_a_reply_restored_between_its_calls_and_their_results_runs_them() 
     assert again.memory[-2].tool_results[0].id == "c2"
 
 
+async def reply_compressing(agent: Agent, compresses: bool) -> ScriptedModel:
+    """Ask ``agent`` to go on; check that memory was compressed first (a
+    summary written) or not, as ``compresses`` says. Returns the model."""
+    summary = ScriptedModel.call(
+        "write_summary", {"task": "t", "current_state": "s"}, call_id="sum"
+    )
+    model = ScriptedModel([summary, "Done."] if compresses else ["Done."])
+    agent.model = model
+
+    answer = await agent.reply("Go.")
+
+    assert answer.finished_reason == "completed"
+    assert model.remaining == 0
+    assert model.requests[0].tool_choice == ("write_summary" if compresses else "auto")
+    assert ("compressed" in agent.memory[0].marks) == compresses
+    return model
+
+
 async def test_compression_starts_exactly_past_the_threshold_with_a_warm_index() -> None:
     for over in (0, 1):
         counter = ApproxTokenCounter()
@@ -275,18 +293,7 @@ async def test_compression_starts_exactly_past_the_threshold_with_a_warm_index()
         before = 1 + counter.count(agent.memory) + 5
         filler = context.trigger_tokens - before + over - 4  # 4: a message's overhead
         await agent.observe(Msg.text_message("user", "x" * (4 * filler)))
-        summary = ScriptedModel.call(
-            "write_summary", {"task": "t", "current_state": "s"}, call_id="sum"
-        )
-        model = ScriptedModel([summary, "Done."] if over else ["Done."])
-        agent.model = model
-
-        answer = await agent.reply("Go.")
-
-        assert answer.finished_reason == "completed"
-        assert model.remaining == 0
-        assert model.requests[0].tool_choice == ("write_summary" if over else "auto")
-        assert ("compressed" in agent.memory[0].marks) == bool(over)
+        await reply_compressing(agent, bool(over))
 
 
 async def test_the_tools_offered_are_counted_again_when_they_change() -> None:
@@ -319,16 +326,7 @@ async def test_the_tools_offered_are_counted_again_when_they_change() -> None:
         before = specs + counter.count(agent.memory) + 5
         lookup.description += "x" * (4 * (context.trigger_tokens - before + over))
         assert lookup.spec() is not first
-        summary = ScriptedModel.call(
-            "write_summary", {"task": "t", "current_state": "s"}, call_id="sum"
-        )
-        model = agent.model = ScriptedModel([summary, "Done."] if over else ["Done."])
-        answer = await agent.reply("Go.")
-
-        assert answer.finished_reason == "completed"
-        assert model.remaining == 0
-        assert model.requests[0].tool_choice == ("write_summary" if over else "auto")
-        assert ("compressed" in agent.memory[0].marks) == bool(over)
+        await reply_compressing(agent, bool(over))
 
 
 async def test_compression_counts_the_tools_the_step_offers() -> None:
@@ -349,19 +347,15 @@ async def test_compression_counts_the_tools_the_step_offers() -> None:
             self.offered = True
             return await call_next()
 
-    summary = ScriptedModel.call("write_summary", {"task": "t", "current_state": "s"}, call_id="s")
-    model = ScriptedModel([summary, "Done."])
     agent = Agent(
         "worker",
         "",
-        model,
+        ScriptedModel(),
         middlewares=[Offering()],
         settings=AgentSettings(context=context, token_counter=ApproxTokenCounter()),
     )
     agent.memory.extend(history(200))
 
-    answer = await agent.reply("Go.")
+    model = await reply_compressing(agent, True)
 
-    assert answer.finished_reason == "completed"
-    assert model.requests[0].tool_choice == "write_summary"
     assert [t.name for t in model.requests[1].tools] == ["big"]
