@@ -9,7 +9,6 @@ count compression checks and the tool call ids come from the state's
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import itertools
@@ -21,6 +20,7 @@ from typing import Any
 import msgspec
 
 from fleetbus import tracing
+from fleetbus._deadlines import within
 from fleetbus._retry import Retry
 from fleetbus.agents import events as ev
 from fleetbus.agents._reply_scope import FINISH_TOOL, ReplyScope
@@ -222,7 +222,7 @@ class ModelCalls:
         started = time.perf_counter()
         final: ModelResponse | None = None
         limit = self.settings.model_config.timeout
-        deadline = asyncio.timeout(limit)
+        deadline = within(limit)
         try:
             async with deadline:
                 async for item in model.stream(request):
@@ -233,7 +233,7 @@ class ModelCalls:
                     elif isinstance(item, ModelResponse):
                         final = item
         except TimeoutError as exc:
-            if not deadline.expired():
+            if not deadline.expired:
                 raise  # the model's own TimeoutError, retried as it is
             raise ModelError(
                 f"the model did not answer within {limit:g} s ({_TIMEOUT_SETTING})",

@@ -1,0 +1,141 @@
+"""Deadlines of many blocks on one event loop, served by one timer.
+
+``async with within(seconds):`` is ``async with asyncio.timeout(seconds):``
+— the block's task is cancelled at the deadline and the block raises
+``TimeoutError`` — for code that runs it for most of its awaits: a model
+call of every reasoning step. ``asyncio.timeout`` arms a timer of the loop
+for each block and cancels it at the block's end (with uvloop, a libuv
+timer made, started, stopped and closed): two model calls a reply spent 4 %
+of a population host's reply on it (callgrind, ``bench/sim_host_instructions.py``).
+Here the blocks of a loop share one timer, armed at the earliest deadline
+and moved only when an earlier one comes; a block notes its deadline in a
+heap, and whether it is over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+from types import TracebackType
+
+__all__ = ["within"]
+
+
+def within(delay: float) -> Within:
+    """A block that must end within ``delay`` seconds (see the module)."""
+    return Within(delay)
+
+
+class Within:
+    """One block under a deadline: ``async with``, once."""
+
+    __slots__ = ("_cancelling", "_deadlines", "_delay", "_task", "done", "expired")
+
+    def __init__(self, delay: float) -> None:
+        self._delay = delay
+        self._task: asyncio.Task[object] | None = None
+        self._deadlines: _Deadlines | None = None
+        self._cancelling = 0
+        self.expired = False
+        """The deadline came while the block ran: it cancelled the task."""
+        self.done = False
+
+    async def __aenter__(self) -> Within:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a deadline must be used inside a task")
+        self._task = task
+        self._cancelling = task.cancelling()
+        loop = task.get_loop()
+        deadlines = self._deadlines = _OF_LOOP.get(loop) or _deadlines_of(loop)
+        deadlines.add(loop.time() + self._delay, self)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        task, deadlines = self._task, self._deadlines
+        assert task is not None
+        assert deadlines is not None
+        self.done = True
+        self._task = None  # (its entry may stay in the heap a while)
+        deadlines.live -= 1
+        # As asyncio.timeout: the cancel the deadline made is taken back; a
+        # cancel from elsewhere meanwhile goes on as it is.
+        if (
+            self.expired
+            and task.uncancel() <= self._cancelling
+            and exc_type is not None
+            and issubclass(exc_type, asyncio.CancelledError)
+        ):
+            raise TimeoutError from exc
+
+    def _expire(self) -> None:
+        if self._task is not None and not self.expired:
+            self.expired = True
+            self._task.cancel()
+
+
+class _Deadlines:
+    """The deadlines of one loop's blocks: a heap, some of it blocks over
+    (taken out when the timer finds them, or when they are most of it)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._heap: list[tuple[float, int, Within]] = []
+        self._order = itertools.count()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        self.live = 0
+        """Blocks entered and not left."""
+
+    def add(self, deadline: float, block: Within) -> None:
+        heap = self._heap
+        heapq.heappush(heap, (deadline, next(self._order), block))
+        self.live += 1
+        if len(heap) > 2 * self.live + 64:
+            heap[:] = [entry for entry in heap if not entry[2].done]
+            heapq.heapify(heap)
+        if deadline < self._timer_at:
+            self._arm(deadline)
+
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_at(when, self._fire)
+        self._timer_at = when
+
+    def _fire(self) -> None:
+        """Expire the blocks whose deadline came; arm for the next one."""
+        self._timer = None
+        self._timer_at = math.inf
+        now = self._loop.time()
+        heap = self._heap
+        while heap:
+            deadline, _, block = heap[0]
+            if not block.done:
+                if deadline > now:
+                    # uvloop keeps time in whole milliseconds and may fire up
+                    # to half of one early: not again before the next one.
+                    self._arm(max(deadline, now + 0.001))
+                    return
+                block._expire()
+            heapq.heappop(heap)
+
+
+_OF_LOOP: dict[asyncio.AbstractEventLoop, _Deadlines] = {}
+"""The deadlines of each loop that has blocks (closed loops are dropped
+when a new loop comes)."""
+
+
+def _deadlines_of(loop: asyncio.AbstractEventLoop) -> _Deadlines:
+    for old in list(_OF_LOOP):  # (a copy: other threads run loops of their own)
+        if old.is_closed():
+            _OF_LOOP.pop(old, None)
+    deadlines = _OF_LOOP[loop] = _Deadlines(loop)
+    return deadlines
