@@ -1,4 +1,4 @@
-"""Deadlines of many blocks on one event loop, served by one timer.
+"""Deadlines of many blocks and calls on one event loop, served by one timer.
 
 ``async with within(seconds):`` is ``async with asyncio.timeout(seconds):``
 — the block's task is cancelled at the deadline and the block raises
@@ -9,7 +9,10 @@ timer made, started, stopped and closed): two model calls a reply spent 4 %
 of a population host's reply on it (callgrind, ``bench/sim_host_instructions.py``).
 Here the blocks of a loop share one timer, armed at the earliest deadline
 and moved only when an earlier one comes; a block notes its deadline in a
-heap, and whether it is over.
+heap, and whether it is over. ``later(seconds, callback)`` is
+``loop.call_later`` on the same timer, for a call that is most often
+cancelled before its time (a lease's first renewal, due a third of its TTL
+after a reply starts, which most replies end before).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ import asyncio
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 from types import TracebackType
 
-__all__ = ["within"]
+__all__ = ["Later", "Within", "later", "within"]
 
 
 def within(delay: float) -> Within:
@@ -81,20 +85,60 @@ class Within:
             self._task.cancel()
 
 
+def later(delay: float, callback: Callable[[], object]) -> Later:
+    """``callback()`` called from the running loop in ``delay`` seconds,
+    unless :meth:`Later.cancel` comes first (see the module)."""
+    loop = asyncio.get_running_loop()
+    deadlines = _OF_LOOP.get(loop) or _deadlines_of(loop)
+    call = Later(deadlines, callback)
+    deadlines.add(loop.time() + delay, call)
+    return call
+
+
+class Later:
+    """A call to make at a deadline (:func:`later`)."""
+
+    __slots__ = ("_callback", "_deadlines", "done")
+
+    def __init__(self, deadlines: _Deadlines, callback: Callable[[], object]) -> None:
+        self._deadlines = deadlines
+        self._callback: Callable[[], object] | None = callback
+        self.done = False
+
+    def cancel(self) -> None:
+        """Do not make the call (nothing if it was made)."""
+        if not self.done:
+            self.done = True
+            self._callback = None
+            self._deadlines.live -= 1
+
+    def _expire(self) -> None:
+        callback = self._callback
+        self.cancel()
+        if callback is None:
+            return
+        try:
+            callback()
+        except Exception as exc:  # as the loop reports a timer's failure; the others still run
+            self._deadlines.loop.call_exception_handler(
+                {"message": f"exception in the deferred call {callback!r}", "exception": exc}
+            )
+
+
 class _Deadlines:
     """The deadlines of one loop's blocks: a heap, some of it blocks over
     (taken out when the timer finds them, or when they are most of it)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._heap: list[tuple[float, int, Within]] = []
+        self.loop = loop
+        self._heap: list[tuple[float, int, Within | Later]] = []
         self._order = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self.live = 0
-        """Blocks entered and not left."""
+        """Blocks entered and not left, calls neither made nor cancelled."""
 
-    def add(self, deadline: float, block: Within) -> None:
+    def add(self, deadline: float, block: Within | Later) -> None:
         heap = self._heap
         heapq.heappush(heap, (deadline, next(self._order), block))
         self.live += 1
@@ -107,14 +151,15 @@ class _Deadlines:
     def _arm(self, when: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = self._loop.call_at(when, self._fire)
+        self._timer = self.loop.call_at(when, self._fire)
         self._timer_at = when
 
     def _fire(self) -> None:
-        """Expire the blocks whose deadline came; arm for the next one."""
+        """Expire the blocks, make the calls, whose deadline came; arm for
+        the next one."""
         self._timer = None
         self._timer_at = math.inf
-        now = self._loop.time()
+        now = self.loop.time()
         heap = self._heap
         while heap:
             deadline, _, block = heap[0]

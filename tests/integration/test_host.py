@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from fleetbus.agents import Agent, AgentHost
-from fleetbus.agents.serving.sessions import SessionStore
+from fleetbus.agents.serving.sessions import SessionStore, session_key
+from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus, EmbeddedServer
-from fleetbus.errors import CallTimeoutError, ConfigError
+from fleetbus.errors import CallTimeoutError, ConfigError, SessionBusyError
+from fleetbus.models.model import ModelResponse
 from fleetbus.protocol import (
     AgentMessage,
     ErrorMessage,
@@ -401,3 +403,44 @@ async def test_with_checkpoints_per_reply_a_small_session_is_one_snapshot(
     assert [m.text for m in record.state.memory if m.role == "user"] == [
         f"round {n}" for n in range(5)
     ]
+
+
+class Slow:
+    """A model that takes ``seconds`` to answer (``started``: its call began)."""
+
+    name = "slow"
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.started = asyncio.Event()
+
+    async def stream(self, request: Any) -> AsyncIterator[Any]:
+        self.started.set()
+        await asyncio.sleep(self.seconds)
+        yield ModelResponse([TextBlock(text="at last")], finish_reason="stop", model=self.name)
+
+
+async def test_a_reply_longer_than_its_lease_renews_it_and_keeps_it(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """Renewed every third of its TTL from the first renewal on: a reply of
+    five TTLs keeps its session, and nobody else can take it meanwhile."""
+    model = Slow(2.5)
+    slow = Agent("slow", "", model, toolkit=Toolkit())
+    async with hosting(nats_server.url, bus.prefix, [slow], lease_ttl=0.5):
+        asking = asyncio.create_task(ask(bus, "slow", "take your time", "s1"))
+        store = await SessionStore.open(bus, owner="other", lease_ttl=0.5)
+        key = session_key("slow", "s1")
+        async with asyncio.timeout(10):
+            await model.started.wait()
+        first = await store.leases.get_or_none(key)
+        await asyncio.sleep(1.5)  # three TTLs: a lease left alone would be silent
+        renewed = await store.leases.get_or_none(key)
+        with pytest.raises(SessionBusyError):
+            await store.acquire("slow", "s1", fresh=AgentState(agent_name="slow"))
+        answer = await asking
+    assert isinstance(answer, FinalAnswer)
+    assert answer.content == "at last"
+    assert first is not None
+    assert renewed is not None
+    assert renewed.revision > first.revision  # renewed while the reply ran

@@ -13,7 +13,7 @@ import asyncio
 import pytest
 
 from fleetbus import _deadlines
-from fleetbus._deadlines import within
+from fleetbus._deadlines import later, within
 
 
 async def test_a_block_that_ends_in_time_is_left_alone() -> None:
@@ -120,3 +120,45 @@ def test_each_loop_has_its_own_timer() -> None:
     assert (
         all(not loop.is_closed() for loop in _deadlines._OF_LOOP) or len(_deadlines._OF_LOOP) <= 1
     )
+
+
+async def test_a_later_call_is_made_at_its_time_unless_cancelled() -> None:
+    loop = asyncio.get_running_loop()
+    made: list[str] = []
+    both = asyncio.Event()
+    started = loop.time()
+
+    def make(name: str) -> None:
+        made.append(name)
+        if len(made) == 2:
+            both.set()
+
+    later(0.1, lambda: make("second"))
+    cancelled = later(0.02, lambda: make("cancelled"))
+    later(0.05, lambda: make("first"))
+    cancelled.cancel()
+    async with asyncio.timeout(10):
+        await both.wait()
+    assert made == ["first", "second"]
+    assert loop.time() - started >= 0.1 - 0.002
+    await asyncio.sleep(0.05)
+    assert made == ["first", "second"]  # the cancelled one never comes
+
+
+async def test_a_later_call_that_raises_is_reported_and_the_others_run() -> None:
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    ran = asyncio.Event()
+
+    def fail() -> None:
+        raise RuntimeError("broken")
+
+    later(0.01, fail)
+    later(0.02, ran.set)
+    try:
+        async with asyncio.timeout(10):
+            await ran.wait()
+    finally:
+        loop.set_exception_handler(None)
+    assert isinstance(reported[0]["exception"], RuntimeError)

@@ -31,6 +31,7 @@ import msgspec
 import orjson
 
 from fleetbus import tracing
+from fleetbus._deadlines import later
 from fleetbus._retry import Retry
 from fleetbus.agents import talk
 from fleetbus.agents.agent import Agent
@@ -284,7 +285,7 @@ class ReplyRunning:
                     # The renewing task starts with the first renewal: most
                     # replies end before it is due.
                     renewing: list[asyncio.Task[None]] = []
-                    due = asyncio.get_running_loop().call_later(
+                    due = later(
                         self.lease_ttl / 3,
                         lambda: renewing.append(tg.create_task(self._renew(lease, calls))),
                     )
