@@ -352,6 +352,10 @@ class ToolRunner:
         recent = reply.recent_calls
         recent.append(RecentCall(signature=_signature(use), ok=block.state == "success"))
         del recent[: -max(_LOOK_BACK, 2 * limit)]
+        # Fewer calls than the shortest loop takes (a cycle gone round twice,
+        # or the same call made ``limit`` times): none to look for.
+        if len(recent) < min(2 * _CYCLE_PERIODS[0], limit):
+            return block, None
         loop = _find_loop(recent, limit)
         if loop is None:
             return block, None
@@ -385,8 +389,10 @@ class ToolRunner:
 
     def _watch_repeats(self, use: ToolUseBlock, block: ToolResultBlock) -> FinalAnswer | None:
         if block.state == "success":
-            self.reply.last_failure = None
-            self.reply.repeat_count = 0
+            reply = self.reply
+            if reply.last_failure is not None or reply.repeat_count:  # (a model's setattr)
+                reply.last_failure = None
+                reply.repeat_count = 0
             return None
         key = f"{use.name}:{json.dumps(use.input, sort_keys=True, default=str)}"
         if key == self.reply.last_failure:
