@@ -5,8 +5,9 @@
 ``TimeoutError`` — for code that runs it for most of its awaits: a model
 call of every reasoning step. ``asyncio.timeout`` arms a timer of the loop
 for each block and cancels it at the block's end (with uvloop, a libuv
-timer made, started, stopped and closed): two model calls a reply spent 4 %
-of a population host's reply on it (callgrind, ``bench/sim_host_instructions.py``).
+timer made, started, stopped and closed): a reply's two model calls spent
+4 % of a fresh agent's reply on it, and 1.3 % of a population host's
+(instructions counted by callgrind; ``bench/sim_host_instructions.py``).
 Here the blocks of a loop share one timer, armed at the earliest deadline
 and moved only when an earlier one comes; a block notes its deadline in a
 heap, and whether it is over. ``later(seconds, callback)`` is
