@@ -109,7 +109,7 @@ async def test_more_replicas_than_the_cluster_holds_is_a_clear_error(cluster_bus
 
 @pytest.mark.slow
 async def test_an_r1_bucket_opened_wanting_r3_is_reported_and_updated(
-    cluster_bus: Bus, caplog: pytest.LogCaptureFixture
+    cluster: NatsCluster, cluster_bus: Bus, caplog: pytest.LogCaptureFixture
 ) -> None:
     old = await key_value(cluster_bus, "legacy", replicas=1)
     # An R1 stream lives on one node: until its interest reaches the node this
@@ -118,6 +118,10 @@ async def test_an_r1_bucket_opened_wanting_r3_is_reported_and_updated(
     await object_store(cluster_bus, "legacy-blobs", replicas=1)
     bucket = cluster_bus.subjects.kv_bucket("legacy")
     stream = kv_stream(cluster_bus, "legacy")
+    # The cluster places three copies now: on a busy machine a node late
+    # with its heartbeat counts as a peer offline for a moment, and the
+    # update is then refused ("it keeps 1", the next open tries again).
+    await cluster.wait_placement(cluster_bus)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fleetbus"):
         kv = await key_value(cluster_bus, "legacy")
