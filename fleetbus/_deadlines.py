@@ -14,6 +14,12 @@ heap, and whether it is over. ``later(seconds, callback)`` is
 ``loop.call_later`` on the same timer, for a call that is most often
 cancelled before its time (a lease's first renewal, due a third of its TTL
 after a reply starts, which most replies end before).
+
+The bus's reply inbox (``fleetbus.bus._replies``) keeps a heap of its own,
+of (deadline, token) pairs: a request there makes no object nor callback
+and cancels nothing, its entry skipped once its token no longer waits. On
+this module instead, a population host's reply took 1.0-1.5 % more
+instructions (callgrind, ``bench/sim_host_instructions.py``).
 """
 
 from __future__ import annotations
