@@ -99,13 +99,13 @@ CACHED = 256
 """Sessions whose journal end is known (fleetbus's session cache)."""
 BATCH = 256
 """Messages a direct get returns at most (as fleetbus's journal asks)."""
-MARKER_TTL = "60"
+MARKER_TTL = "5"
 """Seconds the marker of a released lease stays (as fleetbus's leases)."""
-MARKER_LIFE = 60.0
+MARKER_LIFE = 5.0
 """Seconds after a release during which its marker is written against first
 (fleetbus's ``Leases.marker_life``); past them, the lease is written as new
 first, and the marker is tried second."""
-MARKER_GONE = 90.0
+MARKER_GONE = 7.5
 """Seconds after a release by which its marker has surely expired: a take
 then writes the lease as new only (fleetbus's ``Leases._marker_gone``)."""
 _OPERATION = "KV-Operation"

@@ -138,7 +138,7 @@ CHECKPOINTS = "reply"
 EVENTS = "final"
 
 _started = 0
-MARKER_TTL_S = 60.0
+MARKER_TTL_S = 5.0
 """Seconds a released lease's marker lives (fleetbus's leases, and the floor's)."""
 
 

@@ -73,14 +73,15 @@ def test_a_release_noted_again_is_kept_by_its_later_note(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     leases, clock = _leases(monkeypatch, expiring=True)
+    gone = leases._marker_gone
     leases.note_released("x.a", 1)
-    clock[0] += 1
+    clock[0] += 0.1 * gone
     leases.note_released("x.b", 2)
-    clock[0] += 3
+    clock[0] += 0.3 * gone
     leases.note_released("x.c", None)
-    clock[0] += leases._marker_gone - 10
+    clock[0] += 0.3 * gone
     leases.note_released("x.a", 7)  # taken and released again
-    clock[0] += 8  # x.a's first note and x.b are past their markers' life, x.c not yet
+    clock[0] += 0.45 * gone  # x.a's first note and x.b are past their markers' life, x.c not yet
     leases.note_released("x.d", 8)
     assert [leases.released(k) for k in ("x.a", "x.b", "x.c", "x.d")] == [True, False, True, True]
     assert leases._known_marker("x.a") == (7, True)  # the later note's
@@ -120,3 +121,27 @@ async def test_a_marker_is_trusted_for_its_ttl_from_before_its_release_was_sent(
     assert leases._known_marker("x.young") == (7, True)
     clock[0] += 3.0  # x.old: 0.5 s past its TTL since it was sent
     assert leases._known_marker("x.old") == (8, False)
+
+
+async def test_a_marker_lives_its_few_seconds_whatever_the_lease_ttl(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A marker is there to be heard and written against by the next take
+    soon after: its life does not grow with the lease's TTL, so the bucket
+    and each replica's memory of releases hold seconds of releases."""
+    clock = [1000.0]
+    monkeypatch.setattr(leases_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    bucket = cast(KeyValueStore, SimpleNamespace(expiring_markers=True))
+    leases = Leases(cast(Bus, None), bucket, owner="a", ttl=120.0)  # long replies
+    asked: list[float] = []
+
+    async def purge(key: str, *, revision: int, ttl: float) -> int:
+        asked.append(ttl)
+        return 9
+
+    monkeypatch.setattr(leases.bucket, "purge", purge, raising=False)
+    assert await leases.drop("x.s", 3) == 9
+    assert asked == [leases_module._MARKER_TTL] == [leases.marker_life]
+    clock[0] += leases._marker_gone + 0.1
+    leases.note_released("x.t", 10)  # noting another forgets what has surely expired
+    assert not leases.released("x.s")
