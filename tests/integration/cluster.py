@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
+import nats.errors
 import nats.js.errors
 
 from fleetbus.bus import Bus, find_server_binary
@@ -356,6 +357,12 @@ class NatsCluster:
                 if "no suitable peers" not in str(exc) or time.monotonic() > deadline:
                     raise ClusterError(f"no stream of {replicas} copies placed: {exc}") from exc
                 await asyncio.sleep(0.1)
+            except nats.errors.TimeoutError as exc:
+                # A busy machine's fresh cluster can be slow to answer; the
+                # stream may be made all the same, and asking again for the
+                # same one answers it.
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"no stream of {replicas} copies placed: {exc}") from exc
         await js.delete_stream(name)
 
     def meta_leader(self) -> str | None:
