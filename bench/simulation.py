@@ -336,6 +336,10 @@ async def fan_out(
     return time.perf_counter() - started, answered, errors, late
 
 
+CPU_PARTS = ("host", "server", "worker", "runner")
+"""The processes whose CPU a protocol floor's round counts."""
+
+
 async def protocol_floor(
     top: Topology,
     prefix: str,
@@ -369,50 +373,67 @@ async def protocol_floor(
     ]
     try:
         await asyncio.sleep(1.0)  # (started with the interpreter alone: no imports to wait for)
-        out = []
-        n = len(names)
-        request = request_bytes(bus, "game")
+        out: list[dict[str, Any]] = []
+        requests = {session: request_bytes(bus, session) for session in ("game", "compare")}
 
-        async def play(name: str, timeout: float) -> bool:
-            inbox = f"{floor}.agent.{name}.inbox"
-            await bus.nc.request(inbox, request, timeout=timeout)
-            return True
+        async def measured(players: list[str], session: str) -> dict[str, Any]:
+            request = requests[session]
 
-        await tap.start()
-        first = time.monotonic()
-        spans: list[tuple[float, float]] = []  # (start, seconds) of each round played
-        for number in range(args.rounds):
-            at = floor_start(spans[-1], fleet[number - 1 : number + 1]) if number else 0.0
-            await asyncio.sleep(max(0.0, first + at - time.monotonic()))
-            started = time.monotonic() - first
+            async def play(name: str, timeout: float) -> bool:
+                inbox = f"{floor}.agent.{name}.inbox"
+                await bus.nc.request(inbox, request, timeout=timeout)
+                return True
+
+            m = len(players)
             before = sum(cpu_seconds(h.pid) for h in hosts)
             worker_before, runner_before = cpu_seconds(responder.pid), time.process_time()
             server_before = top.cpu()
             routes_before = await top.routes()
             api = tap.snapshot(floor)
-            round_s, answered, *_ = await fan_out(play, names, args.in_flight, args.deadline)
-            if answered != n:
-                raise RuntimeError(f"the protocol floor answered {answered} of {n}")
+            round_s, answered, *_ = await fan_out(play, players, args.in_flight, args.deadline)
+            if answered != m:
+                raise RuntimeError(f"the protocol floor answered {answered} of {m}")
             spent = sum(cpu_seconds(h.pid) for h in hosts) - before
             worker = cpu_seconds(responder.pid) - worker_before
             runner = time.process_time() - runner_before
             servers = [a - b for a, b in zip(top.cpu(), server_before, strict=True)]
             routes = await top.routes()
             await asyncio.sleep(0.2)  # the last requests' copies reach the tap
-            spans.append((started, round_s))
             entry: dict[str, Any] = {
                 "s": round_s,
-                "start_s": started,
-                "host_cpu_ms": spent * 1000 / n,
-                "server_cpu_ms": sum(servers) * 1000 / n,
-                "worker_cpu_ms": worker * 1000 / n,
-                "runner_cpu_ms": runner * 1000 / n,
-                "api_requests_per_reply": ApiTap.per(api, tap.snapshot(floor), n),
+                "host_cpu_ms": spent * 1000 / m,
+                "server_cpu_ms": sum(servers) * 1000 / m,
+                "worker_cpu_ms": worker * 1000 / m,
+                "runner_cpu_ms": runner * 1000 / m,
+                "api_requests_per_reply": ApiTap.per(api, tap.snapshot(floor), m),
             }
             if top.cluster is not None:
-                entry["server_cpu_ms_by_node"] = [round(c * 1000 / n, 3) for c in servers]
-                entry["route_msgs"] = round((routes[0] - routes_before[0]) / n, 2)
-                entry["route_bytes"] = round((routes[1] - routes_before[1]) / n)
+                entry["server_cpu_ms_by_node"] = [round(c * 1000 / m, 3) for c in servers]
+                entry["route_msgs"] = round((routes[0] - routes_before[0]) / m, 2)
+                entry["route_bytes"] = round((routes[1] - routes_before[1]) / m)
+            return entry
+
+        await tap.start()
+        first = 0.0  # when its first round started (after its first agents' round)
+        spans: list[tuple[float, float]] = []  # (start, seconds) of each round played
+        for number in range(args.rounds):
+            if number:
+                at = floor_start(spans[-1], fleet[number - 1 : number + 1])
+                # Its first agents' round just before, as the fleet's
+                # (started as long before as the last one took).
+                ahead = out[-1]["round_10k"]["s"] if args.compare_agents else 0.0
+                await asyncio.sleep(max(0.0, first + at - ahead - time.monotonic()))
+            compare = None
+            if args.compare_agents:
+                compare = await measured(names[: args.compare_agents], "compare")
+            if not number:
+                first = time.monotonic()
+            started = time.monotonic() - first
+            entry = await measured(names, "game")
+            entry["start_s"] = started
+            spans.append((started, entry["s"]))
+            if compare is not None:
+                entry["round_10k"] = compare
             out.append(entry)
         return out
     finally:
@@ -848,8 +869,7 @@ async def measure(
             "worker_cpu_ms_per_agent": [round(p["worker_cpu_ms"], 3) for p in protocol],
             "runner_cpu_ms_per_agent": [round(p["runner_cpu_ms"], 3) for p in protocol],
             "cpu_ms_per_answer_total": [
-                round(sum(p[f"{k}_cpu_ms"] for k in ("host", "server", "worker", "runner")), 3)
-                for p in protocol
+                round(sum(p[f"{k}_cpu_ms"] for k in CPU_PARTS), 3) for p in protocol
             ],
             "api_requests_per_reply": [p["api_requests_per_reply"] for p in protocol],
             "round_starts_s": [round(p["start_s"], 1) for p in protocol],
@@ -886,6 +906,12 @@ async def measure(
             vs_10k_linear=round(n / args.compare_agents, 2),
             rate_vs_10k=[r["rate_vs_10k"] for r in new["rounds"]],
         )
+        # The floor's own: how far the same messages on the same server are
+        # from linear, beside the fleet's.
+        out["protocol_floor"]["vs_10k"] = [round(p["s"] / p["round_10k"]["s"], 2) for p in protocol]
+        out["protocol_floor"]["cpu_ms_per_answer_10k"] = [
+            round(sum(p["round_10k"][f"{k}_cpu_ms"] for k in CPU_PARTS), 3) for p in protocol
+        ]
     if top.cluster is not None:
         floor = out["protocol_floor"]
         floor["server_cpu_ms_per_agent_by_node"] = [p["server_cpu_ms_by_node"] for p in protocol]
