@@ -390,7 +390,10 @@ async def protocol_floor(
             server_before = top.cpu()
             routes_before = await top.routes()
             api = tap.snapshot(floor)
-            round_s, answered, *_ = await fan_out(play, players, args.in_flight, args.deadline)
+            rate = Rate()
+            round_s, answered, *_ = await fan_out(
+                play, players, args.in_flight, args.deadline, rate
+            )
             if answered != m:
                 raise RuntimeError(f"the protocol floor answered {answered} of {m}")
             spent = sum(cpu_seconds(h.pid) for h in hosts) - before
@@ -406,6 +409,7 @@ async def protocol_floor(
                 "worker_cpu_ms": worker * 1000 / m,
                 "runner_cpu_ms": runner * 1000 / m,
                 "api_requests_per_reply": ApiTap.per(api, tap.snapshot(floor), m),
+                "answers_per_s_by_tenth": rate.tenths(round_s),
             }
             if top.cluster is not None:
                 entry["server_cpu_ms_by_node"] = [round(c * 1000 / m, 3) for c in servers]
@@ -909,6 +913,13 @@ async def measure(
         # The floor's own: how far the same messages on the same server are
         # from linear, beside the fleet's.
         out["protocol_floor"]["vs_10k"] = [round(p["s"] / p["round_10k"]["s"], 2) for p in protocol]
+        out["protocol_floor"]["answers_per_s_by_tenth"] = [
+            {
+                "round": p["answers_per_s_by_tenth"],
+                "round_10k": p["round_10k"]["answers_per_s_by_tenth"],
+            }
+            for p in protocol
+        ]
         out["protocol_floor"]["cpu_ms_per_answer_10k"] = [
             round(sum(p["round_10k"][f"{k}_cpu_ms"] for k in CPU_PARTS), 3) for p in protocol
         ]
