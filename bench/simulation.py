@@ -56,13 +56,17 @@ this process as the runner. Measured:
   runs after the fleet, on a server the fleet's processes and streams are
   gone from, so that no marker of the fleet's released leases expires
   beside it; its streams are removed after it. A released lease's marker
-  expires 60 s after the release, and the server's expiry of one costs
-  about what a write does: a round that starts within a minute of the one
-  before plays through the expiry of some of that round's markers (the
-  fleet's second round of 100,000 agents, of most). The floor's round N
-  (N > 1) is placed so that the same share of its round N - 1's markers
-  expires while it runs as of the fleet's (its length taken to be its
-  round N - 1's): ``protocol_floor.marker_expiry_share`` gives both.
+  expires 5 s after the release, and the server's expiry of one costs
+  about what a write does: a round that starts within 5 s of the one
+  before plays through the expiry of some of that round's markers. The
+  floor's round N (N > 1) is placed so that the same share of its round
+  N - 1's markers expires while it runs as of the fleet's (its length
+  taken to be its round N - 1's): ``protocol_floor.marker_expiry_share``
+  gives both. With ``--compare-agents``, the floor too plays its first
+  10,000 agents' round just before each round, and its own ``vs_10k``
+  (``protocol_floor.vs_10k``, with its answer rate by tenth and its CPU per
+  reply in the small rounds) says how far from linear the same messages on
+  the same server are, beside the fleet's.
 
 With ``--cluster 3`` the three nodes run ``deploy/nats-cluster/*.conf`` made
 fit for this machine (``bench/_sim_cluster.py``; JetStream flushed as
