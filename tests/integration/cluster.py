@@ -20,6 +20,11 @@ Use it from a fixture::
 Nodes are numbered 1 to 3, as the config files are. The waits are blocking
 (they poll the monitoring port); call them through ``asyncio.to_thread`` from
 async code that has other work in flight.
+
+``NatsCluster(tmp_path, apart=Apart(netns, near, far))`` runs node 3 in the
+network namespace ``netns``, reached at ``far`` over a veth pair whose end on
+this side has ``near``: setting that link down cuts node 3 off from the other
+two and from every client outside, while it keeps running.
 """
 
 from __future__ import annotations
@@ -58,6 +63,16 @@ class ClusterError(AssertionError):
     """The cluster did not start, or did not become ready in time."""
 
 
+@dataclass(frozen=True)
+class Apart:
+    """Where node 3 runs apart: a network namespace, the address this side
+    has on the link to it, and its address on that link."""
+
+    netns: str
+    near: str
+    far: str
+
+
 @dataclass
 class Node:
     """One nats-server of the cluster."""
@@ -71,11 +86,19 @@ class Node:
     http_port: int
     workdir: Path
     proc: subprocess.Popen[bytes] | None = None
+    host: str = "127.0.0.1"
+    """Where clients and the other nodes reach it."""
+    netns: str | None = None
+    """The network namespace it runs in (``None``: this one)."""
 
     @property
     def url(self) -> str:
         """Its client URL."""
-        return f"nats://127.0.0.1:{self.client_port}"
+        return f"nats://{self.host}:{self.client_port}"
+
+    def monitoring(self, path: str) -> str:
+        """The URL of one of its monitoring endpoints."""
+        return f"http://{self.host}:{self.http_port}{path}"
 
     @property
     def config(self) -> Path:
@@ -106,21 +129,29 @@ def server_name(template: str) -> str:
     return match[1]
 
 
-def localize(template: str, node: Node, nodes: Sequence[Node]) -> str:
-    """A shipped node config, with this machine's ports and store directory.
+def localize(template: str, node: Node, nodes: Sequence[Node], apart: Apart | None = None) -> str:
+    """A shipped node config, with this machine's ports and store directory
+    (and, with ``apart``, addresses that reach across the namespaces).
 
     Raises:
         ClusterError: the file no longer has what the rewrite replaces.
     """
+    bind = "0.0.0.0" if node.netns else "127.0.0.1"
+    # Routes come from inside the namespace too: to this side's address.
+    route_bind = "0.0.0.0" if apart is not None else bind
+
+    def route_host(other: Node) -> str:
+        return apart.near if apart is not None and node.netns and not other.netns else other.host
+
     replacements = [
-        (f"listen: 0.0.0.0:{CLIENT_PORT}", f"listen: 127.0.0.1:{node.client_port}"),
-        (f"http: 0.0.0.0:{HTTP_PORT}", f"http: 127.0.0.1:{node.http_port}"),
-        (f"listen: 0.0.0.0:{ROUTE_PORT}", f"listen: 127.0.0.1:{node.route_port}"),
+        (f"listen: 0.0.0.0:{CLIENT_PORT}", f"listen: {bind}:{node.client_port}"),
+        (f"http: 0.0.0.0:{HTTP_PORT}", f"http: {bind}:{node.http_port}"),
+        (f"listen: 0.0.0.0:{ROUTE_PORT}", f"listen: {route_bind}:{node.route_port}"),
         (f'store_dir: "{STORE_DIR}"', f'store_dir: "{node.store_dir}"'),
         *(
             (
                 f"nats-route://{other.name}:{ROUTE_PORT}",
-                f"nats-route://127.0.0.1:{other.route_port}",
+                f"nats-route://{route_host(other)}:{other.route_port}",
             )
             for other in nodes
         ),
@@ -195,6 +226,7 @@ class NatsCluster:
         templates: the node configs to run (the shipped ones by default).
         binary: the nats-server executable; found as fleetbus finds it when
             ``None``.
+        apart: run node 3 in this network namespace (see :class:`Apart`).
     """
 
     def __init__(
@@ -203,6 +235,7 @@ class NatsCluster:
         *,
         templates: Sequence[Path] = TEMPLATES,
         binary: Path | None = None,
+        apart: Apart | None = None,
     ) -> None:
         self.workdir = workdir
         self.binary = binary or find_server_binary()
@@ -222,9 +255,11 @@ class NatsCluster:
         ]
         if len({node.name for node in self.nodes}) != len(self.nodes):
             raise ClusterError("two node configs set the same server_name")
+        if apart is not None:
+            self.nodes[2].netns, self.nodes[2].host = apart.netns, apart.far
         for node, text in zip(self.nodes, texts, strict=True):
             node.store_dir.mkdir(parents=True, exist_ok=True)
-            node.config.write_text(localize(text, node, self.nodes), encoding="utf-8")
+            node.config.write_text(localize(text, node, self.nodes, apart), encoding="utf-8")
 
     @property
     def urls(self) -> list[str]:
@@ -262,8 +297,9 @@ class NatsCluster:
         if node.running:
             raise ClusterError(f"node {node.number} is already running")
         with node.log.open("ab") as log:
+            inside = ["ip", "netns", "exec", node.netns] if node.netns else []
             node.proc = subprocess.Popen(
-                [str(self.binary), "--config", str(node.config)],
+                [*inside, str(self.binary), "--config", str(node.config)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -305,8 +341,7 @@ class NatsCluster:
             waiting = [
                 node.number
                 for node in self.nodes
-                if node.running
-                and _get_json(f"http://127.0.0.1:{node.http_port}/healthz")[0] != 200
+                if node.running and _get_json(node.monitoring("/healthz"))[0] != 200
             ]
             if not waiting and self.meta_leader() is not None and self._peers_current():
                 return
@@ -323,7 +358,7 @@ class NatsCluster:
         nodes = [node for node in self.nodes if node.name == leader and node.running]
         if not nodes:
             return False
-        status, jsz = _get_json(f"http://127.0.0.1:{nodes[0].http_port}/jsz")
+        status, jsz = _get_json(nodes[0].monitoring("/jsz"))
         if status != 200 or not isinstance(jsz, dict):
             return False
         seen = {
@@ -370,16 +405,23 @@ class NatsCluster:
         for node in self.nodes:
             if not node.running:
                 continue
-            status, jsz = _get_json(f"http://127.0.0.1:{node.http_port}/jsz")
+            status, jsz = _get_json(node.monitoring("/jsz"))
             if status == 200 and isinstance(jsz, dict):
                 leader = (jsz.get("meta_cluster") or {}).get("leader")
                 if leader:
                     return str(leader)
         return None
 
+    def route_names(self, number: int) -> set[str]:
+        """The servers node ``number`` has a route to now (``/routez``)."""
+        status, routez = _get_json(self.node(number).monitoring("/routez"))
+        if status != 200 or not isinstance(routez, dict):
+            raise ClusterError(f"node {number}: /routez answered {status}")
+        return {str(r.get("remote_name")) for r in routez.get("routes") or []}
+
     def varz(self, number: int) -> dict[str, Any]:
         """Node ``number``'s ``/varz`` (its running configuration)."""
-        status, varz = _get_json(f"http://127.0.0.1:{self.node(number).http_port}/varz")
+        status, varz = _get_json(self.node(number).monitoring("/varz"))
         if status != 200 or not isinstance(varz, dict):
             raise ClusterError(f"node {number}: /varz answered {status}")
         return varz

@@ -1,0 +1,143 @@
+"""A node of a 3-node cluster cut off by the network, not stopped: the
+shipped configs (``deploy/nats-cluster``) close the other nodes' routes to
+it within seconds, and the fleet goes on answering on the other two; when
+the link is back, the cluster is whole again and answers.
+
+Node 3 runs in a network namespace of its own, joined by a veth pair whose
+link is set down, then up (no connection is reset: the other nodes learn of
+the cut only from their route pings). One replica of the agent runs in that
+namespace too, on node 3; the other in the test's process, on nodes 1 and 2.
+Needs root and ``ip`` (skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fleetbus.agents import Agent
+from fleetbus.agents.serving import RemoteAgent
+from fleetbus.bus import Bus
+from fleetbus.testing import ScriptedModel
+from tests.helpers import ROOT, serving
+from tests.integration.cluster import Apart, NatsCluster
+from tests.integration.test_session_partition import (
+    _can_make_namespaces,
+    _ip,
+    _path,
+    namespace,
+    wait_for_line,
+)
+
+pytestmark = pytest.mark.slow
+
+AGENT = "echo"
+DROPPED_WITHIN = 30.0
+"""Seconds the other nodes may take to close their routes to a node cut
+off: the shipped configs' pings take about 8; nats-server's defaults (2
+minutes, 2 pings) took minutes, while requests kept going to the cut."""
+WAIT = 60.0
+
+
+def echo() -> Agent:
+    """The agent both replicas serve: it answers "ok"."""
+    return Agent(AGENT, "", ScriptedModel(["ok"], repeat_last=True))
+
+
+def start_apart(netns: str, url: str, prefix: str, log: Path) -> subprocess.Popen[bytes]:
+    """``fleetbus agent`` serving :func:`echo` in ``netns``, on node 3 only."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [
+                *("ip", "netns", "exec", netns),
+                *(sys.executable, "-m", "fleetbus", "agent"),
+                "tests.integration.test_cluster_partition:echo",
+                *("--nats", url, "--prefix", prefix),
+                *("--lease-ttl", "1", "--replica-id", "apart"),
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": _path(), "COLUMNS": "300"},
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def until(what: str, holds: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not await asyncio.to_thread(holds):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        await asyncio.sleep(0.2)
+
+
+def dropped(cluster: NatsCluster, number: int) -> bool:
+    """Whether node ``number`` has no route to node 3 now."""
+    return cluster.node(3).name not in cluster.route_names(number)
+
+
+async def all_answered(bus: Bus, count: int, *, resend_after: float | None) -> None:
+    """``count`` new sessions asked at once, each answered "ok"."""
+    tag = random.randrange(10**6)
+
+    async def ask(i: int) -> object:
+        agent = RemoteAgent(bus, AGENT, session_id=f"s{tag}-{i}", resend_after=resend_after)
+        return (await agent.reply("hi", timeout=WAIT)).content
+
+    assert await asyncio.gather(*(ask(i) for i in range(count))) == ["ok"] * count
+
+
+async def test_a_node_cut_off_is_dropped_and_the_fleet_answers_on_the_other_two(
+    tmp_path: Path,
+) -> None:
+    why = _can_make_namespaces()
+    if why is not None:
+        pytest.skip(why)
+    prefix = f"cut{random.randrange(10**8)}"
+    with namespace() as (netns, link, near, far):
+        cluster = NatsCluster(tmp_path, apart=Apart(netns, near, far))
+        await asyncio.to_thread(cluster.start, WAIT)
+        apart = None
+        try:
+            urls = [cluster.node(1).url, cluster.node(2).url]
+            bus = await Bus.connect(urls, prefix=prefix, name="test-client")
+            log = tmp_path / "apart.log"
+            try:
+                async with serving(urls, prefix, echo(), replica="near", ready_timeout=WAIT):
+                    apart = start_apart(netns, cluster.node(3).url, prefix, log)
+                    await wait_for_line(log, "serving", apart)
+                    await all_answered(bus, 20, resend_after=None)
+                    _ip("link", "set", link, "down")
+                    try:
+                        await until(
+                            "nodes 1 and 2 close their routes to node 3",
+                            lambda: all(dropped(cluster, n) for n in (1, 2)),
+                            DROPPED_WITHIN,
+                        )
+                        # Each request is answered as sent: none goes to the
+                        # replica cut off, no read to node 3's copies.
+                        await all_answered(bus, 40, resend_after=None)
+                    finally:
+                        _ip("link", "set", link, "up")
+                    await asyncio.to_thread(cluster.wait_ready, WAIT)
+                    # Whole again (its leaders may be elected anew meanwhile).
+                    await all_answered(bus, 20, resend_after=3.0)
+            finally:
+                await bus.close()
+        finally:
+            if apart is not None:
+                apart.terminate()
+                try:
+                    await asyncio.to_thread(apart.wait, 30)
+                except subprocess.TimeoutExpired:
+                    apart.kill()
+                    apart.wait(30)
+            cluster.stop()
