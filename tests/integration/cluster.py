@@ -136,9 +136,9 @@ def localize(template: str, node: Node, nodes: Sequence[Node], apart: Apart | No
     Raises:
         ClusterError: the file no longer has what the rewrite replaces.
     """
-    bind = "0.0.0.0" if node.netns else "127.0.0.1"
-    # Routes come from inside the namespace too: to this side's address.
-    route_bind = "0.0.0.0" if apart is not None else bind
+    # With a node apart, routes and clients come from inside its namespace
+    # too: to this side's address.
+    bind = "0.0.0.0" if apart is not None else "127.0.0.1"
 
     def route_host(other: Node) -> str:
         return apart.near if apart is not None and node.netns and not other.netns else other.host
@@ -146,7 +146,7 @@ def localize(template: str, node: Node, nodes: Sequence[Node], apart: Apart | No
     replacements = [
         (f"listen: 0.0.0.0:{CLIENT_PORT}", f"listen: {bind}:{node.client_port}"),
         (f"http: 0.0.0.0:{HTTP_PORT}", f"http: {bind}:{node.http_port}"),
-        (f"listen: 0.0.0.0:{ROUTE_PORT}", f"listen: {route_bind}:{node.route_port}"),
+        (f"listen: 0.0.0.0:{ROUTE_PORT}", f"listen: {bind}:{node.route_port}"),
         (f'store_dir: "{STORE_DIR}"', f'store_dir: "{node.store_dir}"'),
         *(
             (
@@ -411,6 +411,13 @@ class NatsCluster:
                 if leader:
                     return str(leader)
         return None
+
+    def client_addresses(self, number: int) -> set[str]:
+        """The addresses node ``number``'s clients connect from now (``/connz``)."""
+        status, connz = _get_json(self.node(number).monitoring("/connz"))
+        if status != 200 or not isinstance(connz, dict):
+            raise ClusterError(f"node {number}: /connz answered {status}")
+        return {str(c.get("ip")) for c in connz.get("connections") or []}
 
     def route_names(self, number: int) -> set[str]:
         """The servers node ``number`` has a route to now (``/routez``)."""

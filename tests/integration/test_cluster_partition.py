@@ -1,13 +1,14 @@
-"""A node of a 3-node cluster cut off by the network, not stopped: the
-shipped configs (``deploy/nats-cluster``) close the other nodes' routes to
-it within seconds, and the fleet goes on answering on the other two; when
-the link is back, the cluster is whole again and answers.
+"""A machine cut off by the network, not stopped: the shipped configs
+(``deploy/nats-cluster``) have the other nodes close their routes to the
+node on it, and the node a replica on it connected to close that client,
+within seconds; the fleet goes on answering on the rest. When the link is
+back, the cluster is whole again and answers.
 
 Node 3 runs in a network namespace of its own, joined by a veth pair whose
-link is set down, then up (no connection is reset: the other nodes learn of
-the cut only from their route pings). One replica of the agent runs in that
-namespace too, on node 3; the other in the test's process, on nodes 1 and 2.
-Needs root and ``ip`` (skipped otherwise).
+link is set down, then up (no connection is reset: the servers learn of the
+cut only from their pings). Two replicas of the agent run in that namespace
+too, one on node 3 and one on node 1; a third in the test's process, on
+nodes 1 and 2. Needs root and ``ip`` (skipped otherwise).
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ pytestmark = pytest.mark.slow
 
 AGENT = "echo"
 DROPPED_WITHIN = 30.0
-"""Seconds the other nodes may take to close their routes to a node cut
-off: the shipped configs' pings take about 8; nats-server's defaults (2
-minutes, 2 pings) took minutes, while requests kept going to the cut."""
+"""Seconds the servers may take to close their routes to a node cut off
+and their connections from a client cut off: the shipped configs' pings
+take about 8 and 15; nats-server's defaults (2 minutes, 2 pings) took
+minutes, while requests kept going into the cut."""
 WAIT = 60.0
 
 
@@ -52,8 +54,10 @@ def echo() -> Agent:
     return Agent(AGENT, "", ScriptedModel(["ok"], repeat_last=True))
 
 
-def start_apart(netns: str, url: str, prefix: str, log: Path) -> subprocess.Popen[bytes]:
-    """``fleetbus agent`` serving :func:`echo` in ``netns``, on node 3 only."""
+def start_apart(
+    netns: str, url: str, prefix: str, replica: str, log: Path
+) -> subprocess.Popen[bytes]:
+    """``fleetbus agent`` serving :func:`echo` in ``netns``, on ``url`` only."""
     with log.open("wb") as out:
         return subprocess.Popen(
             [
@@ -61,7 +65,7 @@ def start_apart(netns: str, url: str, prefix: str, log: Path) -> subprocess.Pope
                 *(sys.executable, "-m", "fleetbus", "agent"),
                 "tests.integration.test_cluster_partition:echo",
                 *("--nats", url, "--prefix", prefix),
-                *("--lease-ttl", "1", "--replica-id", "apart"),
+                *("--lease-ttl", "1", "--replica-id", replica),
             ],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": _path(), "COLUMNS": "300"},
@@ -79,9 +83,14 @@ async def until(what: str, holds: Callable[[], bool], timeout: float) -> None:
         await asyncio.sleep(0.2)
 
 
-def dropped(cluster: NatsCluster, number: int) -> bool:
-    """Whether node ``number`` has no route to node 3 now."""
-    return cluster.node(3).name not in cluster.route_names(number)
+def dropped(cluster: NatsCluster, far: str) -> bool:
+    """Whether nodes 1 and 2 have neither a route to node 3 nor a client
+    from its namespace (at ``far``) now."""
+    return all(
+        cluster.node(3).name not in cluster.route_names(n)
+        and far not in cluster.client_addresses(n)
+        for n in (1, 2)
+    )
 
 
 async def all_answered(bus: Bus, count: int, *, resend_after: float | None) -> None:
@@ -95,7 +104,7 @@ async def all_answered(bus: Bus, count: int, *, resend_after: float | None) -> N
     assert await asyncio.gather(*(ask(i) for i in range(count))) == ["ok"] * count
 
 
-async def test_a_node_cut_off_is_dropped_and_the_fleet_answers_on_the_other_two(
+async def test_a_machine_cut_off_is_dropped_and_the_fleet_answers_on_the_rest(
     tmp_path: Path,
 ) -> None:
     why = _can_make_namespaces()
@@ -105,24 +114,27 @@ async def test_a_node_cut_off_is_dropped_and_the_fleet_answers_on_the_other_two(
     with namespace() as (netns, link, near, far):
         cluster = NatsCluster(tmp_path, apart=Apart(netns, near, far))
         await asyncio.to_thread(cluster.start, WAIT)
-        apart = None
+        apart: list[subprocess.Popen[bytes]] = []
         try:
             urls = [cluster.node(1).url, cluster.node(2).url]
             bus = await Bus.connect(urls, prefix=prefix, name="test-client")
-            log = tmp_path / "apart.log"
             try:
                 async with serving(urls, prefix, echo(), replica="near", ready_timeout=WAIT):
-                    apart = start_apart(netns, cluster.node(3).url, prefix, log)
-                    await wait_for_line(log, "serving", apart)
+                    node1 = f"nats://{near}:{cluster.node(1).client_port}"
+                    for replica, url in (("apart3", cluster.node(3).url), ("apart1", node1)):
+                        log = tmp_path / f"{replica}.log"
+                        apart.append(start_apart(netns, url, prefix, replica, log))
+                        await wait_for_line(log, "serving", apart[-1])
+                    assert far in cluster.client_addresses(1)
                     await all_answered(bus, 20, resend_after=None)
                     _ip("link", "set", link, "down")
                     try:
                         await until(
-                            "nodes 1 and 2 close their routes to node 3",
-                            lambda: all(dropped(cluster, n) for n in (1, 2)),
+                            "nodes 1 and 2 close their routes and clients to the namespace",
+                            lambda: dropped(cluster, far),
                             DROPPED_WITHIN,
                         )
-                        # Each request is answered as sent: none goes to the
+                        # Each request is answered as sent: none goes to a
                         # replica cut off, no read to node 3's copies.
                         await all_answered(bus, 40, resend_after=None)
                     finally:
@@ -133,11 +145,12 @@ async def test_a_node_cut_off_is_dropped_and_the_fleet_answers_on_the_other_two(
             finally:
                 await bus.close()
         finally:
-            if apart is not None:
-                apart.terminate()
+            for proc in apart:
+                proc.terminate()
+            for proc in apart:
                 try:
-                    await asyncio.to_thread(apart.wait, 30)
+                    await asyncio.to_thread(proc.wait, 30)
                 except subprocess.TimeoutExpired:
-                    apart.kill()
-                    apart.wait(30)
+                    proc.kill()
+                    proc.wait(30)
             cluster.stop()
