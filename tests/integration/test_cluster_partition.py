@@ -14,10 +14,8 @@ nodes 1 and 2. Needs root and ``ip`` (skipped otherwise).
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,13 +26,13 @@ from fleetbus.agents import Agent
 from fleetbus.agents.serving import RemoteAgent
 from fleetbus.bus import Bus
 from fleetbus.testing import ScriptedModel
-from tests.helpers import ROOT, serving
+from tests.helpers import serving
 from tests.integration.cluster import Apart, NatsCluster
 from tests.integration.test_session_partition import (
     _can_make_namespaces,
     _ip,
-    _path,
     namespace,
+    start_in,
     wait_for_line,
 )
 
@@ -52,27 +50,6 @@ WAIT = 60.0
 def echo() -> Agent:
     """The agent both replicas serve: it answers "ok"."""
     return Agent(AGENT, "", ScriptedModel(["ok"], repeat_last=True))
-
-
-def start_apart(
-    netns: str, url: str, prefix: str, replica: str, log: Path
-) -> subprocess.Popen[bytes]:
-    """``fleetbus agent`` serving :func:`echo` in ``netns``, on ``url`` only."""
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            [
-                *("ip", "netns", "exec", netns),
-                *(sys.executable, "-m", "fleetbus", "agent"),
-                "tests.integration.test_cluster_partition:echo",
-                *("--nats", url, "--prefix", prefix),
-                *("--lease-ttl", "1", "--replica-id", replica),
-            ],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": _path(), "COLUMNS": "300"},
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
 
 
 async def until(what: str, holds: Callable[[], bool], timeout: float) -> None:
@@ -123,7 +100,8 @@ async def test_a_machine_cut_off_is_dropped_and_the_fleet_answers_on_the_rest(
                     node1 = f"nats://{near}:{cluster.node(1).client_port}"
                     for replica, url in (("apart3", cluster.node(3).url), ("apart1", node1)):
                         log = tmp_path / f"{replica}.log"
-                        apart.append(start_apart(netns, url, prefix, replica, log))
+                        spec = "tests.integration.test_cluster_partition:echo"
+                        apart.append(start_in(netns, spec, url, prefix, replica, log))
                         await wait_for_line(log, "serving", apart[-1])
                     assert far in cluster.client_addresses(1)
                     await all_answered(bus, 20, resend_after=None)

@@ -107,17 +107,18 @@ def _path() -> str:
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
 
 
-def start_loser(netns: str, url: str, prefix: str, log: Path) -> subprocess.Popen[bytes]:
-    """``fleetbus agent`` serving :func:`asker` in the namespace ``netns``
-    (replica ``loser``, a 1 s lease, debug lines in ``log``)."""
+def start_in(
+    netns: str, spec: str, url: str, prefix: str, replica: str, log: Path, *options: str
+) -> subprocess.Popen[bytes]:
+    """``fleetbus agent SPEC`` in the namespace ``netns`` on ``url`` only, as
+    replica ``replica`` with a 1 s lease; its output in ``log``."""
     with log.open("wb") as out:
         return subprocess.Popen(
             [
                 *("ip", "netns", "exec", netns),
-                *(sys.executable, "-m", "fleetbus", "-vv", "agent"),
-                "tests.integration.test_session_partition:asker",
+                *(sys.executable, "-m", "fleetbus", *options, "agent", spec),
                 *("--nats", url, "--prefix", prefix),
-                *("--lease-ttl", "1", "--replica-id", "loser"),
+                *("--lease-ttl", "1", "--replica-id", replica),
             ],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": _path(), "COLUMNS": "300"},
@@ -125,6 +126,13 @@ def start_loser(netns: str, url: str, prefix: str, log: Path) -> subprocess.Pope
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+
+
+def start_loser(netns: str, url: str, prefix: str, log: Path) -> subprocess.Popen[bytes]:
+    """``fleetbus agent`` serving :func:`asker` in the namespace ``netns``
+    (replica ``loser``, a 1 s lease, debug lines in ``log``)."""
+    spec = "tests.integration.test_session_partition:asker"
+    return start_in(netns, spec, url, prefix, "loser", log, "-vv")
 
 
 async def wait_for_line(log: Path, text: str, proc: subprocess.Popen[bytes]) -> None:
