@@ -369,3 +369,79 @@ async def charts_drawn(page: Any, min_height: float) -> set[str]:
         assert box["width"] > 300, (chart_id, box)
         assert box["height"] > min_height, (chart_id, box)
     return ids
+
+
+class CutProxy:
+    """A TCP proxy to ``host:port`` that can cut its clients off: while cut,
+    every connection through it is closed and new ones are closed as they
+    come (a client's link down, as its server sees it); :meth:`restore`
+    lets them through again.
+
+    Use ``async with CutProxy(host, port) as proxy`` and connect to
+    :attr:`url`."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.port = port
+        self.cut_off = False
+        self._server: asyncio.Server | None = None
+        self._links: set[asyncio.StreamWriter] = set()
+        self._pumps: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        """Where to connect."""
+        assert self._server is not None
+        return f"nats://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def __aenter__(self) -> CutProxy:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        self.cut()
+        for pump in list(self._pumps):
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        await self._server.wait_closed()
+
+    def cut(self) -> None:
+        """Close every connection through the proxy, and refuse new ones."""
+        self.cut_off = True
+        for writer in list(self._links):
+            writer.close()
+
+    def restore(self) -> None:
+        """Let connections through again."""
+        self.cut_off = False
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.cut_off:
+            writer.close()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+        except OSError:
+            writer.close()
+            return
+        for end in (writer, up_writer):
+            self._links.add(end)
+        for source, sink in ((reader, up_writer), (up_reader, writer)):
+            pump = asyncio.get_running_loop().create_task(self._pump(source, sink))
+            self._pumps.add(pump)
+            pump.add_done_callback(self._pumps.discard)
+
+    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        try:
+            while data := await source.read(65536):
+                if self.cut_off:
+                    break
+                sink.write(data)
+                await sink.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._links.discard(sink)
+            sink.close()

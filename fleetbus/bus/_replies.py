@@ -125,7 +125,10 @@ class Replies:
     when they come first, or all at once when they outnumber the rest.
 
     Replies to a request given up on (timed out, cancelled) are dropped, as
-    nats-py does; nats-py subscribes the inbox again after a reconnection.
+    nats-py does; nats-py subscribes the inbox again after a reconnection,
+    and a request that asked for a receipt is then sent again
+    (:meth:`reconnected`): its answer may have come while the connection was
+    away.
 
     A permission violation the server reports (:meth:`deny`) fails at once
     the requests it stops: those published to the subject refused, or all of
@@ -150,6 +153,10 @@ class Replies:
         self._timer_at = math.inf
         self._receipts: dict[str, bool] = {}
         """Requests that asked for a receipt, by token: whether it came."""
+        self._again: dict[str, tuple[str, bytes, dict[str, str] | None]] = {}
+        """Requests that asked for a receipt, by token: what to send again
+        after a reconnection (subject, payload, headers)."""
+        self._sending_again: set[asyncio.Task[None]] = set()
         self._until_receipt: set[str] = set()
         """Requests whose receipt is what they wait for, by token."""
         self._streams: dict[str, Callable[[Received], bool]] = {}
@@ -205,6 +212,7 @@ class Replies:
         self._expect(loop.time() + timeout, token)
         if resend is not None:
             self._receipts[token] = False  # (before it is sent: the receipt may come at once)
+            self._again[token] = (subject, payload, headers)
             if until_receipt:
                 self._until_receipt.add(token)
         if stream is not None:
@@ -221,8 +229,9 @@ class Replies:
                 msg = await self._until_answered(token, reply, subject, payload, headers, resend)
         finally:
             del self._waiting[token]
-            self._receipts.pop(token, None)
-            self._until_receipt.discard(token)
+            if resend is not None:
+                del self._receipts[token], self._again[token]
+                self._until_receipt.discard(token)
             if stream is not None:
                 del self._streams[token]
         if msg is None:
@@ -303,6 +312,34 @@ class Replies:
         if entry is not None and not entry[0].done():
             entry[0].set_result(msg)
         return True
+
+    def reconnected(self) -> None:
+        """The connection is back: an answer published while it was away is
+        lost. Each request that asked for a receipt, and still waits, is sent
+        again at once (the same message to the same reply subject), its
+        receipt come or not: its responder answers it from where it is (the
+        reply still running takes it as the same request, one answered
+        already sends its answer again)."""
+        if not self._again:
+            return
+        task = self._loop.create_task(self._send_again(list(self._again.items())))
+        self._sending_again.add(task)
+        task.add_done_callback(self._sending_again.discard)
+
+    async def _send_again(
+        self, requests: list[tuple[str, tuple[str, bytes, dict[str, str] | None]]]
+    ) -> None:
+        sent = 0
+        for token, (subject, payload, headers) in requests:
+            if token not in self._again:
+                continue  # answered meanwhile
+            try:
+                await self._nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
+            except nats.errors.Error as exc:  # gone again: the next reconnection sends them
+                logger.info("sending requests again after a reconnection failed: %s", exc)
+                return
+            sent += 1
+        logger.info("the connection is back: %d request(s) awaiting an answer sent again", sent)
 
     def deny(self, denial: PermissionDeniedError) -> bool:
         """Fail the requests ``denial`` stops (see the class); whether any.

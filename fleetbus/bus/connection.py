@@ -207,6 +207,8 @@ class Bus:
             if reason is not None:  # a cluster part-way through a downgrade
                 logger.warning("%s", reason)
             reconnects.happened()
+            if replies:  # answers published while away are lost: ask again
+                replies[0].reconnected()
 
         try:
             await asyncio.wait_for(
@@ -497,7 +499,10 @@ class Bus:
                 long before each next sending, up to 30 s, within
                 ``timeout``. An agent's host sends the receipt once the
                 request is in its session's lease: a replica that dies with
-                a request it had not taken yet loses nothing.
+                a request it had not taken yet loses nothing. After a
+                reconnection it is sent again at once, receipt or not: an
+                answer published while the connection was away is lost, and
+                the host answers the same request again from where it is.
             watch: handed, as each attempt but the last starts waiting, an
                 :class:`Interruption` whose ``fire`` ends that attempt as
                 unanswered: the next goes out at once (what a reconnection
