@@ -203,8 +203,13 @@ class ConnectOptions(BaseModel):
     max_reconnect_attempts: int = -1
     """-1: try for ever."""
     reconnect_time_wait: float = 0.5
-    ping_interval: float = 20.0
+    ping_interval: float = 5.0
+    """Seconds between this client's pings to its server."""
     max_outstanding_pings: int = 3
+    """Pings unanswered after which the connection is taken for dead and
+    another server of the list is tried: a server cut off by the network
+    (no connection reset comes) is left in about 20 s (measured 80 s at the
+    20 s this was)."""
     drain_timeout: float = 5.0
     """Seconds :meth:`Bus.close` waits for pending work to drain."""
     js_replicas: int | None = Field(default=None, ge=1, le=5)

@@ -8,7 +8,8 @@ Node 3 runs in a network namespace of its own, joined by a veth pair whose
 link is set down, then up (no connection is reset: the servers learn of the
 cut only from their pings). Two replicas of the agent run in that namespace
 too, one on node 3 and one on node 1; a third in the test's process, on
-nodes 1 and 2. Needs root and ``ip`` (skipped otherwise).
+nodes 1 and 2. A client outside, connected to node 3, must go on through
+another node. Needs root and ``ip`` (skipped otherwise).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ and their connections from a client cut off: the shipped configs' pings
 take about 8 and 15; nats-server's defaults (routes pinged every 30 s,
 clients every 2 minutes, 2 unanswered pings each) took 80 s and minutes,
 while requests kept going into the cut."""
+FAILOVER_WITHIN = 45.0
+"""Seconds a client of the node cut off may take to be answered through
+another: fleetbus's pings (every 5 s, 3 unanswered) find its connection
+dead in about 20 s; at 20 s a ping it took 80."""
 WAIT = 60.0
 
 
@@ -105,8 +110,12 @@ async def test_a_machine_cut_off_is_dropped_and_the_fleet_answers_on_the_rest(
                         apart.append(start_in(netns, spec, url, prefix, replica, log))
                         await wait_for_line(log, "serving", apart[-1])
                     assert far in cluster.client_addresses(1)
+                    # A client of node 3, outside the namespace: cut off with it.
+                    stranded = await Bus.connect(cluster.node(3).url, prefix=prefix, name="far")
                     await all_answered(bus, 20, resend_after=None)
                     _ip("link", "set", link, "down")
+                    cut_at = asyncio.get_running_loop().time()
+                    failing_over = asyncio.create_task(all_answered(stranded, 5, resend_after=3.0))
                     try:
                         await until(
                             "nodes 1 and 2 close their routes and clients to the namespace",
@@ -116,7 +125,13 @@ async def test_a_machine_cut_off_is_dropped_and_the_fleet_answers_on_the_rest(
                         # Each request is answered as sent: none goes to a
                         # replica cut off, no read to node 3's copies.
                         await all_answered(bus, 40, resend_after=None)
+                        # The client of node 3 finds its connection dead, goes
+                        # to another node and sends its requests again there.
+                        async with asyncio.timeout_at(cut_at + FAILOVER_WITHIN):
+                            await failing_over
                     finally:
+                        failing_over.cancel()
+                        await stranded.close()
                         _ip("link", "set", link, "up")
                     await asyncio.to_thread(cluster.wait_ready, WAIT)
                     # Whole again (its leaders may be elected anew meanwhile).
