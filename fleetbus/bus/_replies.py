@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import Header
 
-from fleetbus.bus._seam import Client, Received
+from fleetbus.bus._seam import Client, Delivered, Received
 from fleetbus.errors import PermissionDeniedError
 
 __all__ = [
@@ -61,6 +61,11 @@ asking each other)."""
 
 RESEND_MAX = 30.0
 """Seconds at most between two sendings of a request awaiting its receipt."""
+
+
+_BACK = Delivered(subject="", reply="", data=b"")
+"""What wakes a request waiting for its answer when the connection is back
+(:meth:`Replies.reconnected`)."""
 
 
 def _no_responders(msg: Received) -> bool:
@@ -153,10 +158,8 @@ class Replies:
         self._timer_at = math.inf
         self._receipts: dict[str, bool] = {}
         """Requests that asked for a receipt, by token: whether it came."""
-        self._again: dict[str, tuple[str, bytes, dict[str, str] | None]] = {}
-        """Requests that asked for a receipt, by token: what to send again
-        after a reconnection (subject, payload, headers)."""
-        self._sending_again: set[asyncio.Task[None]] = set()
+        self._losses = 0
+        """How many times the connection was lost (see :meth:`lost`)."""
         self._until_receipt: set[str] = set()
         """Requests whose receipt is what they wait for, by token."""
         self._streams: dict[str, Callable[[Received], bool]] = {}
@@ -212,7 +215,6 @@ class Replies:
         self._expect(loop.time() + timeout, token)
         if resend is not None:
             self._receipts[token] = False  # (before it is sent: the receipt may come at once)
-            self._again[token] = (subject, payload, headers)
             if until_receipt:
                 self._until_receipt.add(token)
         if stream is not None:
@@ -226,11 +228,15 @@ class Replies:
             if resend is None:
                 msg = await reply
             else:
-                msg = await self._until_answered(token, reply, subject, payload, headers, resend)
+                # (sent on a connection lost since, or not up: buffered)
+                losses = self._losses if nc.is_connected else -1
+                msg = await self._until_answered(
+                    token, reply, subject, payload, headers, resend, losses
+                )
         finally:
             del self._waiting[token]
             if resend is not None:
-                del self._receipts[token], self._again[token]
+                del self._receipts[token]
                 self._until_receipt.discard(token)
             if stream is not None:
                 del self._streams[token]
@@ -248,32 +254,47 @@ class Replies:
         payload: bytes,
         headers: dict[str, str] | None,
         resend: float,
+        losses: int,
     ) -> Received | None:
         """The reply to the request ``token``, sending it again while no
-        receipt came (see :meth:`request`)."""
+        receipt came (see :meth:`request`), and at once when the connection
+        is back (:meth:`reconnected`). "No responders" is the reply only to
+        its first sending, before any receipt, on a connection not lost since
+        (``losses``: :attr:`_losses` when it was sent)."""
         interval = max(resend, 0.001)
         sent = 1
         while True:
-            await asyncio.wait((reply,), timeout=interval)
+            await asyncio.wait((reply,), timeout=None if self._receipts.get(token) else interval)
+            back = False
             if reply.done():
                 msg = reply.result()
-                if msg is None or sent == 1 or not _no_responders(msg):
-                    return msg
-                # Nobody serves it now; a replica may be starting: later.
+                back = msg is _BACK
+                if not back:
+                    if msg is None or not _no_responders(msg):
+                        return msg
+                    if sent == 1 and losses == self._losses and not self._receipts.get(token):
+                        return msg  # nobody serves it
+                # Nobody serves it now (a replica may be starting, or
+                # subscribing again after a reconnection), or the connection
+                # is back and its answer may have come while it was away:
+                # soon again, until a receipt comes.
                 reply = self._loop.create_future()
                 self._waiting[token] = (reply, subject)
+                interval = min(interval, RESEND_AFTER)
+                if not back:
+                    continue
+            elif self._receipts.get(token):
                 continue
-            if self._receipts.get(token):
-                return await reply
             sent += 1
             logger.debug(
-                "no receipt for the request on %s after %g s: sending it again (#%d)",
+                "%s: sending the request on %s again (#%d)",
+                "the connection is back" if back else f"no receipt after {interval:g} s",
                 subject,
-                interval,
                 sent,
             )
             await self._nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
-            interval = min(interval * 2, RESEND_MAX)
+            if not back:
+                interval = min(interval * 2, RESEND_MAX)
 
     async def _open(self) -> None:
         async with self._opening:
@@ -313,33 +334,33 @@ class Replies:
             entry[0].set_result(msg)
         return True
 
+    def lost(self) -> None:
+        """The connection is lost: a "no responders" to a request sent
+        before is no longer the sign that nobody serves it (the responders
+        may be subscribing again, as this client is)."""
+        self._losses += 1
+
     def reconnected(self) -> None:
         """The connection is back: an answer published while it was away is
-        lost. Each request that asked for a receipt, and still waits, is sent
+        lost. Each request that asked for a receipt and still waits is sent
         again at once (the same message to the same reply subject), its
-        receipt come or not: its responder answers it from where it is (the
-        reply still running takes it as the same request, one answered
-        already sends its answer again)."""
-        if not self._again:
+        receipt come or not, and again as ``resend`` says (from
+        :data:`RESEND_AFTER` at most) until a receipt comes again: its
+        responder answers it from where it is (the reply still running takes
+        it as the same request, one answered already sends its answer
+        again), and a copy may find the responders not subscribed again yet
+        (a server restarted)."""
+        if not self._receipts:
             return
-        task = self._loop.create_task(self._send_again(list(self._again.items())))
-        self._sending_again.add(task)
-        task.add_done_callback(self._sending_again.discard)
-
-    async def _send_again(
-        self, requests: list[tuple[str, tuple[str, bytes, dict[str, str] | None]]]
-    ) -> None:
-        sent = 0
-        for token, (subject, payload, headers) in requests:
-            if token not in self._again:
-                continue  # answered meanwhile
-            try:
-                await self._nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
-            except nats.errors.Error as exc:  # gone again: the next reconnection sends them
-                logger.info("sending requests again after a reconnection failed: %s", exc)
-                return
-            sent += 1
-        logger.info("the connection is back: %d request(s) awaiting an answer sent again", sent)
+        logger.info(
+            "the connection is back: %d request(s) awaiting an answer sent again",
+            len(self._receipts),
+        )
+        for token in self._receipts:
+            self._receipts[token] = False
+            reply = self._waiting[token][0]
+            if not reply.done():
+                reply.set_result(_BACK)
 
     def deny(self, denial: PermissionDeniedError) -> bool:
         """Fail the requests ``denial`` stops (see the class); whether any.

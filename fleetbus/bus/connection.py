@@ -199,6 +199,8 @@ class Bus:
             if nc.is_connected or nc.is_closed or nc.is_draining:
                 return
             reconnects.lost()
+            if replies:
+                replies[0].lost()
             logger.warning("disconnected from NATS; reconnecting")
 
         async def reconnected_cb() -> None:
@@ -500,9 +502,11 @@ class Bus:
                 ``timeout``. An agent's host sends the receipt once the
                 request is in its session's lease: a replica that dies with
                 a request it had not taken yet loses nothing. After a
-                reconnection it is sent again at once, receipt or not: an
-                answer published while the connection was away is lost, and
-                the host answers the same request again from where it is.
+                reconnection it is sent again at once, receipt or not, and
+                again until a receipt comes again (3 s on at most, then
+                doubling): an answer published while the connection was away
+                is lost, and the host answers the same request again from
+                where it is.
             watch: handed, as each attempt but the last starts waiting, an
                 :class:`Interruption` whose ``fire`` ends that attempt as
                 unanswered: the next goes out at once (what a reconnection
