@@ -208,7 +208,7 @@ class ConnectOptions(BaseModel):
     max_outstanding_pings: int = 3
     """Pings unanswered after which the connection is taken for dead and
     another server of the list is tried: a server cut off by the network
-    (no connection reset comes) is left in about 20 s (measured 80 s at the
+    (no connection reset comes) is left in about 20 s (measured 70 s at the
     20 s this was)."""
     drain_timeout: float = 5.0
     """Seconds :meth:`Bus.close` waits for pending work to drain."""

@@ -49,7 +49,7 @@ while requests kept going into the cut."""
 FAILOVER_WITHIN = 45.0
 """Seconds a client of the node cut off may take to be answered through
 another: fleetbus's pings (every 5 s, 3 unanswered) find its connection
-dead in about 20 s; at 20 s a ping it took 80."""
+dead in about 20 s; at 20 s a ping it took 70."""
 WAIT = 60.0
 
 
