@@ -194,8 +194,12 @@ class Replies:
         subject, ``resend`` seconds after the first sending, then after
         twice as long each time (up to :data:`RESEND_MAX`). A receipt is not
         the reply: the wait goes on for the reply. "No responders" to a
-        request sent again is not the reply either (its only responder may
-        be restarting): it is sent again later, until ``timeout``.
+        request sent again, or sent before the connection was lost, is not
+        the reply either (its only responder may be restarting, or
+        subscribing again): it is sent again within :data:`RESEND_AFTER`,
+        until ``timeout``. When the connection is back it is sent again at
+        once, receipt or not, and until a receipt comes again
+        (:meth:`reconnected`).
 
         Raises:
             nats.errors.TimeoutError: no reply in time.
