@@ -176,7 +176,10 @@ def simulation(agents: int = 100, rounds: int = 4) -> Simulation:
         rounds=rounds,
         tools=["fleetbus.tools_workers.builtin:calculator"],
         environment_tools=False,
-        deadline=600.0,
+        # Ten minutes, and 2 ms an agent past 300,000: a round of a million
+        # takes about ten minutes on 2 cores, and an agent the deadline
+        # leaves unasked is missing from the round.
+        deadline=max(600.0, agents * 0.002),
         record_params=("k", "background"),
     )
 
