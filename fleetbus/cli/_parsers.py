@@ -267,7 +267,13 @@ def add_sim_parser(
             help="the model of every agent, a model string: openai:NAME, bus:NAME, offline "
             "or module:attr (default: the spec's, else $FLEETBUS_MODEL)",
         )
+        parent_options(q)
+
+    def parent_options(q: argparse.ArgumentParser) -> None:
+        # (given by `sim run` to the processes it starts: its pipe, which
+        # closes when it is gone, and the directory where it records them)
         q.add_argument("--parent-pipe", action="store_true", help=argparse.SUPPRESS)
+        q.add_argument("--run-logs", type=Path, help=argparse.SUPPRESS)
 
     q = sim.add_parser("run", help="run (or resume) a simulation; results in --out")
     spec_options(q)
@@ -342,7 +348,7 @@ def add_sim_parser(
 
     q = sim.add_parser("server", help="the embedded nats-server of a run (sim run starts it)")
     q.add_argument("--state-dir", type=Path, required=True, help="JetStream storage")
-    q.add_argument("--parent-pipe", action="store_true", help=argparse.SUPPRESS)
+    parent_options(q)
 
 
 def add_eval_parser(

@@ -68,7 +68,7 @@ PROBE_TIMEOUT = 60.0
 """Seconds ``sim run`` waits for an agent to answer before the first round."""
 SIBLINGS_WAIT = 45.0
 """Seconds the server of a runner that died waits for its hosts and workers
-to stop before it stops."""
+to stop before it stops (its tool workers, for its hosts)."""
 LOCK_WAIT = 60.0
 """Seconds ``sim server`` waits for the server of a previous run to let go."""
 
@@ -135,7 +135,13 @@ async def _run(args: argparse.Namespace, simulation: Simulation, files: RunFiles
         raise group.exceptions[0] from None
     finally:
         with console.status("stopping the processes of the run…"):
-            await children.stop(names=[c.name for c in children.children if c.name != "server"])
+            # The hosts first: they finish the replies they run (their
+            # drain), whose tool calls need the tool workers and whose ends
+            # the server stores; then the tool workers; the server last.
+            for kind in ("host-", "tools-"):
+                await children.stop(
+                    names=[c.name for c in children.children if c.name.startswith(kind)]
+                )
             await children.stop()
     if work.cancelled():
         state = files.load_state()
@@ -355,7 +361,7 @@ def cmd_host(args: argparse.Namespace) -> int:
                 tool_wait=args.tool_wait,
             )
             what = f"{len(simulation.population)} agents of {simulation.name}"
-            await _serve(host, args.parent_pipe, f"serving {what} on prefix {bus.prefix}")
+            await _serve(host, args, f"serving {what} on prefix {bus.prefix}")
         finally:
             await bus.close()
         return 0
@@ -374,7 +380,7 @@ def cmd_tools(args: argparse.Namespace) -> int:
             worker = SimulationToolWorker(
                 bus, simulation, worker_id=args.worker_id, concurrency=args.concurrency
             )
-            await _serve(worker, args.parent_pipe, f"serving {names} on prefix {bus.prefix}")
+            await _serve(worker, args, f"serving {names} on prefix {bus.prefix}", after="host-")
         finally:
             await bus.close()
         return 0
@@ -383,12 +389,35 @@ def cmd_tools(args: argparse.Namespace) -> int:
 
 
 async def _serve(
-    service: PopulationHost | SimulationToolWorker, parent_pipe: bool, what: str
+    service: PopulationHost | SimulationToolWorker,
+    args: argparse.Namespace,
+    what: str,
+    *,
+    after: str | None = None,
 ) -> None:
-    """Run ``service`` until stopped; print the ready line once it serves."""
+    """Run ``service`` until stopped; print the ready line once it serves.
+
+    When the runner dies (``--parent-pipe``), it stops; with ``after``, once
+    the run's processes of that kind (``host-``) have stopped first: the
+    hosts finish the replies they run, and those call the tool workers.
+    """
     on_stop_signals(service.stop)
-    if parent_pipe:
-        stop_when_parent_exits(service.stop)
+    if args.parent_pipe:
+        if after is None or args.run_logs is None:
+            stop_when_parent_exits(service.stop)
+        else:
+            siblings, waiting = Children(args.run_logs), set[asyncio.Task[None]]()
+
+            async def stop_after() -> None:
+                await siblings.wait_for_previous(SIBLINGS_WAIT, kind=after)
+                service.stop()
+
+            def parent_gone() -> None:
+                task = asyncio.create_task(stop_after())
+                waiting.add(task)
+                task.add_done_callback(waiting.discard)
+
+            stop_when_parent_exits(parent_gone)
 
     async def announce() -> None:
         await service.wait_ready(float("inf"))
@@ -443,7 +472,7 @@ def cmd_server(args: argparse.Namespace) -> int:
             if orphaned.is_set():
                 # The runner died: its hosts and workers stop too; let them
                 # drain through the server before it goes.
-                logs = Children(state_dir.parent / "logs")
+                logs = Children(args.run_logs or state_dir.parent / "logs")
                 await logs.wait_for_previous(SIBLINGS_WAIT)
         return 0
 

@@ -76,13 +76,14 @@ class Children:
         """Where the children's process ids are kept."""
         return self.logs / "children.json"
 
-    async def wait_for_previous(self, timeout: float = 60.0) -> list[int]:
-        """Wait until the children a previous runner recorded have exited
-        (they stop by themselves once that runner is gone); the ids of those
-        still running after ``timeout`` seconds. This process is not waited for."""
+    async def wait_for_previous(self, timeout: float = 60.0, *, kind: str = "") -> list[int]:
+        """Wait until the children a runner recorded (those whose name starts
+        with ``kind``: ``host-``, ``tools-``) have exited (they stop by
+        themselves once that runner is gone); the ids of those still running
+        after ``timeout`` seconds. This process is not waited for."""
         try:
-            recorded = json.loads(self.record.read_text()).values()
-            pids = [int(p) for p in recorded if int(p) != os.getpid()]
+            recorded = json.loads(self.record.read_text()).items()
+            pids = [int(p) for n, p in recorded if n.startswith(kind) and int(p) != os.getpid()]
         except (OSError, ValueError, TypeError, AttributeError):
             return []
         loop = asyncio.get_running_loop()
@@ -114,6 +115,8 @@ class Children:
                 "fleetbus",
                 *args,
                 "--parent-pipe",
+                "--run-logs",
+                str(self.logs),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=err,

@@ -8,15 +8,20 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from fleetbus.bus import Bus, EmbeddedServer, key_value
 from fleetbus.cli.main import main
-from fleetbus.sim import RunFiles, Simulation
+from fleetbus.models.model import ModelRequest, ModelResponse, ModelStreamItem
+from fleetbus.protocol import TextBlock, ToolResultBlock, ToolUseBlock, new_id
+from fleetbus.sim import AgentTemplate, Environment, Population, RunFiles, Simulation
 from tests.helpers import output, spawn
 from tests.integration.test_examples import is_running
 from tests.integration.test_sim_runner import simulation
@@ -28,6 +33,29 @@ def killable() -> Simulation:
     """Four agents, three rounds; each answer waits ``SIM_TEST_DELAY`` seconds."""
     delay = float(os.environ.get("SIM_TEST_DELAY", "0"))
     return simulation(NAMES, delays=dict.fromkeys(NAMES, delay), rounds=3)
+
+
+class WaitThenCall:
+    """Waits ``SIM_TEST_DELAY`` seconds, then calls ``env_add`` on the tool
+    worker, then answers: a reply that needs the worker after a while."""
+
+    name = "wait-then-call"
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelStreamItem]:
+        if not any(isinstance(b, ToolResultBlock) for b in request.messages[-1].content):
+            await asyncio.sleep(float(os.environ.get("SIM_TEST_DELAY", "0")))
+            use = ToolUseBlock(id=f"c-{new_id()[:8]}", name="env_add", input={"key": "visits"})
+            yield ModelResponse([use], finish_reason="tool_calls")
+            return
+        yield ModelResponse([TextBlock(text="visits=1 ")], finish_reason="stop")
+
+
+def interruptible() -> Simulation:
+    """Four agents, one round; each reply calls the tool worker after ``SIM_TEST_DELAY`` s."""
+    sim = simulation(NAMES, rounds=1)
+    template = AgentTemplate(system_prompt="You are {name}.", model=WaitThenCall())
+    sim.population = Population.from_rows([{"name": n} for n in NAMES], template=template)
+    return sim
 
 
 def crowded() -> Simulation:
@@ -43,6 +71,14 @@ async def leases_held(url: str, prefix: str, count: int, deadline: float) -> Non
         while len(await leases.keys()) < count:
             assert time.monotonic() < deadline, await leases.keys()
             await asyncio.sleep(0.02)
+
+
+def round_started(run: subprocess.Popen[bytes], out: Path, deadline: float) -> None:
+    """Wait until ``sim run`` starts its first round (it writes its summary)."""
+    while not (out / "summary.json").exists():
+        assert run.poll() is None, output(run)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def pid_of(*needles: str) -> int | None:
@@ -143,10 +179,7 @@ def test_a_host_killed_with_requests_queued_loses_none_of_them(
     run = spawn(command)
     try:
         deadline = time.monotonic() + 60
-        while not (out / "summary.json").exists():  # the round starts now
-            assert run.poll() is None, output(run)
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        round_started(run, out, deadline)
         # Each host runs its first reply (1 s, holding its lease) and queues the rest.
         asyncio.run(leases_held(nats_server.url, prefix, 2, deadline))
         host = pid_of(prefix, "visits-host-1")
@@ -162,6 +195,57 @@ def test_a_host_killed_with_requests_queued_loses_none_of_them(
     records = list(RunFiles(out).records())
     assert len(records) == 12, said
     assert [r for r in records if r["status"] != "ok"] == [], said
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["ctrl-c", "runner killed"])
+def test_a_run_stopped_mid_round_lets_its_hosts_finish_with_their_tools(
+    nats_server: EmbeddedServer, prefix: str, tmp_path: Path, how: str
+) -> None:
+    """The runner interrupted (Ctrl-C), or killed (its children stop when
+    its pipe closes), while every agent's reply runs, each still to call
+    the tool worker: the hosts stop first and finish their replies (their
+    drain), the tool worker after them, so every tool call is served and
+    every lease released. Stopped together, the worker left at once and
+    the hosts waited out their drain (30 s) for tool calls nobody served;
+    on Ctrl-C they were then killed holding their sessions."""
+    out = tmp_path / "run"
+    command = [
+        "sim", "run", "tests.integration.test_sim_process:interruptible",
+        "--nats", nats_server.url, "--prefix", prefix, "--out", str(out),
+    ]  # fmt: skip
+    run = spawn(command, env={"SIM_TEST_DELAY": "1.0"})
+    try:
+        deadline = time.monotonic() + 60
+        round_started(run, out, deadline)
+        asyncio.run(leases_held(nats_server.url, prefix, len(NAMES), deadline))
+        run.send_signal(signal.SIGINT if how == "ctrl-c" else signal.SIGKILL)
+        code = run.wait(60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    said = output(run)
+    children = [int(pid) for pid in re.findall(r"(?:tools|host)-1 (\d+)", said)]
+    assert len(children) == 2, said
+    if how == "ctrl-c":
+        assert code == 130, said
+        assert "interrupted after round 0" in said, said
+    else:  # they stop by themselves
+        while [pid for pid in children if is_running(pid)]:
+            assert time.monotonic() < deadline, said
+            time.sleep(0.05)
+    assert not [pid for pid in children if is_running(pid)]
+
+    async def left() -> tuple[list[str], Any]:
+        async with await Bus.connect(nats_server.url, prefix=prefix, name="leases") as bus:
+            leases = await key_value(bus, "session_leases", create=False)
+            environment = await Environment.open(bus, "visits")
+            return await leases.keys(), await environment.get("visits")
+
+    # Every reply called its tool, served, and released its session.
+    assert asyncio.run(left()) == ([], len(NAMES)), said
 
 
 @pytest.mark.parametrize(
