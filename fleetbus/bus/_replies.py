@@ -158,6 +158,11 @@ class Replies:
         self._timer_at = math.inf
         self._receipts: dict[str, bool] = {}
         """Requests that asked for a receipt, by token: whether it came."""
+        self._sent_at: dict[str, float] = {}
+        """Requests that asked for a receipt, by token: when last sent (loop time)."""
+        self._answered_in = 0.0
+        """About the median of the seconds requests that asked for a receipt
+        took to be answered, lately (0: none answered yet; see :meth:`_due`)."""
         self._losses = 0
         """How many times the connection was lost (see :meth:`lost`)."""
         self._until_receipt: set[str] = set()
@@ -192,7 +197,9 @@ class Replies:
         its reply subject once the responder has durably taken it): until one
         comes, it is published again, the same payload to the same reply
         subject, ``resend`` seconds after the first sending, then after
-        twice as long each time (up to :data:`RESEND_MAX`). A receipt is not
+        twice as long each time (up to :data:`RESEND_MAX`), or sooner, once it
+        has waited twice as long as requests are being answered in
+        (:meth:`_due`). A receipt is not
         the reply: the wait goes on for the reply. "No responders" to a
         request sent again, or sent before the connection was lost, is not
         the reply either (its only responder may be restarting, or
@@ -214,11 +221,13 @@ class Replies:
         self._sent += 1
         token = str(self._sent)
         loop = self._loop
+        started = loop.time()
         reply: asyncio.Future[Received | None] = loop.create_future()
         self._waiting[token] = (reply, subject)
         self._expect(loop.time() + timeout, token)
         if resend is not None:
             self._receipts[token] = False  # (before it is sent: the receipt may come at once)
+            self._sent_at[token] = started
             if until_receipt:
                 self._until_receipt.add(token)
         if stream is not None:
@@ -237,10 +246,13 @@ class Replies:
                 msg = await self._until_answered(
                     token, reply, subject, payload, headers, resend, losses
                 )
+                if msg is not None and not until_receipt and not _no_responders(msg):
+                    self._answered(loop.time() - started)
         finally:
             del self._waiting[token]
             if resend is not None:
                 del self._receipts[token]
+                del self._sent_at[token]
                 self._until_receipt.discard(token)
             if stream is not None:
                 del self._streams[token]
@@ -265,10 +277,17 @@ class Replies:
         is back (:meth:`reconnected`). "No responders" is the reply only to
         its first sending, before any receipt, on a connection not lost since
         (``losses``: :attr:`_losses` when it was sent)."""
+        loop = self._loop
         interval = max(resend, 0.001)
         sent = 1
         while True:
-            await asyncio.wait((reply,), timeout=None if self._receipts.get(token) else interval)
+            timeout = None
+            if not self._receipts.get(token):
+                # Due ``interval`` after it was sent, or sooner (see _due):
+                # looked at every RESEND_AFTER at most.
+                due = self._sent_at[token] + interval - loop.time()
+                timeout = max(0.0, min(due, RESEND_AFTER))
+            await asyncio.wait((reply,), timeout=timeout)
             back = False
             if reply.done():
                 msg = reply.result()
@@ -287,15 +306,16 @@ class Replies:
                 interval = min(interval, RESEND_AFTER)
                 if not back:
                     continue
-            elif self._receipts.get(token):
+            elif self._receipts.get(token) or not self._due(token, interval):
                 continue
             sent += 1
             logger.debug(
                 "%s: sending the request on %s again (#%d)",
-                "the connection is back" if back else f"no receipt after {interval:g} s",
+                "the connection is back" if back else "no receipt",
                 subject,
                 sent,
             )
+            self._sent_at[token] = loop.time()
             await self._nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
             if not back:
                 interval = min(interval * 2, RESEND_MAX)
@@ -337,6 +357,33 @@ class Replies:
         if entry is not None and not entry[0].done():
             entry[0].set_result(msg)
         return True
+
+    def _answered(self, took: float) -> None:
+        """A request that asked for a receipt was answered in ``took``
+        seconds: :attr:`_answered_in` moves 5 % towards it (a running
+        median: the few answers a take-over holds up for a lease's life do
+        not move it as they would move a mean)."""
+        usual = self._answered_in
+        if usual == 0.0:
+            self._answered_in = max(took, 0.001)
+        else:
+            self._answered_in = usual * (1.05 if took > usual else 0.95)
+
+    def _due(self, token: str, interval: float) -> bool:
+        """Whether ``token``, still without a receipt, is sent again now:
+        ``interval`` passed since it was last sent, or twice as long as
+        requests take to be answered (and :data:`RESEND_AFTER` at least).
+
+        A request that waits that long for its receipt while others are
+        answered sooner is likely lost: the responder that had it queued is
+        gone with it (a host replica killed with requests it had not taken
+        yet, which a simulation's runner would otherwise wait a quarter of
+        its round's deadline to send again). Requests queued behind replies
+        that take minutes are answered in minutes too, so they are not sent
+        again for waiting their turn."""
+        waited = self._loop.time() - self._sent_at[token]
+        usual = self._answered_in
+        return waited >= interval or (usual > 0.0 and waited >= max(RESEND_AFTER, 2.0 * usual))
 
     def lost(self) -> None:
         """The connection is lost: a "no responders" to a request sent
