@@ -10,7 +10,7 @@ import re
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,12 +73,40 @@ async def leases_held(url: str, prefix: str, count: int, deadline: float) -> Non
             await asyncio.sleep(0.02)
 
 
+def sim_run(spec: str, server: EmbeddedServer, prefix: str, out: Path, *extra: str) -> list[str]:
+    """``fleetbus sim run`` of this module's ``spec`` on the test's server."""
+    spec = f"tests.integration.test_sim_process:{spec}"
+    return ["sim", "run", spec, "--nats", server.url, "--prefix", prefix, "--out", str(out), *extra]
+
+
 def round_started(run: subprocess.Popen[bytes], out: Path, deadline: float) -> None:
     """Wait until ``sim run`` starts its first round (it writes its summary)."""
     while not (out / "summary.json").exists():
         assert run.poll() is None, output(run)
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def once_held(
+    run: subprocess.Popen[bytes],
+    out: Path,
+    server: EmbeddedServer,
+    prefix: str,
+    count: int,
+    act: Callable[[], None],
+) -> int:
+    """Once ``run``'s first round holds ``count`` sessions, ``act``; then
+    wait for ``run`` to end (killed if it does not): its exit code."""
+    try:
+        deadline = time.monotonic() + 60
+        round_started(run, out, deadline)
+        asyncio.run(leases_held(server.url, prefix, count, deadline))
+        act()
+        return run.wait(100)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
 
 
 def pid_of(*needles: str) -> int | None:
@@ -108,10 +136,7 @@ def test_a_runner_killed_in_round_two_resumes_from_round_one(
     nats_server: EmbeddedServer, prefix: str, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    command = [
-        "sim", "run", "tests.integration.test_sim_process:killable",
-        "--nats", nats_server.url, "--prefix", prefix, "--out", str(out),
-    ]  # fmt: skip
+    command = sim_run("killable", nats_server, prefix, out)
     first = spawn(command, env={"SIM_TEST_DELAY": "1.0"})
     try:
         deadline = time.monotonic() + 60
@@ -171,25 +196,17 @@ def test_a_host_killed_with_requests_queued_loses_none_of_them(
     requests and sends them again, host 2 answers them, and takes over the
     reply host 1 was running. No agent is late."""
     out = tmp_path / "run"
-    command = [
-        "sim", "run", "tests.integration.test_sim_process:crowded",
-        "--nats", nats_server.url, "--prefix", prefix, "--out", str(out),
-        "--hosts", "2", "--host-concurrency", "1", "--deadline", "60",
-    ]  # fmt: skip
+    extra = ("--hosts", "2", "--host-concurrency", "1", "--deadline", "60")
+    command = sim_run("crowded", nats_server, prefix, out, *extra)
     run = spawn(command)
-    try:
-        deadline = time.monotonic() + 60
-        round_started(run, out, deadline)
-        # Each host runs its first reply (1 s, holding its lease) and queues the rest.
-        asyncio.run(leases_held(nats_server.url, prefix, 2, deadline))
+
+    def kill_a_host() -> None:
         host = pid_of(prefix, "visits-host-1")
         assert host is not None
         os.kill(host, signal.SIGKILL)
-        code = run.wait(100)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
+
+    # Each host runs its first reply (1 s, holding its lease) and queues the rest.
+    code = once_held(run, out, nats_server, prefix, 2, kill_a_host)
     said = output(run)
     assert code == 0, said
     records = list(RunFiles(out).records())
@@ -211,22 +228,12 @@ def test_a_run_stopped_mid_round_lets_its_hosts_finish_with_their_tools(
     the hosts waited out their drain (30 s) for tool calls nobody served;
     on Ctrl-C they were then killed holding their sessions."""
     out = tmp_path / "run"
-    command = [
-        "sim", "run", "tests.integration.test_sim_process:interruptible",
-        "--nats", nats_server.url, "--prefix", prefix, "--out", str(out),
-    ]  # fmt: skip
+    command = sim_run("interruptible", nats_server, prefix, out)
     run = spawn(command, env={"SIM_TEST_DELAY": "1.0"})
-    try:
-        deadline = time.monotonic() + 60
-        round_started(run, out, deadline)
-        asyncio.run(leases_held(nats_server.url, prefix, len(NAMES), deadline))
-        run.send_signal(signal.SIGINT if how == "ctrl-c" else signal.SIGKILL)
-        code = run.wait(60)
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
+    stop = signal.SIGINT if how == "ctrl-c" else signal.SIGKILL
+    code = once_held(run, out, nats_server, prefix, len(NAMES), lambda: run.send_signal(stop))
     said = output(run)
+    deadline = time.monotonic() + 60
     children = [int(pid) for pid in re.findall(r"(?:tools|host)-1 (\d+)", said)]
     assert len(children) == 2, said
     if how == "ctrl-c":
