@@ -160,9 +160,9 @@ class Replies:
         """Requests that asked for a receipt, by token: whether it came."""
         self._sent_at: dict[str, float] = {}
         """Requests that asked for a receipt, by token: when last sent (loop time)."""
-        self._answered_in = 0.0
-        """About the median of the seconds requests that asked for a receipt
-        took to be answered, lately (0: none answered yet; see :meth:`_due`)."""
+        self._overtaken_before = -math.inf
+        """Requests last sent before this (loop time) and still without a
+        receipt are presumed lost (see :meth:`_due`)."""
         self._losses = 0
         """How many times the connection was lost (see :meth:`lost`)."""
         self._until_receipt: set[str] = set()
@@ -197,9 +197,9 @@ class Replies:
         its reply subject once the responder has durably taken it): until one
         comes, it is published again, the same payload to the same reply
         subject, ``resend`` seconds after the first sending, then after
-        twice as long each time (up to :data:`RESEND_MAX`), or sooner, once it
-        has waited twice as long as requests are being answered in
-        (:meth:`_due`). A receipt is not
+        twice as long each time (up to :data:`RESEND_MAX`), or sooner, once
+        requests sent well after it have had their receipts (:meth:`_due`).
+        A receipt is not
         the reply: the wait goes on for the reply. "No responders" to a
         request sent again, or sent before the connection was lost, is not
         the reply either (its only responder may be restarting, or
@@ -221,13 +221,12 @@ class Replies:
         self._sent += 1
         token = str(self._sent)
         loop = self._loop
-        started = loop.time()
         reply: asyncio.Future[Received | None] = loop.create_future()
         self._waiting[token] = (reply, subject)
         self._expect(loop.time() + timeout, token)
         if resend is not None:
             self._receipts[token] = False  # (before it is sent: the receipt may come at once)
-            self._sent_at[token] = started
+            self._sent_at[token] = loop.time()
             if until_receipt:
                 self._until_receipt.add(token)
         if stream is not None:
@@ -246,8 +245,6 @@ class Replies:
                 msg = await self._until_answered(
                     token, reply, subject, payload, headers, resend, losses
                 )
-                if msg is not None and not until_receipt and not _no_responders(msg):
-                    self._answered(loop.time() - started)
         finally:
             del self._waiting[token]
             if resend is not None:
@@ -343,6 +340,8 @@ class Replies:
         callback. Always taken."""
         token = msg.subject[len(self._inbox) :]
         if not msg.data and token in self._receipts and not msg.headers:
+            if not self._receipts[token]:
+                self._overtake(token)
             self._receipts[token] = True  # a receipt, not the reply
             if token in self._until_receipt:  # ...but what is waited for
                 entry = self._waiting.get(token)
@@ -358,32 +357,30 @@ class Replies:
             entry[0].set_result(msg)
         return True
 
-    def _answered(self, took: float) -> None:
-        """A request that asked for a receipt was answered in ``took``
-        seconds: :attr:`_answered_in` moves 5 % towards it (a running
-        median: the few answers a take-over holds up for a lease's life do
-        not move it as they would move a mean)."""
-        usual = self._answered_in
-        if usual == 0.0:
-            self._answered_in = max(took, 0.001)
-        else:
-            self._answered_in = usual * (1.05 if took > usual else 0.95)
+    def _overtake(self, token: str) -> None:
+        """The receipt of ``token`` came: requests sent well before it and
+        still without one are presumed lost (see :meth:`_due`)."""
+        sent = self._sent_at[token]
+        waited = self._loop.time() - sent
+        self._overtaken_before = max(self._overtaken_before, sent - max(RESEND_AFTER, waited / 2))
 
     def _due(self, token: str, interval: float) -> bool:
         """Whether ``token``, still without a receipt, is sent again now:
-        ``interval`` passed since it was last sent, or twice as long as
-        requests take to be answered (and :data:`RESEND_AFTER` at least).
+        ``interval`` passed since it was last sent, or it was overtaken — a
+        request sent after it (by more than :data:`RESEND_AFTER`, and than
+        half that request's own wait) has had its receipt.
 
-        A request that waits that long for its receipt while others are
-        answered sooner is likely lost: the responder that had it queued is
-        gone with it (a host replica killed with requests it had not taken
-        yet, which a simulation's runner would otherwise wait a quarter of
-        its round's deadline to send again). Requests queued behind replies
-        that take minutes are answered in minutes too, so they are not sent
-        again for waiting their turn."""
-        waited = self._loop.time() - self._sent_at[token]
-        usual = self._answered_in
-        return waited >= interval or (usual > 0.0 and waited >= max(RESEND_AFTER, 2.0 * usual))
+        The responder that holds an overtaken request queued is likely gone
+        with it (a host replica killed with requests it had not taken yet,
+        which a simulation's runner would otherwise wait a quarter of its
+        round's deadline to send again). Responders take requests about in
+        the order they come, so a request queued behind replies that take
+        minutes is not overtaken for waiting its turn; the margin of half a
+        wait covers the queues of several responders not draining in step.
+        A request nothing was sent after (a round's last) waits out
+        ``interval``."""
+        sent = self._sent_at[token]
+        return self._loop.time() - sent >= interval or sent < self._overtaken_before
 
     def lost(self) -> None:
         """The connection is lost: a "no responders" to a request sent
