@@ -358,27 +358,31 @@ class Replies:
         return True
 
     def _overtake(self, token: str) -> None:
-        """The receipt of ``token`` came: requests sent well before it and
-        still without one are presumed lost (see :meth:`_due`)."""
+        """The receipt of ``token`` came: requests sent well before it (by
+        more than :data:`RESEND_AFTER`, and than its wait) and still without
+        one are presumed lost (see :meth:`_due`)."""
         sent = self._sent_at[token]
         waited = self._loop.time() - sent
-        self._overtaken_before = max(self._overtaken_before, sent - max(RESEND_AFTER, waited / 2))
+        self._overtaken_before = max(self._overtaken_before, sent - max(RESEND_AFTER, waited))
 
     def _due(self, token: str, interval: float) -> bool:
         """Whether ``token``, still without a receipt, is sent again now:
         ``interval`` passed since it was last sent, or it was overtaken — a
-        request sent after it (by more than :data:`RESEND_AFTER`, and than
-        half that request's own wait) has had its receipt.
+        request sent after it (later by more than :data:`RESEND_AFTER`, and
+        than that request's whole wait) has had its receipt.
 
         The responder that holds an overtaken request queued is likely gone
         with it (a host replica killed with requests it had not taken yet,
         which a simulation's runner would otherwise wait a quarter of its
-        round's deadline to send again). Responders take requests about in
-        the order they come, so a request queued behind replies that take
-        minutes is not overtaken for waiting its turn; the margin of half a
-        wait covers the queues of several responders not draining in step.
-        A request nothing was sent after (a round's last) waits out
-        ``interval``."""
+        round's deadline to send again). A responder takes requests in the
+        order they come, so a request queued behind replies that take
+        minutes is not overtaken for waiting its turn there. Several
+        responders' queues do not drain in step: one waiting in a longer
+        queue may be overtaken, and its copy may go to a shorter one (200
+        requests of 1 s replies on two hosts of two places each: 24-29
+        copies); whichever copy comes second finds the request taken, or
+        answered, and costs a lease read. A request nothing was sent after
+        (a round's last) waits out ``interval``."""
         sent = self._sent_at[token]
         return self._loop.time() - sent >= interval or sent < self._overtaken_before
 
