@@ -381,8 +381,12 @@ class Replies:
         queue may be overtaken, and its copy may go to a shorter one (200
         requests of 1 s replies on two hosts of two places each: 24-29
         copies); whichever copy comes second finds the request taken, or
-        answered, and costs a lease read. A request nothing was sent after
-        (a round's last) waits out ``interval``."""
+        answered, and costs a lease read. The order is the connection's, over
+        every subject: a request to a slow responder may be overtaken by one
+        to a fast responder, and copied the same way (the requesters that
+        wait long between sendings, a simulation's runner, ask one host
+        group). A request nothing was sent after (a round's last) waits out
+        ``interval``."""
         sent = self._sent_at[token]
         return self._loop.time() - sent >= interval or sent < self._overtaken_before
 
