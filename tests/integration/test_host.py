@@ -27,6 +27,7 @@ from fleetbus.protocol import (
     UserRequest,
     decode,
     encode,
+    to_builtins,
 )
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit
@@ -444,3 +445,36 @@ async def test_a_reply_longer_than_its_lease_renews_it_and_keeps_it(
     assert first is not None
     assert renewed is not None
     assert renewed.revision > first.revision  # renewed while the reply ran
+
+
+async def test_a_new_session_whose_replica_died_before_its_first_fact_is_taken_over(
+    nats_server: EmbeddedServer, bus: Bus
+) -> None:
+    """A replica took a new session's lease for a request and died before it
+    appended anything (its journal is empty, the request is in the lease):
+    another replica's recovery takes the session over and answers the
+    request's reply subject, which nobody asks again."""
+    dead = await SessionStore.open(bus, owner="dead", lease_ttl=0.3)
+    inbox = bus.nc.new_inbox()
+    sub = await bus.nc.subscribe(inbox)
+    request = UserRequest(content="hi", session_id="s", call_id="q-1", receipt=True)
+    await dead._leases.take(
+        session_key("ann", "s"),
+        {"reply_to": inbox, "call_id": "q-1", "input": to_builtins(request)},
+        wait=0,
+        take_over=False,
+        lease_revision=None,
+        joins=None,
+        what=("ann", "s"),
+    )
+    async with hosting(
+        nats_server.url,
+        bus.prefix,
+        [scripted("ann", "served at last")],
+        lease_ttl=0.3,
+        recover_interval=0.1,
+    ):
+        answer = decode((await sub.next_msg(timeout=20)).data)
+    await sub.unsubscribe()
+    assert isinstance(answer, FinalAnswer)
+    assert (answer.call_id, answer.content) == ("q-1", "served at last")

@@ -10,8 +10,8 @@ import pytest
 from fleetbus.agents.serving.sessions import SessionStore, session_key
 from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus
-from fleetbus.errors import SessionLost
-from fleetbus.protocol import UserRequest, to_builtins
+from fleetbus.errors import SessionBusyError, SessionLost
+from fleetbus.protocol import ConfirmResult, UserRequest, to_builtins
 
 
 async def _appends(store: SessionStore) -> int:
@@ -85,6 +85,68 @@ async def test_a_dead_owners_new_session_is_taken_over_from_its_journal(bus: Bus
     record = await heir.get("ann", "s")
     assert record is not None
     assert record.final == {"content": "done"}
+
+
+async def _lease_only(store: SessionStore, agent: str, request: dict[str, object]) -> None:
+    """Take a new session's lease for ``request`` the way ``acquire`` does
+    first, and append nothing: its replica dies between the two."""
+    await store._leases.take(
+        session_key(agent, "s"),
+        {"reply_to": "_INBOX.x.7", "call_id": request["call_id"], "input": request},
+        wait=0,
+        take_over=False,
+        lease_revision=None,
+        joins=None,
+        what=(agent, "s"),
+    )
+
+
+async def test_a_dead_owners_new_session_is_taken_over_from_its_lease(bus: Bus) -> None:
+    """Its owner died between the lease and the first fact: the journal is
+    empty, the request is in the lease, and the take-over begins the
+    session with it (a host killed mid-round left such sessions to the
+    requester's next copy)."""
+    dead = await SessionStore.open(bus, owner="a")
+    heir = await SessionStore.open(bus, owner="b")
+    request = _request("hi", "q-7")
+    await _lease_only(dead, "ann", request)
+    assert await heir.get("ann", "s") is None
+    silent = await heir.leases.get(session_key("ann", "s"))
+    lease = await heir.acquire(
+        "ann",
+        "s",
+        fresh=AgentState(agent_name="ann"),
+        take_over=True,
+        lease_revision=silent.revision,
+    )
+    assert (lease.record.status, lease.previous_owner) == ("running", "a")
+    assert (lease.record.pending_input, lease.record.reply_to) == (request, "_INBOX.x.7")
+    stored = await heir.get("ann", "s")
+    assert stored is not None
+    assert (stored.owner, stored.pending_input) == ("b", request)
+    await heir.save(lease, status="idle", final={"content": "done"}, release=True)
+    record = await heir.get("ann", "s")
+    assert record is not None
+    assert record.final == {"content": "done"}
+
+
+async def test_a_dead_owners_confirmation_begins_no_session(bus: Bus) -> None:
+    """A confirmation only continues a session: one that does not exist is
+    not begun for it by a take-over either."""
+    dead = await SessionStore.open(bus, owner="a")
+    heir = await SessionStore.open(bus, owner="b")
+    confirm = to_builtins(ConfirmResult(session_id="s", call_id="q-8", confirmations=[]))
+    await _lease_only(dead, "cy", confirm)
+    silent = await heir.leases.get(session_key("cy", "s"))
+    with pytest.raises(SessionBusyError, match="no longer exists"):
+        await heir.acquire(
+            "cy",
+            "s",
+            fresh=AgentState(agent_name="cy"),
+            take_over=True,
+            lease_revision=silent.revision,
+        )
+    assert await heir.get("cy", "s") is None
 
 
 @pytest.mark.parametrize("released", [False, True])

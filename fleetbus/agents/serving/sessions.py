@@ -48,6 +48,7 @@ from fleetbus.errors import (
     SessionNotFoundError,
     StoreError,
 )
+from fleetbus.protocol import ConfirmResult, ExternalResult
 
 __all__ = [
     "SNAPSHOT_BYTES",
@@ -73,6 +74,14 @@ _IDLE_TAKES = 4
 sessions that did not come back to it (a session released here and taken
 again here, nobody else's write between, comes back); one that does turns
 it on again."""
+_CONTINUING = frozenset(t.__struct_config__.tag for t in (ConfirmResult, ExternalResult))
+"""The requests that only continue a session: a take-over does not begin
+one for them."""
+
+
+def _starts_session(request: dict[str, Any]) -> bool:
+    """Whether ``request`` (a message as JSON) may begin a session."""
+    return request.get("type") not in _CONTINUING
 
 
 class SessionStore(SessionJournals):
@@ -241,7 +250,9 @@ class SessionStore(SessionJournals):
         begins with its ``taken`` fact (appended against an empty journal:
         one deleted meanwhile is not written again). A
         take-over finds a dead owner's request in its lease when the journal
-        has nothing of that owner (``taken.dead``)."""
+        has nothing of that owner (``taken.dead``): of a new session too, whose
+        owner died between its lease and its first fact (the take-over
+        begins the session, unless that request only continues one)."""
         agent, _, session_id = key.partition(".")
         cached = self._cache.get(key)
         marker, from_dead, dead = taken.marker, taken.from_dead, taken.dead
@@ -260,7 +271,7 @@ class SessionStore(SessionJournals):
                 lease = await self._load(key, cached[0] if cached is not None else None)
             fact: dict[str, Any] = {"k": "taken", "owner": self.owner}
             if lease is None:
-                if take_over:
+                if take_over and (dead is None or not _starts_session(dead.input)):
                     raise SessionBusyError(
                         f"session {session_id} of {agent} no longer exists",
                         agent=agent,
