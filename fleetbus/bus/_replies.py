@@ -163,6 +163,11 @@ class Replies:
         self._overtaken_before = -math.inf
         """Requests last sent before this (loop time) and still without a
         receipt are presumed lost (see :meth:`_due`)."""
+        self._passed_before = -math.inf
+        """Requests last sent before this (loop time) were passed: a request
+        sent after them has had its receipt (see :meth:`_due`)."""
+        self._receipt_at = -math.inf
+        """When the last receipt came (loop time)."""
         self._losses = 0
         """How many times the connection was lost (see :meth:`lost`)."""
         self._until_receipt: set[str] = set()
@@ -198,7 +203,8 @@ class Replies:
         comes, it is published again, the same payload to the same reply
         subject, ``resend`` seconds after the first sending, then after
         twice as long each time (up to :data:`RESEND_MAX`), or sooner, once
-        requests sent well after it have had their receipts (:meth:`_due`).
+        requests sent well after it have had their receipts, or once receipts
+        stopped after later requests had theirs (:meth:`_due`).
         A receipt is not
         the reply: the wait goes on for the reply. "No responders" to a
         request sent again, or sent before the connection was lost, is not
@@ -362,33 +368,45 @@ class Replies:
         more than :data:`RESEND_AFTER`, and than its wait) and still without
         one are presumed lost (see :meth:`_due`)."""
         sent = self._sent_at[token]
-        waited = self._loop.time() - sent
-        self._overtaken_before = max(self._overtaken_before, sent - max(RESEND_AFTER, waited))
+        now = self._receipt_at = self._loop.time()
+        self._overtaken_before = max(self._overtaken_before, sent - max(RESEND_AFTER, now - sent))
+        self._passed_before = max(self._passed_before, sent)
 
     def _due(self, token: str, interval: float) -> bool:
         """Whether ``token``, still without a receipt, is sent again now:
-        ``interval`` passed since it was last sent, or it was overtaken — a
+        ``interval`` passed since it was last sent; or it was overtaken — a
         request sent after it (later by more than :data:`RESEND_AFTER`, and
-        than that request's whole wait) has had its receipt.
+        than that request's whole wait) has had its receipt; or it was passed
+        — a request sent after it has had its receipt — and no receipt at all
+        came for :data:`RESEND_AFTER` since.
 
-        The responder that holds an overtaken request queued is likely gone
-        with it (a host replica killed with requests it had not taken yet,
-        which a simulation's runner would otherwise wait a quarter of its
-        round's deadline to send again). A responder takes requests in the
-        order they come, so a request queued behind replies that take
-        minutes is not overtaken for waiting its turn there. Several
-        responders' queues do not drain in step: one waiting in a longer
-        queue may be overtaken, and its copy may go to a shorter one (200
-        requests of 1 s replies on two hosts of two places each: 24-29
-        copies); whichever copy comes second finds the request taken, or
-        answered, and costs a lease read. The order is the connection's, over
-        every subject: a request to a slow responder may be overtaken by one
-        to a fast responder, and copied the same way (the requesters that
-        wait long between sendings, a simulation's runner, ask one host
-        group). A request nothing was sent after (a round's last) waits out
-        ``interval``."""
+        The responder that holds an overtaken request queued is likely gone with
+        it (a host replica killed with requests it had not taken yet, which a
+        simulation's runner would otherwise wait a quarter of its round's
+        deadline to send again). A responder takes requests in the order they
+        come, so a request queued behind replies that take minutes is not
+        overtaken for waiting its turn there. Several responders' queues do not
+        drain in step: one waiting in a longer queue may be overtaken, and its
+        copy may go to a shorter one (200 requests of 1 s replies on two hosts
+        of two places each, 20 in flight: 24 to 63 copies in six runs);
+        whichever copy comes second finds the request taken, or answered, and
+        costs a lease read. The order is the connection's, over every subject: a
+        request to a slow responder may be overtaken by one to a fast responder,
+        and copied the same way (the requesters that wait long between sendings,
+        a simulation's runner, ask one host group). At a round's end nothing is
+        sent later to overtake the requests a dead responder held; the other
+        responders then take their last requests and their receipts stop: the
+        requests passed, the dead one's, are sent again then (one queued behind
+        minutes-long replies on a live responder may be copied too, once per
+        stall: its copy is answered once as well). A request sent after every
+        other, to a responder that died, waits out ``interval``."""
         sent = self._sent_at[token]
-        return self._loop.time() - sent >= interval or sent < self._overtaken_before
+        now = self._loop.time()
+        return (
+            now - sent >= interval
+            or sent < self._overtaken_before
+            or (sent < self._passed_before and now - self._receipt_at >= RESEND_AFTER)
+        )
 
     def lost(self) -> None:
         """The connection is lost: a "no responders" to a request sent

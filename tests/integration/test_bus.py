@@ -193,6 +193,45 @@ async def test_a_request_overtaken_by_later_receipts_is_sent_again_before_its_ti
     assert reply.call_id == "o-0"
 
 
+async def test_the_last_requests_a_dead_responder_held_are_sent_again_once_receipts_stop(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A responder died holding some of the last requests sent (a round's
+    last, nothing sent after them): the others, sent after some of them,
+    had their receipts from another responder, and then no receipt came for
+    ``RESEND_AFTER``. Those passed are sent again then, not after their
+    resend interval (a host killed in a round's last seconds held the round
+    up a quarter of its deadline)."""
+    monkeypatch.setattr(_replies, "RESEND_AFTER", 0.2)
+    held: set[str] = set()
+
+    async def serve(msg: Any) -> None:
+        call_id = decode(msg.data).call_id
+        assert call_id is not None
+        number = int(call_id.split("-")[1])
+        if number % 2 == 0 and call_id not in held:
+            held.add(call_id)  # queued on the responder that died: gone with it
+            return
+        await bus.nc.publish(msg.reply, b"")  # taken
+        await bus.nc.publish(msg.reply, encode(Event(call_id=call_id, event="done")))
+
+    async def ask(number: int) -> str:
+        message = UserRequest(content="hi", call_id=f"t-{number}", receipt=True)
+        reply = await bus.request("x.tail", message, timeout=15, resend=3600)
+        assert isinstance(reply, Event)
+        assert reply.call_id is not None
+        return reply.call_id
+
+    sub = await bus.nc.subscribe("x.tail", cb=serve)
+    await bus.flush()
+    try:
+        answered = await asyncio.gather(*(ask(number) for number in range(10)))
+    finally:
+        await sub.unsubscribe()
+    assert answered == [f"t-{number}" for number in range(10)]
+    assert held == {f"t-{number}" for number in range(0, 10, 2)}
+
+
 async def test_a_request_sent_again_finds_a_responder_that_was_away(bus: Bus) -> None:
     """Nobody serves the subject when the request is sent again (its only
     responder is restarting): not an error, it is sent again later."""
