@@ -265,8 +265,14 @@ async def test_an_in_flight_call_is_resent_with_its_call_id_and_runs_once(
 
 
 async def count_consumers(bus: Bus) -> int:
+    """The consumers on this test's streams (those of its prefix: another
+    test's, on the same server, may still be going away)."""
     js = bus.nc.jetstream()
-    return sum(info.state.consumer_count or 0 for info in await js.streams_info())
+    count = 0
+    for info in await js.streams_info():
+        if bus.prefix in (info.config.name or "").split("_"):
+            count += info.state.consumer_count or 0
+    return count
 
 
 async def test_fifty_idle_agents_leave_no_consumers_and_still_recover(
