@@ -6,7 +6,9 @@ dead owner that appended nothing serves it from there."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -248,3 +250,35 @@ async def test_a_cache_no_session_comes_back_to_holds_no_fold_until_one_does(
     reads.clear()
     await _released(store, "pop9")
     assert reads == []  # held now: nothing read
+
+
+async def test_a_lease_heard_and_then_silent_for_its_ttl_is_taken_over_at_the_next_check(
+    bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write heard gives the lease's revision: the first check after a
+    TTL of silence reads it at that revision, and the session is handed
+    over then, not a TTL later (its owner had died a TTL before)."""
+    dead = await SessionStore.open(bus, owner="a", lease_ttl=10.0)
+    heir = await SessionStore.open(bus, owner="b", lease_ttl=10.0)
+    handed: list[tuple[str, str, int]] = []
+
+    async def take_over(agent: str, session: str, revision: int) -> None:
+        handed.append((agent, session, revision))
+
+    recovery = heir.recovery(["lea"], take_over)
+    await recovery.start()
+    try:
+        await dead.acquire("lea", "s", fresh=AgentState(agent_name="lea"))  # ...and dies
+        key = session_key("lea", "s")
+        silent = await heir.leases.get(key)
+        async with asyncio.timeout(10):
+            while key not in recovery.watched:  # noqa: ASYNC110 - the write is heard
+                await asyncio.sleep(0.01)
+        await recovery.check()
+        assert handed == []  # alive for all it knows
+        later = time.monotonic() + 10.5  # a TTL of silence on
+        monkeypatch.setattr(leases_module, "time", SimpleNamespace(monotonic=lambda: later))
+        await recovery.check()
+        assert handed == [("lea", "s", silent.revision)]
+    finally:
+        await recovery.close()

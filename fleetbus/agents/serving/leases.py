@@ -405,7 +405,8 @@ def lease_owner(value: bytes | None) -> str | None:
 @dataclass
 class _Watched:
     revision: int | None
-    """The lease revision confirmed by a read (None: only heard of)."""
+    """The lease revision last heard (the write's, republished) or read
+    (None: heard of without one)."""
     since: float
     """Monotonic time of the last sign of life."""
 
@@ -417,7 +418,7 @@ class Recovery:
     Lease writes are followed through plain subscriptions (no JetStream
     consumer); each running session has a timer, restarted by every renewal
     heard. A lease silent for longer than its TTL is read; if it is still at
-    the revision read before, its owner is dead. Only leases of running
+    the revision last heard (or read), its owner is dead. Only leases of running
     sessions exist, so idle sessions cost nothing. Every ``resync_interval``
     seconds (and after a reconnection) the lease keys are listed — one
     request per pattern, no consumer — to learn of leases whose writes were
@@ -485,9 +486,9 @@ class Recovery:
         self.leases.note_held(key, revision)
         watched = self.watched.get(key)
         if watched is None:
-            self.watched[key] = _Watched(None, time.monotonic())
+            self.watched[key] = _Watched(revision, time.monotonic())
         else:
-            watched.since = time.monotonic()
+            watched.revision, watched.since = revision, time.monotonic()
 
     @property
     def _reconnects_seen(self) -> int:
