@@ -168,6 +168,8 @@ class Replies:
         sent after them has had its receipt (see :meth:`_due`)."""
         self._receipt_at = -math.inf
         """When the last receipt came (loop time)."""
+        self._newest_sent = -math.inf
+        """When the last request that asked for a receipt was sent (loop time)."""
         self._losses = 0
         """How many times the connection was lost (see :meth:`lost`)."""
         self._until_receipt: set[str] = set()
@@ -204,7 +206,8 @@ class Replies:
         subject, ``resend`` seconds after the first sending, then after
         twice as long each time (up to :data:`RESEND_MAX`), or sooner, once
         requests sent well after it have had their receipts, or once receipts
-        stopped after later requests had theirs (:meth:`_due`).
+        stopped after later requests had theirs, or after it was sent last
+        (:meth:`_due`).
         A receipt is not
         the reply: the wait goes on for the reply. "No responders" to a
         request sent again, or sent before the connection was lost, is not
@@ -232,7 +235,7 @@ class Replies:
         self._expect(loop.time() + timeout, token)
         if resend is not None:
             self._receipts[token] = False  # (before it is sent: the receipt may come at once)
-            self._sent_at[token] = loop.time()
+            self._sent_at[token] = self._newest_sent = loop.time()
             if until_receipt:
                 self._until_receipt.add(token)
         if stream is not None:
@@ -309,7 +312,7 @@ class Replies:
                 interval = min(interval, RESEND_AFTER)
                 if not back:
                     continue
-            elif self._receipts.get(token) or not self._due(token, interval):
+            elif self._receipts.get(token) or not self._due(token, interval, sent == 1):
                 continue
             sent += 1
             logger.debug(
@@ -318,7 +321,7 @@ class Replies:
                 subject,
                 sent,
             )
-            self._sent_at[token] = loop.time()
+            self._sent_at[token] = self._newest_sent = loop.time()
             await self._nc.publish(subject, payload, reply=self._inbox + token, headers=headers)
             if not back:
                 interval = min(interval * 2, RESEND_MAX)
@@ -372,13 +375,14 @@ class Replies:
         self._overtaken_before = max(self._overtaken_before, sent - max(RESEND_AFTER, now - sent))
         self._passed_before = max(self._passed_before, sent)
 
-    def _due(self, token: str, interval: float) -> bool:
+    def _due(self, token: str, interval: float, first: bool) -> bool:
         """Whether ``token``, still without a receipt, is sent again now:
         ``interval`` passed since it was last sent; or it was overtaken — a
         request sent after it (later by more than :data:`RESEND_AFTER`, and
-        than that request's whole wait) has had its receipt; or it was passed
-        — a request sent after it has had its receipt — and no receipt at all
-        came for :data:`RESEND_AFTER` since.
+        than that request's whole wait) has had its receipt; or no receipt at
+        all came for :data:`RESEND_AFTER`, and it was passed — a request sent
+        after it has had its receipt — or it is the last request sent, sent
+        once (``first``), :data:`RESEND_AFTER` ago.
 
         The responder that holds an overtaken request queued is likely gone with
         it (a host replica killed with requests it had not taken yet, which a
@@ -398,14 +402,19 @@ class Replies:
         responders then take their last requests and their receipts stop: the
         requests passed, the dead one's, are sent again then (one queued behind
         minutes-long replies on a live responder may be copied too, once per
-        stall: its copy is answered once as well). A request sent after every
-        other, to a responder that died, waits out ``interval``."""
+        stall: its copy is answered once as well). The last request sent, which
+        nothing passes, is sent again then too, once: where replies are so slow
+        that no receipt comes for that long, most requests get a copy this way
+        (12 requests of 4-s replies on one responder of one place, 6 in flight:
+        8 copies, each answered once)."""
         sent = self._sent_at[token]
         now = self._loop.time()
-        return (
-            now - sent >= interval
-            or sent < self._overtaken_before
-            or (sent < self._passed_before and now - self._receipt_at >= RESEND_AFTER)
+        if now - sent >= interval or sent < self._overtaken_before:
+            return True
+        if now - self._receipt_at < RESEND_AFTER:
+            return False  # receipts still come
+        return sent < self._passed_before or (
+            first and sent >= self._newest_sent and now - sent >= RESEND_AFTER
         )
 
     def lost(self) -> None:
