@@ -19,7 +19,7 @@ from typing import Any
 
 from fleetbus.agents import Agent, AgentService, AgentState
 from fleetbus.agents.serving._replies import redoable
-from fleetbus.agents.serving.sessions import SessionStore
+from fleetbus.agents.serving.sessions import Lease, SessionStore, session_key
 from fleetbus.bus import Bus, ToolClient
 from fleetbus.errors import SessionLost
 from fleetbus.protocol import UserRequest, to_builtins
@@ -211,6 +211,19 @@ async def serving(
                 service.stop()
     finally:
         await server_bus.close()
+
+
+async def taken_over(heir: SessionStore, agent: str, session: str = "s") -> Lease:
+    """``heir`` takes ``agent``'s ``session`` over from a dead owner, as
+    recovery does: against the lease revision found silent."""
+    silent = await heir.leases.get(session_key(agent, session))
+    return await heir.acquire(
+        agent,
+        session,
+        fresh=AgentState(agent_name=agent),
+        take_over=True,
+        lease_revision=silent.revision,
+    )
 
 
 async def wait_for_file(directory: Path, pattern: str, timeout: float = 30.0) -> Path:

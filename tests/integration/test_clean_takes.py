@@ -21,6 +21,7 @@ from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus
 from fleetbus.bus.journal import journal
 from fleetbus.protocol import UserRequest, to_builtins
+from tests.helpers import taken_over
 
 
 def _request(content: str, call_id: str | None) -> dict[str, object]:
@@ -93,14 +94,7 @@ async def test_a_dead_clean_takers_request_is_served_from_its_lease(
     )  # ...and its replica dies before appending anything
     for owner in ("b", "c"):
         heir = await SessionStore.open(bus, owner=owner)
-        silent = await heir.leases.get(session_key("dee", "s"))
-        lease = await heir.acquire(
-            "dee",
-            "s",
-            fresh=AgentState(agent_name="dee"),
-            take_over=True,
-            lease_revision=silent.revision,
-        )
+        lease = await taken_over(heir, "dee")
         assert lease.record.status == "running"
         assert (lease.record.pending_input, lease.record.reply_to) == (request, "_INBOX.d")
         stored = await heir.get("dee", "s")

@@ -12,6 +12,7 @@ from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus
 from fleetbus.errors import SessionBusyError, SessionLost
 from fleetbus.protocol import ConfirmResult, UserRequest, to_builtins
+from tests.helpers import taken_over
 
 
 async def _appends(store: SessionStore) -> int:
@@ -64,14 +65,7 @@ async def test_a_dead_owners_new_session_is_taken_over_from_its_journal(bus: Bus
     lost = await dead.acquire(
         "ann", "s", fresh=AgentState(agent_name="ann"), reply_to="_INBOX.x.3", pending_input=request
     )  # ...and its replica dies before saving anything
-    silent = await heir.leases.get(session_key("ann", "s"))
-    lease = await heir.acquire(
-        "ann",
-        "s",
-        fresh=lambda: AgentState(agent_name="ann", summary=None),
-        take_over=True,
-        lease_revision=silent.revision,
-    )
+    lease = await taken_over(heir, "ann")
     assert lease.record.status == "running"
     assert lease.previous_owner == "a"  # (named in the take-over's log line)
     assert (lease.record.pending_input, lease.record.reply_to) == (request, "_INBOX.x.3")
@@ -111,14 +105,7 @@ async def test_a_dead_owners_new_session_is_taken_over_from_its_lease(bus: Bus) 
     request = _request("hi", "q-7")
     await _lease_only(dead, "ann", request)
     assert await heir.get("ann", "s") is None
-    silent = await heir.leases.get(session_key("ann", "s"))
-    lease = await heir.acquire(
-        "ann",
-        "s",
-        fresh=AgentState(agent_name="ann"),
-        take_over=True,
-        lease_revision=silent.revision,
-    )
+    lease = await taken_over(heir, "ann")
     assert (lease.record.status, lease.previous_owner) == ("running", "a")
     assert (lease.record.pending_input, lease.record.reply_to) == (request, "_INBOX.x.7")
     stored = await heir.get("ann", "s")
@@ -137,15 +124,8 @@ async def test_a_dead_owners_confirmation_begins_no_session(bus: Bus) -> None:
     heir = await SessionStore.open(bus, owner="b")
     confirm = to_builtins(ConfirmResult(session_id="s", call_id="q-8", confirmations=[]))
     await _lease_only(dead, "cy", confirm)
-    silent = await heir.leases.get(session_key("cy", "s"))
     with pytest.raises(SessionBusyError, match="no longer exists"):
-        await heir.acquire(
-            "cy",
-            "s",
-            fresh=AgentState(agent_name="cy"),
-            take_over=True,
-            lease_revision=silent.revision,
-        )
+        await taken_over(heir, "cy")
     assert await heir.get("cy", "s") is None
 
 
