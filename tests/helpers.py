@@ -213,6 +213,23 @@ async def serving(
         await server_bus.close()
 
 
+async def lease_only(
+    store: SessionStore, agent: str, request: dict[str, Any], reply_to: str, session: str = "s"
+) -> None:
+    """Take a new session's lease for ``request`` (a message as JSON) the
+    way ``acquire`` does first, and append nothing: its replica dies
+    between the two."""
+    await store._leases.take(
+        session_key(agent, session),
+        {"reply_to": reply_to, "call_id": request["call_id"], "input": request},
+        wait=0,
+        take_over=False,
+        lease_revision=None,
+        joins=None,
+        what=(agent, session),
+    )
+
+
 async def taken_over(heir: SessionStore, agent: str, session: str = "s") -> Lease:
     """``heir`` takes ``agent``'s ``session`` over from a dead owner, as
     recovery does: against the lease revision found silent."""

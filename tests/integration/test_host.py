@@ -31,6 +31,7 @@ from fleetbus.protocol import (
 )
 from fleetbus.testing import ScriptedModel
 from fleetbus.tools_workers import Toolkit
+from tests.helpers import lease_only
 
 
 @asynccontextmanager
@@ -458,15 +459,7 @@ async def test_a_new_session_whose_replica_died_before_its_first_fact_is_taken_o
     inbox = bus.nc.new_inbox()
     sub = await bus.nc.subscribe(inbox)
     request = UserRequest(content="hi", session_id="s", call_id="q-1", receipt=True)
-    await dead._leases.take(
-        session_key("ann", "s"),
-        {"reply_to": inbox, "call_id": "q-1", "input": to_builtins(request)},
-        wait=0,
-        take_over=False,
-        lease_revision=None,
-        joins=None,
-        what=("ann", "s"),
-    )
+    await lease_only(dead, "ann", to_builtins(request), inbox)
     async with hosting(
         nats_server.url,
         bus.prefix,

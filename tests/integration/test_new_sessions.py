@@ -12,7 +12,7 @@ from fleetbus.agents.state import AgentState
 from fleetbus.bus import Bus
 from fleetbus.errors import SessionBusyError, SessionLost
 from fleetbus.protocol import ConfirmResult, UserRequest, to_builtins
-from tests.helpers import taken_over
+from tests.helpers import lease_only, taken_over
 
 
 async def _appends(store: SessionStore) -> int:
@@ -81,20 +81,6 @@ async def test_a_dead_owners_new_session_is_taken_over_from_its_journal(bus: Bus
     assert record.final == {"content": "done"}
 
 
-async def _lease_only(store: SessionStore, agent: str, request: dict[str, object]) -> None:
-    """Take a new session's lease for ``request`` the way ``acquire`` does
-    first, and append nothing: its replica dies between the two."""
-    await store._leases.take(
-        session_key(agent, "s"),
-        {"reply_to": "_INBOX.x.7", "call_id": request["call_id"], "input": request},
-        wait=0,
-        take_over=False,
-        lease_revision=None,
-        joins=None,
-        what=(agent, "s"),
-    )
-
-
 async def test_a_dead_owners_new_session_is_taken_over_from_its_lease(bus: Bus) -> None:
     """Its owner died between the lease and the first fact: the journal is
     empty, the request is in the lease, and the take-over begins the
@@ -103,7 +89,7 @@ async def test_a_dead_owners_new_session_is_taken_over_from_its_lease(bus: Bus) 
     dead = await SessionStore.open(bus, owner="a")
     heir = await SessionStore.open(bus, owner="b")
     request = _request("hi", "q-7")
-    await _lease_only(dead, "ann", request)
+    await lease_only(dead, "ann", request, "_INBOX.x.7")
     assert await heir.get("ann", "s") is None
     lease = await taken_over(heir, "ann")
     assert (lease.record.status, lease.previous_owner) == ("running", "a")
@@ -123,7 +109,7 @@ async def test_a_dead_owners_confirmation_begins_no_session(bus: Bus) -> None:
     dead = await SessionStore.open(bus, owner="a")
     heir = await SessionStore.open(bus, owner="b")
     confirm = to_builtins(ConfirmResult(session_id="s", call_id="q-8", confirmations=[]))
-    await _lease_only(dead, "cy", confirm)
+    await lease_only(dead, "cy", confirm, "_INBOX.x.8")
     with pytest.raises(SessionBusyError, match="no longer exists"):
         await taken_over(heir, "cy")
     assert await heir.get("cy", "s") is None
