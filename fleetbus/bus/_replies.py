@@ -367,9 +367,10 @@ class Replies:
         return True
 
     def _overtake(self, token: str) -> None:
-        """The receipt of ``token`` came: requests sent well before it (by
-        more than :data:`RESEND_AFTER`, and than its wait) and still without
-        one are presumed lost (see :meth:`_due`)."""
+        """The receipt of ``token`` came (now: receipts still come): the
+        requests sent before it and still without one were passed, and those
+        sent well before it (by more than :data:`RESEND_AFTER`, and than its
+        wait) are presumed lost (see :meth:`_due`)."""
         sent = self._sent_at[token]
         now = self._receipt_at = self._loop.time()
         self._overtaken_before = max(self._overtaken_before, sent - max(RESEND_AFTER, now - sent))
@@ -392,7 +393,7 @@ class Replies:
         overtaken for waiting its turn there. Several responders' queues do not
         drain in step: one waiting in a longer queue may be overtaken, and its
         copy may go to a shorter one (200 requests of 1 s replies on two hosts
-        of two places each, 20 in flight: 24 to 63 copies in six runs);
+        of two places each, 20 in flight: 24 to 63 copies in seven runs);
         whichever copy comes second finds the request taken, or answered, and
         costs a lease read. The order is the connection's, over every subject: a
         request to a slow responder may be overtaken by one to a fast responder,

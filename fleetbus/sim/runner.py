@@ -23,9 +23,9 @@ requests ask for no receipt: see docs/protocol.md, ``user_request``).
 Every other request asks for a receipt, and is sent again while none came
 (after a quarter of the deadline, at least 3 s, then twice as long each
 time; sooner once requests sent well after it have had their receipts, or
-once receipts stop after later ones had theirs): a host replica that dies
-with requests it had queued, not taken yet, loses none of them; another
-replica answers each once.
+once receipts stop after later ones had theirs or after it was sent last):
+a host replica that dies with requests it had queued, not taken yet, loses
+none of them; another replica answers each once.
 
 Requests go through :meth:`Bus.request <fleetbus.bus.Bus.request>` on the
 connection's shared reply subscription: one future per request, no

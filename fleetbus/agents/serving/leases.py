@@ -418,11 +418,11 @@ class Recovery:
     Lease writes are followed through plain subscriptions (no JetStream
     consumer); each running session has a timer, restarted by every renewal
     heard. A lease silent for longer than its TTL is read; if it is still at
-    the revision last heard (or read), its owner is dead. Only leases of running
-    sessions exist, so idle sessions cost nothing. Every ``resync_interval``
-    seconds (and after a reconnection) the lease keys are listed — one
-    request per pattern, no consumer — to learn of leases whose writes were
-    missed.
+    the revision last heard (or read), its owner is dead. Only leases of
+    running sessions exist, so idle sessions cost nothing. Every
+    ``resync_interval`` seconds (and after a reconnection) the lease keys
+    are listed — one request per pattern, no consumer — to learn of leases
+    whose writes were missed.
 
     Args:
         leases: the leases.
