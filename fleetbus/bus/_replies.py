@@ -203,19 +203,16 @@ class Replies:
         With ``resend``, the request asked for a receipt (an empty message on
         its reply subject once the responder has durably taken it): until one
         comes, it is published again, the same payload to the same reply
-        subject, ``resend`` seconds after the first sending, then after
-        twice as long each time (up to :data:`RESEND_MAX`), or sooner, once
-        requests sent well after it have had their receipts, or once receipts
-        stopped after later requests had theirs, or after it was sent last
-        (:meth:`_due`).
-        A receipt is not
-        the reply: the wait goes on for the reply. "No responders" to a
-        request sent again, or sent before the connection was lost, is not
-        the reply either (its only responder may be restarting, or
-        subscribing again): it is sent again within :data:`RESEND_AFTER`,
-        until ``timeout``. When the connection is back it is sent again at
-        once, receipt or not, and until a receipt comes again
-        (:meth:`reconnected`).
+        subject, ``resend`` seconds after the first sending, then after twice as
+        long each time (up to :data:`RESEND_MAX`), or sooner, once requests sent
+        well after it have had their receipts, or once receipts stopped after
+        later requests had theirs, or after it was sent last (:meth:`_due`). A
+        receipt is not the reply: the wait goes on for the reply. "No
+        responders" to a request sent again, or sent before the connection was
+        lost, is not the reply either (its only responder may be restarting, or
+        subscribing again): it is sent again within :data:`RESEND_AFTER`, until
+        ``timeout``. When the connection is back it is sent again at once,
+        receipt or not, and until a receipt comes again (:meth:`reconnected`).
 
         Raises:
             nats.errors.TimeoutError: no reply in time.
