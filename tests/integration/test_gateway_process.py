@@ -41,8 +41,8 @@ async def _ready(url: str, *, token: str = TOKEN, agent: str = "assistant") -> N
                     )
                     if any(m["id"] == agent for m in models.json().get("data", [])):
                         return
-                except httpx.HTTPError:
-                    pass
+                except (httpx.HTTPError, ValueError):
+                    pass  # not up yet (an answer that is no JSON: not the gateway's yet)
                 await asyncio.sleep(0.2)
 
 
