@@ -205,10 +205,11 @@ class FakeOpenAIServer:
         for reply in replies:
             self._replies.put(reply)
 
-    def start(self) -> None:
-        """Listen on 127.0.0.1, a random port, in a daemon thread."""
+    def start(self, host: str = "127.0.0.1") -> None:
+        """Listen on ``host`` (a container reaches ``0.0.0.0``), a random
+        port, in a daemon thread."""
         handler = type("Handler", (_Handler,), {"fake": self})
-        self._httpd = _Server(("127.0.0.1", 0), handler)
+        self._httpd = _Server((host, 0), handler)
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
         )

@@ -28,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import re
 import sys
 import urllib.parse
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import ValidationError
@@ -398,10 +400,31 @@ async def check_model(model: ChatModel, *, timeout: float = 10.0) -> None:
         reason = exc.strerror or str(exc) or "no connection within the time allowed"
         raise ConfigError(
             f"model openai:{model.name}: cannot reach {base_url}{where}: {reason}"
+            + _loopback_in_container_hint(url.hostname)
         ) from exc
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
+
+
+_CONTAINER_MARKERS = (Path("/.dockerenv"), Path("/run/.containerenv"))
+"""Files Docker and Podman put in every container they run."""
+
+
+def _loopback_in_container_hint(host: str | None) -> str:
+    """What to say when a process in a container is pointed at a loopback
+    address: there it is the container itself, not the machine it runs on."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host or "").is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback or not any(marker.exists() for marker in _CONTAINER_MARKERS):
+        return ""
+    return (
+        f" ({host} in this container is the container itself: a server on the Docker"
+        " host is http://host.docker.internal:PORT/v1, which docker-compose.yml maps"
+        " for the model worker, and it must listen on more than 127.0.0.1)"
+    )
 
 
 def describe_model(model: ChatModel) -> str:

@@ -2,7 +2,8 @@
 as the file's header says and serves as soon as ``docker compose up --wait``
 returns, through the CLI and the gateway; the agent replicas are containers
 of their own; the tool workers scale and the new ones take calls; the API key
-reaches the model worker only; and on the 3-node NATS cluster of
+reaches the model worker only; a model server on the Docker host is reached
+as ``host.docker.internal``; and on the 3-node NATS cluster of
 deploy/nats-cluster/compose.yml, the fleet goes on, sessions included, when
 the node leading the session store is killed.
 
@@ -20,6 +21,7 @@ import re
 import socket
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -29,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.openai_server import CompletionReply, FakeOpenAIServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -103,6 +107,8 @@ class Stack:
     dashboard_port: int = field(default_factory=free_port)
     gateway_port: int = field(default_factory=free_port)
     timings: dict[str, float] = field(default_factory=dict)
+    model_env: dict[str, str] = field(default_factory=dict)
+    """``FLEETBUS_MODEL``, ``OPENAI_BASE_URL``: the model worker's model (else offline)."""
 
     def env(self) -> dict[str, str]:
         """This process's environment without the variables that would change
@@ -120,6 +126,7 @@ class Stack:
             "FLEETBUS_DASHBOARD_PORT": str(self.dashboard_port),
             "FLEETBUS_GATEWAY_PORT": str(self.gateway_port),
             "OPENAI_API_KEY": API_KEY,
+            **self.model_env,
         }
 
     def compose(
@@ -221,9 +228,9 @@ def image() -> None:
 
 
 @contextmanager
-def running(files: tuple[str, ...]) -> Iterator[Stack]:
+def running(files: tuple[str, ...], model_env: dict[str, str] | None = None) -> Iterator[Stack]:
     """A new project of ``files``, removed with its volumes at the end."""
-    stack = Stack(files)
+    stack = Stack(files, model_env=model_env or {})
     try:
         yield stack
     finally:
@@ -346,3 +353,26 @@ def test_on_a_nats_cluster_the_fleet_outlives_a_node(image: None) -> None:
         after = stack.streams(survivor)[leases["config"]["name"]]["cluster"]["leader"]
         assert after
         assert after != leader
+
+
+def test_a_model_server_on_the_docker_host_is_reached_as_its_header_says(image: None) -> None:
+    """An OpenAI-compatible server on the machine that runs Docker, listening
+    on all its addresses, is ``host.docker.internal`` to the model worker."""
+    said = "From the model server on the Docker host: 35."
+    server = FakeOpenAIServer(fallback=CompletionReply(text=said))
+    server.start(host="0.0.0.0")
+    try:
+        port = urllib.parse.urlsplit(server.url).port
+        model = {
+            "FLEETBUS_MODEL": "openai:host-model",
+            "OPENAI_BASE_URL": f"http://host.docker.internal:{port}/v1",
+        }
+        with running(SINGLE, model) as stack:
+            stack.timed(
+                "up --wait", "up", "--detach", "--wait", "--wait-timeout", "300", "--no-build"
+            )
+            assert said in stack.fleetbus("ask", "assistant", QUESTION)
+    finally:
+        server.stop()
+    assert server.bodies, "the model server was never asked"
+    assert {body["model"] for body in server.bodies} == {"host-model"}

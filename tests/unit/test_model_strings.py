@@ -4,6 +4,7 @@ a bare name) and model settings (command line over TOML over environment)."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,9 @@ from fleetbus.models import (
     load_model_settings,
     model_config_from_settings,
     model_from_string,
+    strings,
 )
-from fleetbus.models.strings import ModelString, parse_model_string
+from fleetbus.models.strings import ModelString, check_model, parse_model_string
 from fleetbus.protocol import ChatMessage
 
 ENDPOINT = "http://127.0.0.1:9/v1"
@@ -141,6 +143,53 @@ def test_a_base_url_setting_is_an_endpoint_too() -> None:
     # A bare name counts it as a configured endpoint as well.
     bare = model_from_string("m", ModelSettings(base_url="http://127.0.0.1:8/v1"))
     assert isinstance(bare, OpenAIChatModel)
+
+
+def _refused_port() -> int:
+    """A port on 127.0.0.1 that takes no connection (bound, then closed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
+
+
+@pytest.mark.parametrize("in_container", [True, False], ids=["in-a-container", "on-the-host"])
+async def test_a_loopback_endpoint_refused_in_a_container_says_what_loopback_is_there(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, in_container: bool
+) -> None:
+    marker = tmp_path / ".dockerenv"
+    if in_container:
+        marker.touch()
+    monkeypatch.setattr(strings, "_CONTAINER_MARKERS", (marker,))
+    url = f"http://127.0.0.1:{_refused_port()}/v1"
+    model = model_from_string("openai:m", ModelSettings(base_url=url))
+    with pytest.raises(ConfigError) as raised:
+        await check_model(model)
+    message = str(raised.value)
+    assert message.startswith(f"model openai:m: cannot reach {url}: ")
+    assert ("host.docker.internal" in message) is in_container
+
+
+@pytest.mark.parametrize(
+    ("host", "hinted"),
+    [
+        ("localhost", True),
+        ("127.0.0.1", True),
+        ("127.1.2.3", True),
+        ("::1", True),
+        ("10.0.0.5", False),
+        ("host.docker.internal", False),
+        ("nats", False),
+        (None, False),
+    ],
+)
+def test_only_loopback_hosts_get_the_container_hint(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, host: str | None, hinted: bool
+) -> None:
+    marker = tmp_path / ".dockerenv"
+    marker.touch()
+    monkeypatch.setattr(strings, "_CONTAINER_MARKERS", (marker,))
+    assert bool(strings._loopback_in_container_hint(host)) is hinted
 
 
 def test_openai_without_an_endpoint_or_a_key_is_a_config_error() -> None:
