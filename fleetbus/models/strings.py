@@ -422,8 +422,9 @@ def _loopback_in_container_hint(host: str | None) -> str:
         return ""
     return (
         f" ({host} in this container is the container itself: a server on the Docker"
-        " host is http://host.docker.internal:PORT/v1, which docker-compose.yml maps"
-        " for the model worker, and it must listen on more than 127.0.0.1)"
+        " host is http://host.docker.internal:PORT/v1, a name docker-compose.yml maps"
+        " for the model worker (docker run: --add-host=host.docker.internal:host-gateway),"
+        " and it must listen on more than 127.0.0.1)"
     )
 
 
