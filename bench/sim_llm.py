@@ -109,6 +109,7 @@ from nats.aio.client import Client
 
 from fleetbus.bus import EmbeddedServer
 from fleetbus.sim import AgentView, Environment, RoundContext
+from fleetbus.sim.processes import server_threads
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -482,7 +483,7 @@ class Bench:
         phases = set(args.phases.split(","))
         base = f"llm{uuid.uuid4().hex[:6]}"
         out: dict[str, Any] = {}
-        with EmbeddedServer(sync_interval=1.0) as server:
+        with EmbeddedServer(sync_interval=1.0, threads=server_threads()) as server:
             self.nats_url, self.nats_pid = server.url, server.pid or 0
             self.nc = await nats.connect(server.url)
             stop = asyncio.Event()

@@ -1,8 +1,10 @@
 """A simulation's runtime at scale: N agents served by host processes.
 
-In one run, over one embedded nats-server (or, with ``--cluster 3``, three
-nats-servers with routes on this machine): a tool worker process serving a
-no-op tool, ``--hosts`` host processes in one group serving N agents
+In one run, over one embedded nats-server started as ``fleetbus sim run``
+starts its own (JetStream flushed as ``--sync`` says, once a second by
+default; a quarter of the cores: ``fleetbus.sim.processes.server_threads``)
+or, with ``--cluster 3``, three nats-servers with routes on this machine:
+a tool worker process serving a no-op tool, ``--hosts`` host processes in one group serving N agents
 (``fleetbus agent bench._sim_population:population --checkpoints reply``:
 each reply is one ReAct step with one call of the tool on the worker), and
 this process as the runner. Measured:
@@ -134,6 +136,7 @@ from fleetbus.bus import Bus, EmbeddedServer, key_value
 from fleetbus.bus.journal import journal
 from fleetbus.bus.store import stream_subjects
 from fleetbus.protocol import AgentMessage, FinalAnswer, TextBlock, UserRequest
+from fleetbus.sim.processes import server_threads
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -720,7 +723,7 @@ def topology(args: argparse.Namespace) -> Iterator[Topology]:
         with LocalCluster(sync) as cluster:
             yield Topology(cluster.urls, cluster.pids, cluster.store_dirs, cluster)
     else:
-        with EmbeddedServer(sync_interval=sync) as server:  # type: ignore[arg-type]
+        with EmbeddedServer(sync_interval=sync, threads=server_threads()) as server:  # type: ignore[arg-type]
             yield Topology([server.url], [server.pid or 0], [server.state_dir])
 
 

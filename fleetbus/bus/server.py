@@ -104,9 +104,16 @@ class EmbeddedServer:
         config: more nats-server configuration, appended to the file the
             server reads: an ``authorization { … }`` block (``fleetbus
             auth``), a ``tls { … }`` block.
+        threads: how many threads run the server's Go code at once
+            (``GOMAXPROCS``); ``None``: Go's default, every core (or
+            ``GOMAXPROCS`` from the environment). Fewer suit a server that
+            shares a small machine with busy processes: Go's idle threads
+            spin looking for work, taking CPU from the others (``fleetbus
+            sim run`` gives its server a quarter of the cores).
 
     Raises:
-        ConfigError: ``sync_interval`` is not ``"always"`` or a positive number.
+        ConfigError: ``sync_interval`` is not ``"always"`` or a positive
+            number, or ``threads`` is below 1.
     """
 
     def __init__(
@@ -121,7 +128,11 @@ class EmbeddedServer:
         extra_args: list[str] | None = None,
         sync_interval: float | Literal["always"] = "always",
         config: str | None = None,
+        threads: int | None = None,
     ) -> None:
+        if threads is not None and threads < 1:
+            raise ConfigError(f"threads is at least 1, not {threads}")
+        self._threads = threads
         if sync_interval != "always" and not (
             isinstance(sync_interval, int | float) and sync_interval >= 0.001
         ):
@@ -179,6 +190,11 @@ class EmbeddedServer:
         return self._sync_interval
 
     @property
+    def threads(self) -> int | None:
+        """The server's ``GOMAXPROCS``, when set here."""
+        return self._threads
+
+    @property
     def running(self) -> bool:
         """Whether the process is alive."""
         return self._proc is not None and self._proc.poll() is None
@@ -224,9 +240,11 @@ class EmbeddedServer:
         args += self._extra_args
         log_path = run_dir / "server.log"
         self._log = log_path.open("wb")
+        threads = self._threads
         try:
             self._proc = subprocess.Popen(
                 args,
+                env=None if threads is None else os.environ | {"GOMAXPROCS": str(threads)},
                 stdin=subprocess.DEVNULL,
                 stdout=self._log,
                 stderr=subprocess.STDOUT,

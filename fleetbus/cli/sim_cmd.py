@@ -59,7 +59,12 @@ from fleetbus.sim import (
     SimulationToolWorker,
     load_simulation,
 )
-from fleetbus.sim.processes import Children, announce_ready, stop_when_parent_exits
+from fleetbus.sim.processes import (
+    Children,
+    announce_ready,
+    server_threads,
+    stop_when_parent_exits,
+)
 from fleetbus.sim.report import write_report
 
 __all__ = ["add_parser", "cmd"]
@@ -461,7 +466,9 @@ def cmd_server(args: argparse.Namespace) -> int:
         # what bounds a round (about 900 writes/s on this kind of disk against
         # 11,000 with a periodic flush). An OS crash loses at most the last
         # second of session writes; a killed process loses nothing.
-        with EmbeddedServer(state_dir=state_dir, sync_interval=SYNC_INTERVAL) as server:
+        with EmbeddedServer(
+            state_dir=state_dir, sync_interval=SYNC_INTERVAL, threads=server_threads()
+        ) as server:
             err_console.print(f"nats-server at {server.url}, JetStream in {state_dir}")
             announce_ready(server.url)
             while not stop.is_set() and server.running:

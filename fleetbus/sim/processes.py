@@ -32,10 +32,41 @@ from pathlib import Path
 
 from fleetbus.errors import ConfigError
 
-__all__ = ["READY", "Child", "Children", "announce_ready", "stop_when_parent_exits"]
+__all__ = [
+    "READY",
+    "Child",
+    "Children",
+    "announce_ready",
+    "server_threads",
+    "stop_when_parent_exits",
+]
 
 READY = "ready"
 """The first word of the line a child prints once it serves."""
+
+SERVER_CORE_SHARE = 4
+"""A run's embedded server gets one thread per this many cores."""
+
+
+def server_threads() -> int | None:
+    """The threads (``GOMAXPROCS``) of a run's embedded nats-server: a
+    quarter of the cores this process may run on, at least one; ``None``
+    when ``GOMAXPROCS`` is set, which the server then inherits.
+
+    The server shares the machine with the run's hosts, which take most of
+    its CPU: on two cores, rounds of 10,000 agents spent 0.11-0.14 ms of
+    the server's CPU a reply with two threads and 0.07-0.09 with one, and
+    took a tenth less time (``docs/performance.md``). A fleet whose work is
+    mostly messages (tool calls) wants every core for its server, so
+    only a simulation's server is held to a share.
+    """
+    if os.environ.get("GOMAXPROCS"):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity on macOS, Windows)
+        cores = os.cpu_count() or 1
+    return max(1, cores // SERVER_CORE_SHARE)
 
 
 @dataclass(slots=True)

@@ -69,20 +69,27 @@ async def test_state_survives_a_restart_in_the_same_state_dir(tmp_path: Path) ->
         await bus.close()
 
 
-def jetstream_config(monitor_port: int) -> dict[str, Any]:
-    """The running server's JetStream settings, from its ``/varz``."""
+def varz(monitor_port: int) -> dict[str, Any]:
+    """The running server's ``/varz`` (waited for while the port opens)."""
     url = f"http://127.0.0.1:{monitor_port}/varz"
     deadline = time.monotonic() + 5
     while True:
         try:
             with urllib.request.urlopen(url, timeout=2) as response:
-                config = json.loads(response.read())["jetstream"]["config"]
-                assert isinstance(config, dict)
-                return config
+                figures = json.loads(response.read())
+                assert isinstance(figures, dict)
+                return figures
         except OSError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
+
+
+def jetstream_config(monitor_port: int) -> dict[str, Any]:
+    """The running server's JetStream settings, from its ``/varz``."""
+    config = varz(monitor_port)["jetstream"]["config"]
+    assert isinstance(config, dict)
+    return config
 
 
 def test_jetstream_fsyncs_every_write_by_default() -> None:
@@ -107,6 +114,28 @@ def test_a_periodic_sync_can_be_chosen() -> None:
 def test_a_bad_sync_interval_is_a_config_error(bad: Any) -> None:
     with pytest.raises(ConfigError, match="sync_interval is 'always' or seconds"):
         EmbeddedServer(sync_interval=bad)
+
+
+def test_the_server_runs_on_as_many_threads_as_asked() -> None:
+    port = free_port()
+    with EmbeddedServer(threads=1, extra_args=["--http_port", str(port)]) as server:
+        assert server.threads == 1
+        assert varz(port)["gomaxprocs"] == 1
+
+
+def test_without_threads_the_server_has_gos_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    port = free_port()
+    with EmbeddedServer(extra_args=["--http_port", str(port)]) as server:
+        assert server.threads is None
+        figures = varz(port)
+        assert figures["gomaxprocs"] == figures["cores"]
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_threads_below_one_are_a_config_error(bad: int) -> None:
+    with pytest.raises(ConfigError, match="threads is at least 1"):
+        EmbeddedServer(threads=bad)
 
 
 def test_the_compose_nats_service_fsyncs_every_write(tmp_path: Path) -> None:

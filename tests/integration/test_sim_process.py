@@ -22,7 +22,8 @@ from fleetbus.cli.main import main
 from fleetbus.models.model import ModelRequest, ModelResponse, ModelStreamItem
 from fleetbus.protocol import TextBlock, ToolResultBlock, ToolUseBlock, new_id
 from fleetbus.sim import AgentTemplate, Environment, Population, RunFiles, Simulation
-from tests.helpers import output, spawn
+from fleetbus.sim.processes import server_threads
+from tests.helpers import output, spawn, stop
 from tests.integration.test_examples import is_running
 from tests.integration.test_sim_runner import simulation
 
@@ -297,3 +298,43 @@ def test_mistakes_get_one_clear_line(
     assert "".join(message.split()) in "".join(err.split())  # rich may wrap a long path
     assert "Traceback" not in err
     assert err.startswith("error:"), err
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the server's environment")
+@pytest.mark.parametrize("asked", [None, "2"], ids=["its-share", "GOMAXPROCS-set"])
+def test_a_runs_server_gets_a_share_of_the_cores_unless_gomaxprocs_says(
+    tmp_path: Path, asked: str | None
+) -> None:
+    """``fleetbus sim server`` (what ``sim run`` starts) runs nats-server on
+    a quarter of the cores, or on what ``GOMAXPROCS`` says."""
+    proc = spawn(
+        ["sim", "server", "--state-dir", str(tmp_path / "jetstream")],
+        env={"GOMAXPROCS": asked} if asked else None,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline().decode() for _ in range(2)]  # (and what it says)
+        assert any(line.startswith("ready nats://") for line in lines), lines
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        servers = [
+            pid for pid in children if Path(f"/proc/{pid}/exe").resolve().name == "nats-server"
+        ]
+        assert len(servers) == 1, children
+        environ = Path(f"/proc/{servers[0]}/environ").read_bytes().split(b"\0")
+        threads = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"GOMAXPROCS=")]
+        assert threads == [asked or os.environ.get("GOMAXPROCS") or str(server_threads())]
+    finally:
+        stop(proc)
+
+
+@pytest.mark.parametrize(
+    ("cores", "threads"), [(1, 1), (2, 1), (3, 1), (4, 1), (8, 2), (16, 4), (64, 16)]
+)
+def test_a_runs_server_is_held_to_a_quarter_of_the_cores(
+    monkeypatch: pytest.MonkeyPatch, cores: int, threads: int
+) -> None:
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert server_threads() == threads
+    monkeypatch.setenv("GOMAXPROCS", "3")
+    assert server_threads() is None
