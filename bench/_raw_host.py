@@ -7,7 +7,9 @@ sessions``), on streams fleetbus itself made (``SessionStore.open`` on the
 floor's prefix: the journal stream ``<prefix>_session`` as
 ``fleetbus.bus.journal.journal()`` creates it, the lease bucket
 ``<prefix>_session_leases``). For each request on
-``<prefix>.agent.*.inbox`` (queue group ``hosts``), in order, each awaited:
+``<prefix>.agent.*.inbox`` (queue group ``hosts``), in the session the
+request names (the lease and the journal of ``<agent>.<session_id>``, as
+fleetbus's), in order, each awaited:
 
 1. take the session's lease: a compare-and-set write on the lease bucket
    against the marker its release left while that lives (``MARKER_LIFE``),
@@ -73,6 +75,8 @@ LEASE = orjson.dumps(
     }
 )
 """The lease while a reply runs, the request it serves in it (371 bytes, as fleetbus's)."""
+SESSION_ID = b'"session_id":"'
+"""What comes before the session of a request (the runner's, as fleetbus encodes it)."""
 FIRST_END_BYTES = 1333
 """The ``end`` of a session's first reply: a snapshot of its four messages,
 the final answer, the status."""
@@ -235,7 +239,12 @@ async def main(url: str, prefix: str, tool: str, concurrency: int) -> None:
 
     async def reply(msg: Msg) -> None:
         async with limiter:
-            key = f"{msg.subject.split('.')[-2]}.game"
+            # The session as fleetbus's keys it, <agent>.<session>: the
+            # request's session_id, found without decoding the request.
+            data = msg.data
+            start = data.find(SESSION_ID) + len(SESSION_ID)
+            session = data[start : data.index(b'"', start)].decode()
+            key = f"{msg.subject.split('.')[-2]}.{session}"
             lease, marker = await take(key)
             known = ends.pop(key, None)
             # Known when nobody took the lease since this host released it.
