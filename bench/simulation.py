@@ -4,8 +4,9 @@ In one run, over one embedded nats-server started as ``fleetbus sim run``
 starts its own (JetStream flushed as ``--sync`` says, once a second by
 default; a quarter of the cores: ``fleetbus.sim.processes.server_threads``)
 or, with ``--cluster 3``, three nats-servers with routes on this machine:
-a tool worker process serving a no-op tool, ``--hosts`` host processes in one group serving N agents
-(``fleetbus agent bench._sim_population:population --checkpoints reply``:
+a tool worker process serving a no-op tool, ``--hosts`` host processes in
+one group serving N agents (``fleetbus agent
+bench._sim_population:population --checkpoints reply``:
 each reply is one ReAct step with one call of the tool on the worker), and
 this process as the runner. Measured:
 

@@ -54,11 +54,11 @@ def server_threads() -> int | None:
     when ``GOMAXPROCS`` is set, which the server then inherits.
 
     The server shares the machine with the run's hosts, which take most of
-    the machine's CPU: on two cores, rounds of 10,000 agents spent 0.11-0.14 ms of
-    the server's CPU a reply with two threads and 0.07-0.09 with one, and
-    took a tenth less time (``docs/performance.md``). A fleet whose work is
-    mostly messages (tool calls) wants every core for its server, so
-    only a simulation's server is held to a share.
+    the machine's CPU: on two cores, rounds of 10,000 agents spent
+    0.11-0.14 ms of the server's CPU a reply with two threads and
+    0.07-0.09 with one, and took a tenth less time (docs/performance.md).
+    A fleet whose work is mostly messages (tool calls) wants every core for
+    its server, so only a simulation's server is held to a share.
     """
     if os.environ.get("GOMAXPROCS"):
         return None
